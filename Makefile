@@ -1,0 +1,59 @@
+# lightship front door: every target creates .venv on first use (torch CPU wheel first).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+RUN    ?= runs/default
+CONFIG ?= configs/digits.yaml
+RESUME ?=
+ARGS   ?=
+TORCH  := torch==2.13.0
+
+.PHONY: help setup train test test-slow check bench-train clean
+
+help: ## list the targets
+	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
+	@echo "make test                    # the test suite"
+	@echo
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@echo
+	@echo "variables: RUN=runs/NAME  CONFIG=configs/X.yaml  RESUME=1  ARGS='--set trainer.max_epochs=3'"
+
+# Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
+# this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[train,serve,dev]'
+	@touch $@
+
+setup: $(STAMP) ## create .venv and install lightship with all extras
+
+train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
+	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(if $(RESUME),--resume) $(ARGS)
+
+test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+	$(BIN)/pytest -m "not slow"
+
+test-slow: $(STAMP) ## run only the tests marked slow
+	$(BIN)/pytest -m slow
+
+check: $(STAMP) ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+bench-train: $(STAMP) ## measure training steps/s for the data-loading choices
+	$(BIN)/lightship bench train --config $(CONFIG) $(ARGS)
+
+clean: ## remove runs/ and caches (keeps .venv; `rm -rf .venv` for a full reset)
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
+	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +
