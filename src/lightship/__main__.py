@@ -1,0 +1,3 @@
+from lightship.cli import main
+
+main()

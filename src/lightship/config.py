@@ -1,0 +1,176 @@
+"""Configuration: one pydantic model per section, loaded from YAML plus dotted overrides.
+
+Defaults live here and only here; `configs/*.yaml` are small overrides of them. Every section
+forbids unknown keys, so a typo fails loudly with the list of keys that are allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lightship.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    source: Literal["digits", "folder", "npz"] = "digits"
+    path: Path | None = Field(None, description="image folder root or .npz file")
+    image_size: int = Field(28, ge=4, le=4096, description="images are resized to this square")
+    channels: Literal[1, 3] = 1
+    val_fraction: float = Field(0.15, gt=0, lt=0.5)
+    test_fraction: float = Field(0.15, gt=0, lt=0.5)
+    split_seed: int = 0
+    batch_size: int = Field(64, ge=1)
+    eval_batch_size: int = Field(256, ge=1)
+    num_workers: int = Field(0, ge=0)
+    pin_memory: bool | None = Field(None, description="None: on when CUDA is used")
+    persistent_workers: bool = False
+    prefetch_factor: int | None = Field(None, ge=1)
+    augment: bool = Field(True, description="random rotation, scale and shift while training")
+
+
+class ModelConfig(Section):
+    name: str = Field("digits_cnn", description="registry name or `package.module:Class`")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    mean: list[float] | None = Field(None, description="pixel mean per channel; None: from data")
+    std: list[float] | None = Field(None, description="pixel std per channel; None: from data")
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-3, ge=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    scheduler: Literal["none", "cosine", "onecycle"] = "onecycle"
+    ema_decay: float | None = Field(
+        0.98, gt=0, lt=1, description="validate and checkpoint an EMA of the weights; None: off"
+    )
+
+
+class TrainerConfig(Section):
+    max_epochs: int = Field(25, ge=1)
+    min_epochs: int = Field(1, ge=0)
+    max_time_s: float | None = Field(None, gt=0, description="stop fitting after this many s")
+    accelerator: str = "auto"
+    devices: int | str = 1
+    strategy: str = "auto"
+    num_nodes: int = Field(1, ge=1)
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = "32"
+    accumulate_grad_batches: int = Field(1, ge=1)
+    gradient_clip_val: float | None = Field(None, gt=0)
+    deterministic: bool = False
+    compile: bool = Field(False, description="torch.compile the model (opt-in)")
+    profiler: Literal["simple", "advanced", "pytorch"] | None = None
+    progress_bar: Literal["auto", "rich", "none"] = "auto"
+    log_every_n_steps: int = Field(10, ge=1)
+    limit_train_batches: float | int | None = None
+    limit_val_batches: float | int | None = None
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_as_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) else v
+
+
+class CheckpointConfig(Section):
+    monitor: str = "val_acc"
+    mode: Literal["max", "min"] = "max"
+    save_top_k: int = Field(2, ge=-1)
+
+
+class EarlyStoppingConfig(Section):
+    enabled: bool = True
+    # val_loss, not val_acc: accuracy on a small validation split saturates long before training
+    # has converged, and stopping on it cuts the learning-rate schedule short.
+    monitor: str = "val_loss"
+    mode: Literal["max", "min"] = "min"
+    patience: int = Field(6, ge=0)
+    min_delta: float = Field(0.0, ge=0)
+
+
+class Config(Section):
+    seed: int = 0
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
+    key, sep, raw = dotted.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {dotted!r}: expected KEY=VALUE, e.g. --set trainer.max_epochs=3")
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model that holds the field at `loc` (for listing the keys it allows)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    key = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        section = _section_at(loc)
+        allowed = ", ".join(section.model_fields) if section else "?"
+        where = ".".join(str(p) for p in loc[:-1]) or "top level"
+        return f"{source}: unknown key '{key}'; allowed in {where}: {allowed}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return (
+        f"{source}: '{key}' = {first.get('input')!r}: {first['msg']}{more}; "
+        f"fix it in the YAML or with --set {key}=..."
+    )
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found: pass --config configs/digits.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
+        tree = loaded
+    for item in overrides or []:
+        _set_dotted(tree, item)
+        source = f"{source} + --set"
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, source)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,27 @@
+"""User-facing errors: the CLI prints their message as one line and exits non-zero.
+
+Raise these for mistakes a user can fix (bad config, missing run, corrupt file); the message
+says what is wrong and how to fix it. Anything else is a bug and keeps its traceback.
+"""
+
+
+class LightshipError(Exception):
+    exit_code = 1
+
+
+class ConfigError(LightshipError):
+    exit_code = 2
+
+
+class DataError(LightshipError):
+    exit_code = 3
+
+
+class RunError(LightshipError):
+    """A run directory, checkpoint or artifact is missing or unusable."""
+
+    exit_code = 4
+
+
+class ParityError(LightshipError):
+    exit_code = 5

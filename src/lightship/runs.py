@@ -1,0 +1,144 @@
+"""The run directory: every stage reads and writes files here, never another stage's code.
+
+```
+runs/<name>/config.yaml  checkpoints/  best.ckpt  logs/  export/  quantize/  report/  manifest.json
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightship.errors import RunError
+
+MANIFEST_SCHEMA = 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; on success fsync and rename it into place.
+
+    A reader never sees a half-written file, and a crash leaves the old file (or none) behind.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary name keeps the suffix: loaders that pick a format by suffix can check it.
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}", dir=final.parent
+    )
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def name(self) -> str:
+        return self.root.resolve().name
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def last_ckpt(self) -> Path:
+        return self.checkpoints / "last.ckpt"
+
+    @property
+    def best_ckpt(self) -> Path:
+        return self.root / "best.ckpt"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def quantize_dir(self) -> Path:
+        return self.root / "quantize"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    def require_checkpoint(self) -> Path:
+        if not self.root.is_dir():
+            raise RunError(
+                f"run directory {self.root} does not exist: run `make train RUN={self.root}` first"
+            )
+        if not self.best_ckpt.is_file():
+            raise RunError(f"no best.ckpt in {self.root}: run `make train RUN={self.root}` first")
+        return self.best_ckpt
+
+    def manifest(self) -> dict[str, Any]:
+        if not self.manifest_path.is_file():
+            return {"schema": MANIFEST_SCHEMA, "artifacts": {}}
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RunError(
+                f"{self.manifest_path} is unreadable ({exc}): delete it and re-run the stages"
+            ) from None
+        data.setdefault("artifacts", {})
+        return data
+
+    def artifact(self, key: str) -> dict[str, Any] | None:
+        entry = self.manifest()["artifacts"].get(key)
+        return dict(entry) if entry is not None else None
+
+    def record(self, key: str, entry: dict[str, Any]) -> None:
+        """Add or replace one manifest entry (read-modify-write, atomically replaced)."""
+        data = self.manifest()
+        data["schema"] = MANIFEST_SCHEMA
+        data["artifacts"][key] = entry
+        atomic_write_text(self.manifest_path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+    def forget(self, *keys: str) -> None:
+        data = self.manifest()
+        if any(k in data["artifacts"] for k in keys):
+            for k in keys:
+                data["artifacts"].pop(k, None)
+            atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
+
+    def relative(self, path: Path) -> str:
+        return str(path.resolve().relative_to(self.root.resolve()))
