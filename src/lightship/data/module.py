@@ -1,0 +1,69 @@
+"""LightningDataModule over uint8 tensors (normalisation happens inside the model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightship.config import DataConfig
+from lightship.data.sources import DataSpec, Splits, load_splits
+
+
+def spec_from_config(cfg: DataConfig) -> DataSpec:
+    return DataSpec(
+        source=cfg.source,
+        path=str(cfg.path) if cfg.path else None,
+        image_size=cfg.image_size,
+        channels=cfg.channels,
+        val_fraction=cfg.val_fraction,
+        test_fraction=cfg.test_fraction,
+        split_seed=cfg.split_seed,
+    )
+
+
+def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
+    return TensorDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y))
+
+
+class ImageDataModule(pl.LightningDataModule):
+    def __init__(self, cfg: DataConfig, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.spec = spec_from_config(cfg)
+        self.pin_memory = cfg.pin_memory if cfg.pin_memory is not None else pin_memory
+        self._splits: Splits | None = None
+
+    @property
+    def splits(self) -> Splits:
+        if self._splits is None:
+            self._splits = load_splits(self.spec)
+        return self._splits
+
+    def _loader(self, ds: TensorDataset, batch_size: int, shuffle: bool) -> DataLoader[Any]:
+        workers = self.cfg.num_workers
+        return DataLoader(
+            ds,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.cfg.persistent_workers and workers > 0,
+            prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
+            drop_last=False,
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        s = self.splits
+        return self._loader(tensors(s.train_x, s.train_y), self.cfg.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        s = self.splits
+        return self._loader(tensors(s.val_x, s.val_y), self.cfg.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        s = self.splits
+        return self._loader(tensors(s.test_x, s.test_y), self.cfg.eval_batch_size, shuffle=False)

@@ -1,0 +1,188 @@
+"""Load the built-in digits, an image folder or an .npz as uint8 NCHW arrays, split by seed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from lightship.errors import DataError
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What identifies a data set and its split; stored in checkpoints so later stages can
+    rebuild the same held-out test split without the training config."""
+
+    source: str = "digits"
+    path: str | None = None
+    image_size: int = 28
+    channels: int = 1
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    split_seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataSpec:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Splits:
+    train_x: np.ndarray
+    train_y: np.ndarray
+    val_x: np.ndarray
+    val_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    labels: list[str]
+
+    def pixel_stats(self) -> tuple[list[float], list[float]]:
+        """Per-channel mean and std of the training images, in pixel units (0..255)."""
+        x = self.train_x.astype(np.float64)
+        mean = x.mean(axis=(0, 2, 3))
+        std = x.std(axis=(0, 2, 3))
+        return [round(float(m), 4) for m in mean], [round(max(float(s), 1e-3), 4) for s in std]
+
+
+def resize_uint8(images: np.ndarray, size: int, channels: int) -> np.ndarray:
+    """NCHW uint8 -> NCHW uint8 at `size`x`size` with `channels` (gray <-> RGB as needed)."""
+    n, c, h, w = images.shape
+    if c != channels:
+        if c == 1 and channels == 3:
+            images = np.repeat(images, 3, axis=1)
+        elif c == 3 and channels == 1:
+            gray = images.astype(np.float32).transpose(0, 2, 3, 1) @ np.array([0.299, 0.587, 0.114])
+            images = np.clip(np.rint(gray), 0, 255).astype(np.uint8)[:, None]
+        else:
+            raise DataError(f"cannot convert {c}-channel images to {channels} channels")
+    if (h, w) == (size, size):
+        return np.ascontiguousarray(images)
+    out = np.empty((n, channels, size, size), dtype=np.uint8)
+    for i in range(n):
+        for ch in range(channels):
+            img = Image.fromarray(images[i, ch])
+            out[i, ch] = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR))
+    return out
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray, list[str]]:
+    from sklearn.datasets import load_digits  # ships with scikit-learn: no download
+
+    bunch = load_digits()
+    images = np.rint(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None]  # 8x8, 0..16
+    return images, bunch.target.astype(np.int64), [str(t) for t in bunch.target_names]
+
+
+def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    if not root.is_dir():
+        raise DataError(
+            f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
+        )
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files: list[tuple[Path, int]] = []
+    for idx, name in enumerate(classes):
+        files += [
+            (f, idx)
+            for f in sorted((root / name).iterdir())
+            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()
+        ]
+    if not files:
+        raise DataError(
+            f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "
+            f"(found classes: {classes})"
+        )
+    mode = "L" if channels == 1 else "RGB"
+    x = np.empty((len(files), channels, size, size), dtype=np.uint8)
+    for i, (f, _) in enumerate(files):
+        try:
+            with Image.open(f) as img:
+                arr = np.asarray(img.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise DataError(f"cannot read image {f}: {exc}; remove or replace the file") from None
+        x[i] = arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+    y = np.array([label for _, label in files], dtype=np.int64)
+    return x, y, classes
+
+
+def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    if not path.is_file():
+        raise DataError(
+            f"npz file {path} does not exist: set data.path to a .npz with arrays x and y"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if "x" not in npz or "y" not in npz:
+                raise DataError(f"{path} must hold arrays 'x' (uint8 images) and 'y' (int labels)")
+            x, y = npz["x"], npz["y"]
+            labels = [str(v) for v in npz["labels"]] if "labels" in npz else None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from None
+    if x.dtype != np.uint8:
+        raise DataError(f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255")
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+        x = x.transpose(0, 3, 1, 2)  # NHWC -> NCHW
+    if x.ndim != 4 or len(x) != len(y) or len(x) == 0:
+        raise DataError(
+            f"{path}: need x [N,C,H,W] or [N,H,W,C] and y [N], got {x.shape} and {y.shape}"
+        )
+    y = y.astype(np.int64)
+    n_classes = int(y.max()) + 1
+    if labels is None:
+        labels = [str(i) for i in range(n_classes)]
+    if y.min() < 0 or n_classes > len(labels):
+        raise DataError(f"{path}: labels y must be 0..{len(labels) - 1}")
+    return x, y, labels
+
+
+def stratified_split(
+    y: np.ndarray, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices (train, val, test): each class split in the same proportions, fixed by `seed`."""
+    rng = np.random.default_rng(seed)
+    parts: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+    for cls in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == cls))
+        n_test = round(len(idx) * test_fraction)
+        n_val = round(len(idx) * val_fraction)
+        parts[2].append(idx[:n_test])
+        parts[1].append(idx[n_test : n_test + n_val])
+        parts[0].append(idx[n_test + n_val :])
+    train, val, test = (np.sort(np.concatenate(p)) for p in parts)
+    return train, val, test
+
+
+def load_splits(spec: DataSpec) -> Splits:
+    if spec.source == "digits":
+        x, y, labels = _digits()
+    elif spec.source in ("folder", "npz"):
+        if not spec.path:
+            raise DataError(f"data.source={spec.source} needs data.path (--set data.path=...)")
+        if spec.source == "folder":
+            x, y, labels = _folder(Path(spec.path), spec.channels, spec.image_size)
+        else:
+            x, y, labels = _npz(Path(spec.path))
+    else:
+        raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
+    x = resize_uint8(x, spec.image_size, spec.channels)
+    train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+    if min(len(train), len(val), len(test)) == 0:
+        raise DataError(
+            f"{spec.source} data with {len(y)} images leaves an empty train/val/test split: "
+            "add images or change data.val_fraction / data.test_fraction"
+        )
+    log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
+    return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels)

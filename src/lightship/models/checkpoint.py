@@ -1,0 +1,74 @@
+"""Rebuild a model from a checkpoint alone (hyper-parameters, labels and input spec inside)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightship.errors import RunError
+from lightship.models import Classifier, create
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: Classifier
+    hparams: dict[str, Any]
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.hparams["labels"])
+
+    @property
+    def input_spec(self) -> dict[str, Any]:
+        return dict(self.hparams["input_spec"])
+
+    @property
+    def data_spec(self) -> dict[str, Any]:
+        return dict(self.hparams["data_spec"])
+
+    @property
+    def model_spec(self) -> dict[str, Any]:
+        return dict(self.hparams["model_spec"])
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """`torch.load(weights_only=True)` with a user-facing error for missing or corrupt files."""
+    if not path.is_file():
+        raise RunError(f"checkpoint {path} not found: run `make train` first")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise RunError(
+            f"checkpoint {path} is corrupt or not a lightship checkpoint ({reason}): "
+            "delete it and train again (`make train`)"
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise RunError(
+            f"checkpoint {path} has no state_dict: is it a lightship/Lightning checkpoint?"
+        )
+    return ckpt
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    ckpt = read_checkpoint(path)
+    hparams = ckpt.get("hyper_parameters") or {}
+    for key in ("model_spec", "labels", "input_spec", "data_spec"):
+        if key not in hparams:
+            raise RunError(
+                f"checkpoint {path} lacks '{key}' in its hyper-parameters: train it with lightship"
+            )
+    model = create(hparams["model_spec"])
+    prefix = "model."
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise RunError(
+            f"checkpoint {path} does not fit its model spec: {str(exc).splitlines()[0]}"
+        ) from None
+    model.eval()
+    return LoadedCheckpoint(model=model, hparams=dict(hparams))
