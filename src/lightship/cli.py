@@ -1,0 +1,98 @@
+"""`lightship` command line: a thin layer over the stage functions.
+
+Heavy imports (torch, Lightning, onnxruntime) happen inside each command, so `--help` is quick
+and `lightship serve` on an ONNX model never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lightship.errors import LightshipError
+
+app = typer.Typer(
+    help="Train, export, quantize, report and serve image classifiers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks: they print and save what they measured.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
+
+RunOpt = Annotated[Path, typer.Option("--run", "-r", help="run directory", show_default=True)]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults)")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", "-s", help="override a config key, e.g. --set trainer.max_epochs=3 (repeatable)"
+    ),
+]
+
+
+@app.callback()
+def _root(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+@app.command()
+def train(
+    run: RunOpt = Path("runs/default"),
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="continue from RUN/checkpoints/last.ckpt")
+    ] = False,
+) -> None:
+    """Train a model with Lightning; writes RUN/best.ckpt, checkpoints/, logs/ and manifest.json."""
+    from lightship.config import load_config
+    from lightship.runs import RunDir
+
+    cfg = load_config(config, overrides)
+    from lightship.train import fit
+
+    fit(cfg, RunDir(run), resume=resume)
+
+
+@bench_app.command("train")
+def bench_train(
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    steps: Annotated[int, typer.Option(help="timed optimizer steps per setting")] = 30,
+    out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
+        "runs/bench/train.json"
+    ),
+) -> None:
+    """Training speed for data choices: float32 vs uint8 input, workers, precision."""
+    from lightship.config import load_config
+    from lightship.train.bench import bench_training
+
+    bench_training(load_config(config, overrides), steps=steps, out=out)
+
+
+def main() -> None:
+    try:
+        app()
+    except LightshipError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
