@@ -1,0 +1,196 @@
+"""Training through the CLI, as a user runs it, on the tiny config (seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.conftest import CONFIGS, ROOT, last_line, run_cli
+
+TINY = str(CONFIGS / "tiny.yaml")
+
+
+def manifest(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["artifacts"]
+
+
+def test_tiny_run_writes_the_run_directory(tiny_run: Path) -> None:
+    assert (tiny_run / "config.yaml").is_file()
+    assert (tiny_run / "checkpoints" / "last.ckpt").is_file()
+    assert list((tiny_run / "logs" / "csv").glob("version_*/metrics.csv"))
+    ckpt = torch.load(tiny_run / "best.ckpt", weights_only=True)  # plain types only
+    hp = ckpt["hyper_parameters"]
+    assert hp["labels"] == [str(i) for i in range(10)]
+    assert hp["input_spec"]["dtype"] == "uint8"
+    assert hp["input_spec"]["shape"] == ["batch", 1, 16, 16]
+    assert hp["model_spec"]["kwargs"] == {"stages": [[8], [16]]}
+    entry = manifest(tiny_run)["checkpoint"]
+    assert entry["labels"] == hp["labels"]
+    assert entry["parameters"] > 1000
+    assert 0.5 < entry["test_acc"] <= 1.0  # a learned model, far above chance (0.1)
+    import hashlib
+
+    assert entry["sha256"] == hashlib.sha256((tiny_run / "best.ckpt").read_bytes()).hexdigest()
+
+
+def test_train_prints_where_and_what_next(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    proc = run_cli(
+        "train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1", check=True
+    )
+    assert f"run directory: {run}" in proc.stdout
+    assert f"make export RUN={run}" in proc.stdout
+
+
+def test_early_stopping_stops_on_a_plateau(tmp_path: Path) -> None:
+    run = tmp_path / "plateau"
+    # lr=0 freezes the weights, so val_acc cannot improve by min_delta: patience 2 ends it at epoch 3.
+    run_cli(
+        "train",
+        "--run",
+        str(run),
+        "--config",
+        TINY,
+        "--set",
+        "optim.lr=0",
+        "--set",
+        "trainer.max_epochs=30",
+        "--set",
+        "early_stopping.patience=2",
+        "--set",
+        "early_stopping.min_delta=0.05",
+        check=True,
+    )
+    entry = manifest(run)["checkpoint"]
+    assert entry["stopped_early"] is True
+    assert entry["epochs"] == 3 < entry["max_epochs"]
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "resume"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightship",
+        "train",
+        "--run",
+        str(run),
+        "--config",
+        TINY,
+        "--set",
+        "trainer.max_epochs=100",
+        "--set",
+        "early_stopping.enabled=false",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = run / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 120
+    killed_epoch = -1
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if last.is_file() and torch.load(last, weights_only=True)["epoch"] >= 1:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    saved = torch.load(last, weights_only=True)
+    killed_step, killed_epoch = saved["global_step"], saved["epoch"]
+    assert killed_step > 0
+    assert not (run / "best.ckpt").exists()  # it really died mid-training
+
+    resumed = run_cli(
+        "train",
+        "--run",
+        str(run),
+        "--config",
+        TINY,
+        "--resume",
+        "--set",
+        f"trainer.max_epochs={killed_epoch + 3}",
+        "--set",
+        "early_stopping.enabled=false",
+        check=True,
+    )
+    assert f"global step {killed_step}" in resumed.stdout
+    entry = manifest(run)["checkpoint"]
+    steps_per_epoch = killed_step // (killed_epoch + 1)
+    assert entry["resumed_from_step"] == killed_step
+    assert entry["global_step"] == killed_step + 2 * steps_per_epoch  # continued, not restarted
+    assert entry["epochs"] == killed_epoch + 3
+
+
+def test_make_maps_resume_flag() -> None:
+    out = subprocess.run(
+        ["make", "-n", "train", "RESUME=1", "RUN=runs/x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+    ).stdout
+    assert "lightship train --run runs/x" in out and "--resume" in out
+
+
+def test_bad_inputs_exit_with_one_line(tmp_path: Path) -> None:
+    cases = [
+        (
+            ["--set", "trainer.max_epoch=3"],
+            2,
+            "unknown key 'trainer.max_epoch'; allowed in trainer:",
+        ),
+        (["--set", "data.batch_size=big"], 2, "'data.batch_size' = 'big'"),
+        (
+            ["--set", "data.source=folder", "--set", f"data.path={tmp_path}/missing"],
+            3,
+            f"image folder {tmp_path}/missing does not exist",
+        ),
+        (["--resume"], 4, "cannot resume: no"),
+    ]
+    for extra, code, message in cases:
+        proc = run_cli("train", "--run", str(tmp_path / "bad"), "--config", TINY, *extra)
+        assert proc.returncode == code, (extra, proc.stderr)
+        assert last_line(proc.stderr).startswith("error: ")
+        assert message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_corrupt_checkpoint_for_resume(tmp_path: Path) -> None:
+    run = tmp_path / "corrupt"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"PK\x03\x04 truncated zip")
+    proc = run_cli("train", "--run", str(run), "--config", TINY, "--resume")
+    assert proc.returncode == 4
+    line = last_line(proc.stderr)
+    assert line.startswith(f"error: checkpoint {run}/checkpoints/last.ckpt is corrupt")
+    assert "delete it and train again" in line
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_train_measures_every_setting(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run_cli(
+        "bench",
+        "train",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        check=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    settings = {(r["input"], r["num_workers"], r["precision"]) for r in rows}
+    assert len(settings) == 8  # float32/uint8 x workers 0/2 x precision 32/bf16-mixed
+    by_input = {r["input"]: r["bytes_per_batch"] for r in rows}
+    assert by_input["float32"] == 4 * by_input["uint8"]  # the uint8 contract moves 4x fewer bytes
+    assert all(r["steps"] == 2 and r["steps_per_s"] > 0 for r in rows)

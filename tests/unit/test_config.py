@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightship.config import Config, load_config
+from lightship.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["digits.yaml", "tiny.yaml", "resnet.yaml"])
+def test_shipped_configs_load(name: str) -> None:
+    cfg = load_config(CONFIGS / name)
+    assert isinstance(cfg, Config)
+
+
+def test_digits_yaml_is_the_defaults_written_out() -> None:
+    # digits.yaml lists every key; it must not drift from the defaults in config.py
+    # except where it says so (accelerator auto is the default too).
+    assert load_config(CONFIGS / "digits.yaml") == Config()
+
+
+def test_dotted_overrides_are_typed() -> None:
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        ["trainer.max_epochs=3", "optim.lr=0.5", "model.kwargs={widths: [4]}"],
+    )
+    assert cfg.trainer.max_epochs == 3
+    assert cfg.optim.lr == 0.5
+    assert cfg.model.kwargs == {"widths": [4]}
+    assert cfg.data.image_size == 16  # from tiny.yaml, untouched
+
+
+def test_unknown_key_names_key_and_allowed_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.max_epoch=3"])
+    msg = str(err.value)
+    assert "unknown key 'trainer.max_epoch'" in msg
+    assert "max_epochs" in msg and "precision" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_section_lists_sections() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainr.max_epochs=3"])
+    assert "unknown key 'trainr'" in str(err.value)
+    assert "trainer" in str(err.value)
+
+
+def test_wrong_type_names_key_value_and_fix() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.max_epochs=lots"])
+    msg = str(err.value)
+    assert "'trainer.max_epochs' = 'lots'" in msg
+    assert "integer" in msg and "--set trainer.max_epochs=" in msg
+
+
+def test_bad_literal_lists_choices() -> None:
+    with pytest.raises(ConfigError, match="'32', 'bf16-mixed' or '16-mixed'"):
+        load_config(None, ["trainer.precision=64"])
+
+
+def test_set_without_equals() -> None:
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["trainer.max_epochs"])
+
+
+def test_missing_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: {source: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightship import models
+from lightship.errors import ConfigError
+
+
+def spec(name: str, **over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "name": name,
+        "kwargs": {},
+        "in_channels": 1,
+        "num_classes": 10,
+        "image_size": 28,
+        "mean": [10.0],
+        "std": [20.0],
+    }
+    base.update(over)
+    return base
+
+
+def test_normalize_is_affine_on_raw_pixels() -> None:
+    norm = models.Normalize([10.0, 20.0], [2.0, 4.0])
+    x = torch.tensor([[[[10]], [[0]]]], dtype=torch.uint8)  # [1, 2, 1, 1]
+    out = norm(x)
+    assert out.dtype == torch.float32
+    assert out.flatten().tolist() == pytest.approx([0.0, -5.0])
+
+
+def test_normalize_rejects_bad_stats() -> None:
+    with pytest.raises(ValueError):
+        models.Normalize([0.0], [0.0])
+    with pytest.raises(ValueError):
+        models.Normalize([0.0, 1.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("name", "channels", "size", "kwargs"),
+    [
+        ("digits_cnn", 1, 28, {}),
+        ("digits_cnn", 1, 40, {"stages": [[4], [8, 8]]}),
+        ("resnet", 3, 32, {"width": 8}),
+        ("resnet", 3, 20, {"width": 8}),
+        ("mlp", 1, 16, {"hidden": [32]}),
+    ],
+)
+def test_registry_models_take_uint8_any_batch(
+    name: str, channels: int, size: int, kwargs: dict[str, object]
+) -> None:
+    model = models.create(
+        spec(
+            name,
+            kwargs=kwargs,
+            in_channels=channels,
+            image_size=size,
+            mean=[0.0] * channels,
+            std=[1.0] * channels,
+        )
+    ).eval()
+    assert isinstance(model[0], models.Normalize)
+    for n in (1, 3):
+        x = torch.randint(0, 256, (n, channels, size, size), dtype=torch.uint8)
+        assert model(x).shape == (n, 10)
+
+
+def test_resnet18_has_the_documented_size() -> None:
+    model = models.create(
+        spec("resnet", in_channels=3, image_size=32, mean=[0.0] * 3, std=[1.0] * 3)
+    )
+    assert 11_000_000 < models.count_parameters(model) < 11_300_000
+
+
+class TwoTimes(nn.Module):
+    """A user model that takes none of the standard arguments."""
+
+    def __init__(self, scale: float = 2.0) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1) * self.scale
+
+
+def test_user_model_by_import_path_gets_only_the_arguments_it_takes() -> None:
+    model = models.create(
+        spec(f"{__name__}:TwoTimes", kwargs={"scale": 3.0}, mean=[1.0], std=[2.0])
+    )
+    x = torch.full((1, 1, 1, 1), 5, dtype=torch.uint8)
+    assert model(x).item() == pytest.approx((5 - 1) / 2 * 3)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("resnet50", "unknown model 'resnet50': use one of digits_cnn, mlp, resnet"),
+        ("no_such_pkg.mod:Net", "cannot import no_such_pkg.mod"),
+        ("lightship.models:Nope", "has no class or function 'Nope'"),
+    ],
+)
+def test_bad_model_names(name: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        models.create(spec(name))
+
+
+def test_bad_model_kwargs_say_which() -> None:
+    with pytest.raises(ConfigError, match="check model.kwargs"):
+        models.create(spec("digits_cnn", kwargs={"depth": 3}))

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from lightship.runs import RunDir, atomic_path, sha256_file
+
+
+def test_atomic_path_leaves_old_file_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half-writ")
+        raise RuntimeError("crash mid-write")
+    assert target.read_bytes() == b"old"
+    assert list(tmp_path.iterdir()) == [target]  # no temp file left behind
+
+
+def test_atomic_path_replaces_on_success(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "model.bin"
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new"
+
+
+def test_manifest_record_and_sha(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "r")
+    run.root.mkdir()
+    f = run.root / "a.txt"
+    f.write_text("hello")
+    assert sha256_file(f) == hashlib.sha256(b"hello").hexdigest()
+    run.record("a", {"file": "a.txt"})
+    run.record("b", {"file": "b.txt"})
+    run.record("a", {"file": "a2.txt"})
+    assert run.manifest()["artifacts"] == {"a": {"file": "a2.txt"}, "b": {"file": "b.txt"}}
+    run.forget("a")
+    assert run.artifact("a") is None and run.artifact("b") == {"file": "b.txt"}
