@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Keys every lightship artifact carries (ONNX metadata_props; an extra JSON file in .ts/.pt2).
+META_LABELS = "lightship.labels"
+META_INPUT_SPEC = "lightship.input_spec"
+META_FILE = "lightship.json"
+
+
+def read_metadata(meta: dict[str, str]) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """(labels, input spec) from artifact metadata; None where absent (a foreign model)."""
+    labels = json.loads(meta[META_LABELS]) if META_LABELS in meta else None
+    spec = json.loads(meta[META_INPUT_SPEC]) if META_INPUT_SPEC in meta else None
+    return labels, spec
+
+
+class InputError(ValueError):
+    """The caller's input does not fit the model (shape, dtype, values); a 4xx in a server."""
+
+
+@cache
+def physical_cores() -> int:
+    """Cores this process may use, counting SMT siblings once (the right ORT/torch thread count)."""
+    allowed = (
+        os.sched_getaffinity(0)
+        if hasattr(os, "sched_getaffinity")
+        else set(range(os.cpu_count() or 1))
+    )
+    siblings: set[tuple[str, str]] = set()
+    try:
+        for cpu in allowed:
+            topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            siblings.add(
+                ((topo / "physical_package_id").read_text(), (topo / "core_id").read_text())
+            )
+    except OSError:
+        return max(len(allowed), 1)
+    return max(len(siblings), 1)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return np.asarray(e / e.sum(axis=1, keepdims=True))
+
+
+class Predictor(ABC):
+    """Logits for a batch of images. Subclasses set `kind`, `path`, `labels`, `input_spec`."""
+
+    kind: str
+    path: Path
+    labels: list[str]
+    input_spec: dict[str, Any]
+    device: str = "cpu"
+
+    @property
+    def chw(self) -> tuple[int, int, int]:
+        c, h, w = self.input_spec["shape"][1:]
+        return int(c), int(h), int(w)
+
+    def check(self, x: np.ndarray) -> np.ndarray:
+        """Validate and convert to contiguous uint8 NCHW; float pixels (0..255) are rounded."""
+        if not isinstance(x, np.ndarray):
+            raise InputError(f"expected a numpy array, got {type(x).__name__}")
+        if x.ndim == 3:
+            x = x[None]
+        if x.ndim != 4 or tuple(x.shape[1:]) != self.chw:
+            raise InputError(
+                f"expected shape [N, {', '.join(map(str, self.chw))}], got {list(x.shape)}"
+            )
+        if x.shape[0] == 0:
+            raise InputError("empty batch: send at least one image")
+        if x.dtype != np.uint8:
+            if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+                raise InputError(
+                    f"expected uint8 pixels (or float/int 0..255), got dtype {x.dtype}"
+                )
+            if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+                raise InputError(
+                    "input contains NaN or infinity: pixels must be finite values in 0..255"
+                )
+            if x.min() < 0 or x.max() > 255:
+                raise InputError(f"pixel values must be in 0..255, got {x.min()}..{x.max()}")
+            x = (
+                np.rint(x).astype(np.uint8)
+                if np.issubdtype(x.dtype, np.floating)
+                else x.astype(np.uint8)
+            )
+        return np.ascontiguousarray(x)
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """float32 logits `[N, classes]` for uint8 `[N, C, H, W]` (validated)."""
+        return self._run(self.check(x))
+
+    @abstractmethod
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        """Logits for already validated uint8 NCHW input (the hot path, no checks)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path}, device={self.device})"

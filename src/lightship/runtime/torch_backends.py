@@ -1,0 +1,78 @@
+"""TorchScript, torch.export (.pt2) and eager-checkpoint predictors (import torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightship.errors import RunError
+from lightship.runtime.base import META_FILE, Predictor, physical_cores, read_metadata
+
+
+class TorchPredictor(Predictor):
+    def __init__(
+        self, path: Path, module: Any, meta: dict[str, Any], kind: str, device: str
+    ) -> None:
+        self.path = path
+        self.kind = kind
+        self.device = device
+        self.labels = list(meta["labels"])
+        self.input_spec = dict(meta["input_spec"])
+        self.module = module
+        self.pinned = device.startswith("cuda")
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            t = torch.from_numpy(x)
+            if self.pinned:
+                t = t.pin_memory().to(self.device, non_blocking=True)
+            return np.asarray(self.module(t).float().cpu().numpy())
+
+
+def _device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"device={device} but torch sees no CUDA device: use --device cpu")
+    return device
+
+
+def _read_meta(extra: dict[str, Any], path: Path) -> dict[str, Any]:
+    labels, spec = read_metadata(json.loads(extra.get(META_FILE) or "{}"))
+    if labels is None or spec is None:
+        raise RunError(
+            f"{path} carries no {META_FILE} with labels and input spec: export it with lightship"
+        )
+    return {"labels": labels, "input_spec": spec}
+
+
+def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None) -> TorchPredictor:
+    device = _device(device)
+    torch.set_num_threads(threads or physical_cores())
+    if not path.is_file():
+        raise RunError(f"{path} not found: run `make export` first")
+    try:
+        if kind == "torchscript":
+            extra = {META_FILE: ""}
+            module = torch.jit.load(str(path), map_location=device, _extra_files=extra)
+            module.eval()
+            meta = _read_meta(extra, path)
+        elif kind == "pt2":
+            extra = {META_FILE: ""}
+            program = torch.export.load(str(path), extra_files=extra)
+            module = program.module().to(device)
+            meta = _read_meta(extra, path)
+        else:
+            from lightship.models.checkpoint import load_checkpoint
+
+            loaded = load_checkpoint(path)
+            module = loaded.model.to(device).eval()
+            meta = {"labels": loaded.labels, "input_spec": loaded.input_spec}
+    except RunError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise RunError(f"cannot load {kind} model {path} ({first}): re-export it") from None
+    return TorchPredictor(path, module, meta, kind, device)
