@@ -11,9 +11,10 @@ RUN    ?= runs/default
 CONFIG ?= configs/digits.yaml
 RESUME ?=
 ARGS   ?=
+EXPORT_ARGS ?=
 TORCH  := torch==2.13.0
 
-.PHONY: help setup train test test-slow check bench-train clean
+.PHONY: help setup train export test test-slow check bench-train clean
 
 help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
@@ -36,6 +37,13 @@ setup: $(STAMP) ## create .venv and install lightship with all extras
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(if $(RESUME),--resume) $(ARGS)
+
+# A later stage builds what it needs when it is missing, so any target works on a fresh clone.
+$(RUN)/best.ckpt: | $(STAMP)
+	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(ARGS)
+
+export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
+	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
 
 test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
 	$(BIN)/ruff check src tests

@@ -46,6 +46,9 @@ def _root(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:  # the ONNX exporter narrates every optimisation pass at INFO
+        for name in ("onnxscript", "onnx_ir", "torch.onnx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @app.command()
@@ -65,6 +68,27 @@ def train(
     from lightship.train import fit
 
     fit(cfg, RunDir(run), resume=resume)
+
+
+@app.command()
+def export(
+    run: RunOpt = Path("runs/default"),
+    formats: Annotated[
+        str, typer.Option("--formats", "-f", help="comma-separated: onnx,torchscript,pt2")
+    ] = "onnx,torchscript,pt2",
+    opset: Annotated[int, typer.Option(help="ONNX opset version")] = 18,
+    atol: Annotated[
+        float, typer.Option(help="parity limit: max |logit difference| against eager")
+    ] = 1e-4,
+) -> None:
+    """Export RUN/best.ckpt to RUN/export/ (ONNX, TorchScript, .pt2), each checked for parity."""
+    from lightship.export import export as export_run
+    from lightship.runs import RunDir
+
+    artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
+    for a in artifacts:
+        print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
+    print(f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)")
 
 
 @bench_app.command("train")

@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightship import __version__
+from lightship.data import DataSpec, load_splits
+from lightship.errors import DataError, RunError
+from lightship.export import onnx as onnx_export
+from lightship.export import pt2 as pt2_export
+from lightship.export import torchscript as ts_export
+from lightship.export.parity import Parity, check_parity
+from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
+from lightship.runs import RunDir, atomic_path, sha256_file
+from lightship.runtime import load_predictor
+from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("onnx", "torchscript", "pt2")
+FILENAMES = {"onnx": "model.onnx", "torchscript": "model.ts", "pt2": "model.pt2"}
+# Manifest keys are the variant names the report and `serve --variant` use.
+VARIANT_OF = {"onnx": "onnx-fp32", "torchscript": "torchscript", "pt2": "pt2"}
+
+
+@dataclass
+class Artifact:
+    variant: str
+    format: str
+    path: Path
+    parity: Parity
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_formats(formats: Sequence[str] | str | None) -> list[str]:
+    if formats is None:
+        return list(FORMATS)
+    items = formats.split(",") if isinstance(formats, str) else list(formats)
+    items = [f.strip() for f in items if f.strip()]
+    unknown = [f for f in items if f not in FORMATS]
+    if unknown or not items:
+        raise RunError(
+            f"unknown export format {unknown or items!r}: choose from {','.join(FORMATS)}"
+        )
+    return list(dict.fromkeys(items))
+
+
+def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
+    """Key/values stored inside each artifact, so a lone file can be served."""
+    return {
+        "lightship.version": __version__,
+        META_LABELS: json.dumps(loaded.labels),
+        META_INPUT_SPEC: json.dumps(loaded.input_spec),
+        "lightship.model": json.dumps(loaded.model_spec["name"]),
+        "lightship.source_checkpoint_sha256": source_sha,
+    }
+
+
+def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
+    """The held-out test split when its data is still reachable, else seeded random pixels."""
+    try:
+        return load_splits(DataSpec.from_dict(loaded.data_spec)).test_x
+    except DataError as exc:
+        log.warning("test split unavailable (%s): parity on %d random images", exc, fallback)
+        c, h, w = loaded.input_spec["shape"][1:]
+        rng = np.random.default_rng(0)
+        return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8)
+
+
+Writer = Callable[[torch.nn.Module, torch.Tensor, Path, dict[str, str]], dict[str, Any]]
+
+
+def _writers(opset: int) -> dict[str, Writer]:
+    return {
+        "onnx": lambda m, x, p, meta: onnx_export.write(m, x, p, meta, opset=opset),
+        "torchscript": ts_export.write,
+        "pt2": pt2_export.write,
+    }
+
+
+def export(
+    run: RunDir,
+    formats: Sequence[str] | str | None = None,
+    opset: int = 18,
+    atol: float = 1e-4,
+    min_agreement: float = 1.0,
+    parity_batch: int = 64,
+) -> list[Artifact]:
+    chosen = parse_formats(formats)
+    ckpt = run.require_checkpoint()
+    loaded = load_checkpoint(ckpt)
+    source_sha = sha256_file(ckpt)
+    x_test = parity_inputs(loaded)
+    with torch.inference_mode():
+        reference = loaded.model(torch.from_numpy(x_test)).numpy()
+    # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo.
+    example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))
+    meta = metadata(loaded, source_sha)
+    writers = _writers(opset)
+    run.export_dir.mkdir(parents=True, exist_ok=True)
+    artifacts: list[Artifact] = []
+    for fmt in chosen:
+        final = run.export_dir / FILENAMES[fmt]
+        with atomic_path(final) as tmp:
+            info = writers[fmt](loaded.model, example, tmp, meta)
+            parity = check_parity(
+                load_predictor(tmp).predict,
+                reference,
+                x_test,
+                atol=atol,
+                min_agreement=min_agreement,
+                batch=parity_batch,
+                what=f"{fmt} ({final.name})",
+            )
+        entry = {
+            "file": run.relative(final),
+            "format": fmt,
+            "sha256": sha256_file(final),
+            "bytes": final.stat().st_size,
+            "input_spec": loaded.input_spec,
+            "labels": loaded.labels,
+            "source_checkpoint_sha256": source_sha,
+            "parity": parity.as_dict(),
+            **info,
+            "versions": {"lightship": __version__, "torch": torch.__version__},
+        }
+        run.record(VARIANT_OF[fmt], entry)
+        artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
+        log.info("%s: %s, parity %s", VARIANT_OF[fmt], final, parity.summary())
+    return artifacts
