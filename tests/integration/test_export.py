@@ -1,0 +1,155 @@
+"""Export through the CLI and the Python API, on tiny runs (seconds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from lightship.errors import ParityError
+from lightship.export import onnx as onnx_export
+from lightship.export.core import export
+from lightship.runs import RunDir
+from lightship.runtime import load_predictor
+from tests.conftest import CONFIGS, ROOT, last_line, run_cli
+
+TINY = str(CONFIGS / "tiny.yaml")
+FILES = {"onnx-fp32": "model.onnx", "torchscript": "model.ts", "pt2": "model.pt2"}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("export") / "tiny"
+    shutil.copytree(tiny_run, run)
+    proc = run_cli("export", "--run", str(run), check=True)
+    assert "next: make quantize" in proc.stdout
+    return run
+
+
+def artifacts(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["artifacts"]
+
+
+def test_export_writes_three_self_describing_artifacts(exported: Path) -> None:
+    entries = artifacts(exported)
+    ckpt_sha = entries["checkpoint"]["sha256"]
+    for variant, name in FILES.items():
+        e = entries[variant]
+        assert e["file"] == f"export/{name}" and (exported / e["file"]).is_file()
+        assert e["bytes"] == (exported / e["file"]).stat().st_size
+        assert e["source_checkpoint_sha256"] == ckpt_sha
+        assert e["input_spec"]["dtype"] == "uint8" and e["input_spec"]["shape"][0] == "batch"
+        assert e["labels"] == [str(i) for i in range(10)]
+        p = e["parity"]
+        assert p["max_abs_diff"] <= 1e-4 and p["argmax_agreement"] == 1.0
+        assert p["batch_sizes"] == [1, 64] and p["samples"] == 269
+    assert entries["onnx-fp32"]["exporter"] == "dynamo" and entries["onnx-fp32"]["opset"] == 18
+    proto = onnx.load(str(exported / "export" / "model.onnx"))
+    props = {p.key: p.value for p in proto.metadata_props}
+    assert json.loads(props["lightship.labels"]) == [str(i) for i in range(10)]
+    assert json.loads(props["lightship.input_spec"])["shape"] == ["batch", 1, 16, 16]
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert not list((exported / "export").glob("*.tmp*"))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_artifacts_agree_at_any_batch(exported: Path, batch: int) -> None:
+    rng = np.random.default_rng(batch)
+    x = rng.integers(0, 256, size=(batch, 1, 16, 16), dtype=np.uint8)  # any uint8 input
+    outs = {v: load_predictor(exported / "export" / f).predict(x) for v, f in FILES.items()}
+    eager = load_predictor(exported / "best.ckpt").predict(x)
+    for variant, logits in outs.items():
+        assert logits.shape == (batch, 10), variant
+        np.testing.assert_allclose(logits, eager, atol=1e-3, err_msg=variant)
+    # and the artifacts know their labels and input spec without the manifest
+    p = load_predictor(exported / "export" / "model.onnx")
+    assert p.labels == [str(i) for i in range(10)] and p.chw == (1, 16, 16)
+
+
+def test_export_does_not_import_training_code() -> None:
+    code = (
+        "import sys, lightship.export, lightship.runtime; "
+        "bad = [m for m in sys.modules if m.startswith(('lightship.train', 'pytorch_lightning'))]; "
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("name", "sets"),
+    [
+        ("resnet", ["model.name=resnet", "model.kwargs={width: 8, blocks: [1, 1, 1, 1]}"]),
+        ("mlp", ["model.name=mlp", "model.kwargs={hidden: [32]}"]),
+    ],
+)
+def test_export_other_models(tmp_path: Path, name: str, sets: list[str]) -> None:
+    run = tmp_path / name
+    args = [a for s in [*sets, "trainer.max_epochs=1"] for a in ("--set", s)]
+    run_cli("train", "--run", str(run), "--config", TINY, *args, check=True)
+    run_cli("export", "--run", str(run), check=True)
+    x = np.random.default_rng(0).integers(0, 256, size=(3, 1, 16, 16), dtype=np.uint8)
+    ref = load_predictor(run / "best.ckpt").predict(x)
+    for f in FILES.values():
+        np.testing.assert_allclose(load_predictor(run / "export" / f).predict(x), ref, atol=1e-3)
+
+
+def test_legacy_exporter_is_the_fallback(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "legacy"
+    shutil.copytree(exported, run)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("dynamo cannot export this model")
+
+    monkeypatch.setattr(onnx_export, "_dynamo", broken)
+    (art,) = export(RunDir(run), "onnx")
+    entry = artifacts(run)["onnx-fp32"]
+    assert entry["exporter"] == "legacy" and entry["parity"]["max_abs_diff"] <= 1e-4
+    x = np.zeros((5, 1, 16, 16), np.uint8)  # the legacy file keeps a dynamic batch
+    assert load_predictor(art.path).predict(x).shape == (5, 10)
+
+
+def test_parity_failure_names_the_numbers_and_writes_nothing(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "strict"
+    shutil.copytree(tiny_run, run)
+    with pytest.raises(ParityError, match=r"max \|Δlogit\| .* agreement 100.00%.*--atol"):
+        export(RunDir(run), "onnx", atol=0.0)
+    assert list((run / "export").iterdir()) == []
+    assert "onnx-fp32" not in artifacts(run)
+
+
+def test_bad_inputs_exit_with_one_line(tmp_path: Path, tiny_run: Path) -> None:
+    missing = run_cli("export", "--run", str(tmp_path / "nope"))
+    assert missing.returncode == 4
+    assert last_line(missing.stderr).startswith("error: run directory") and "make train" in (
+        missing.stderr
+    )
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("export", "--run", str(empty))
+    assert proc.returncode == 4 and "no best.ckpt" in last_line(proc.stderr)
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_run, corrupt)
+    (corrupt / "best.ckpt").write_bytes(b"not a checkpoint")
+    proc = run_cli("export", "--run", str(corrupt))
+    assert proc.returncode == 4 and "best.ckpt" in last_line(proc.stderr)
+    assert not (corrupt / "export").exists() or not list((corrupt / "export").iterdir())
+
+    proc = run_cli("export", "--run", str(tiny_run), "--formats", "onnx,tflite")
+    assert proc.returncode == 4
+    assert last_line(proc.stderr) == (
+        "error: unknown export format ['tflite']: choose from onnx,torchscript,pt2"
+    )
