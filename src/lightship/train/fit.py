@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import (
     Callback,
     EarlyStopping,
     EMAWeightAveraging,
-    ModelCheckpoint,
-    RichProgressBar,
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lightship import __version__, models
+from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
 from lightship.config import Config, dump_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
@@ -35,63 +31,6 @@ log = logging.getLogger(__name__)
 
 # Images live in RAM as uint8 tensors: worker processes only add IPC (see `lightship bench train`).
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write each checkpoint to a temporary file, fsync, then rename: never half-written."""
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
-    ) -> None:
-        final = Path(path)
-        with atomic_path(final) as tmp:
-            torch.save(checkpoint, tmp)
-
-
-class LatestBestCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint where a tie with the best score goes to the newer checkpoint.
-
-    Accuracy on a few hundred validation images saturates (often at 1.0) halfway through a
-    decaying learning-rate schedule; the stock callback keeps the *first* checkpoint with the
-    top score, a noisier model than the later, annealed ones that tie with it.
-    """
-
-    def check_monitor_top_k(self, trainer: pl.Trainer, current: torch.Tensor | None = None) -> bool:
-        if current is None or self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
-            return super().check_monitor_top_k(trainer, current)
-        op = torch.ge if self.mode == "max" else torch.le
-        better_or_tie = bool(op(current, self.best_k_models[self.kth_best_model_path]))
-        return trainer.strategy.reduce_boolean_decision(better_or_tie)
-
-    def _update_best_and_save(
-        self,
-        current: torch.Tensor,
-        trainer: pl.Trainer,
-        monitor_candidates: dict[str, torch.Tensor],
-    ) -> None:
-        super()._update_best_and_save(current, trainer, monitor_candidates)
-        pick = max if self.mode == "max" else min
-        top = pick(self.best_k_models.values())
-        self.best_model_path = [p for p, s in self.best_k_models.items() if s == top][-1]  # newest
-        self.best_model_score = top
-
-
-class EpochSummary(Callback):
-    """One line per epoch where no progress bar is drawn (CI logs, pipes)."""
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
-            return
-        m = trainer.callback_metrics
-        parts = [
-            f"{k} {float(v):.4f}"
-            for k, v in sorted(m.items())
-            if k in ("train_loss", "val_loss", "val_acc")
-        ]
-        print(
-            f"epoch {trainer.current_epoch:3d}  step {trainer.global_step:6d}  " + "  ".join(parts),
-            flush=True,
-        )
 
 
 def _input_spec(cfg: Config, mean: list[float], std: list[float]) -> dict[str, Any]:
@@ -126,25 +65,6 @@ def _resume_path(run: RunDir) -> Path:
         )
     read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
     return run.last_ckpt
-
-
-def _progress(cfg: Config) -> tuple[bool, list[Callback]]:
-    mode = cfg.trainer.progress_bar
-    if mode == "auto":
-        mode = "rich" if sys.stderr.isatty() else "none"
-    if mode == "rich":
-        return True, [RichProgressBar()]
-    return False, [EpochSummary()]
-
-
-def evaluate(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch: int = 256) -> float:
-    """Top-1 accuracy of an eager model on uint8 images."""
-    correct = 0
-    with torch.inference_mode():
-        for i in range(0, len(x), batch):
-            logits = model(torch.from_numpy(x[i : i + batch]))
-            correct += int((logits.argmax(1).numpy() == y[i : i + batch]).sum())
-    return correct / max(len(x), 1)
 
 
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
@@ -210,7 +130,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             min_delta=cfg.early_stopping.min_delta,
         )
         callbacks.append(early)
-    show_bar, bar_callbacks = _progress(cfg)
+    show_bar, bar_callbacks = progress(cfg.trainer.progress_bar)
     callbacks += bar_callbacks
     trainer = pl.Trainer(
         default_root_dir=run.root,
