@@ -12,9 +12,11 @@ CONFIG ?= configs/digits.yaml
 RESUME ?=
 ARGS   ?=
 EXPORT_ARGS ?=
+QUANTIZE_ARGS ?=
+REPORT_ARGS ?=
 TORCH  := torch==2.13.0
 
-.PHONY: help setup train export test test-slow check bench-train clean
+.PHONY: help setup train export quantize report test test-slow check bench-train clean
 
 help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
@@ -44,6 +46,16 @@ $(RUN)/best.ckpt: | $(STAMP)
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
 	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
+
+$(RUN)/export/model.onnx: | $(RUN)/best.ckpt
+	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
+
+quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT behind the accuracy gate, then the report
+	$(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS)
+	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
+
+report: $(STAMP) ## measure every variant in RUN: report/report.md, report.json, pareto.png
+	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
 
 test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
 	$(BIN)/ruff check src tests

@@ -91,6 +91,101 @@ def export(
     print(f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)")
 
 
+@app.command()
+def quantize(
+    run: RunOpt = Path("runs/default"),
+    methods: Annotated[
+        str, typer.Option("--methods", "-m", help="comma-separated: static,dynamic,qat")
+    ] = "static,dynamic,qat",
+    target: Annotated[
+        str,
+        typer.Option(help="CPU/accelerator the int8 model is for: auto|avx2|vnni|arm64|tensorrt"),
+    ] = "auto",
+    calibration_samples: Annotated[int, typer.Option(help="training images to calibrate")] = 256,
+    calibration_method: Annotated[
+        str, typer.Option(help="minmax | entropy | percentile")
+    ] = "minmax",
+    per_channel: Annotated[bool, typer.Option(help="per-channel weight scales")] = True,
+    gate: Annotated[float, typer.Option(help="int8 keeps >= GATE x fp32 accuracy")] = 0.99,
+    fallback_budget: Annotated[
+        int, typer.Option(help="most nodes moved back to fp32 to pass the gate")
+    ] = 3,
+    qat_epochs: Annotated[int, typer.Option(help="quantization-aware fine-tuning epochs")] = 3,
+    qat_lr: Annotated[float, typer.Option(help="QAT learning rate")] = 1e-4,
+) -> None:
+    """Quantize RUN/export/model.onnx to int8 (static, dynamic, QAT) behind an accuracy gate."""
+    from lightship.quantize.core import QuantizeSettings
+    from lightship.quantize.core import quantize as quantize_run
+    from lightship.runs import RunDir
+
+    failed: list[str] = []
+
+    def on_error(method: str, exc: LightshipError) -> None:
+        failed.append(method)
+        print(f"error: {method}: {exc} (the other variants are still produced)", file=sys.stderr)
+
+    settings = QuantizeSettings(
+        calibration_samples=calibration_samples,
+        calibration_method=calibration_method,
+        per_channel=per_channel,
+        gate=gate,
+        fallback_budget=fallback_budget,
+        qat_epochs=qat_epochs,
+        qat_lr=qat_lr,
+    )
+    variants = quantize_run(RunDir(run), methods, target, settings, on_error=on_error)
+    for v in variants:
+        kept = v.entry.get("nodes_fp32_by_fallback") or []
+        note = f", {len(kept)} node(s) kept in fp32" if kept else ""
+        print(
+            f"int8-{v.method:8s} {v.path}  accuracy {v.accuracy:.4f} "
+            f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
+            f"{note}), target {v.entry['target']}"
+        )
+    print(f"next: make report RUN={run}   (or `lightship report --run {run}`)")
+
+
+@app.command()
+def report(
+    run: RunOpt = Path("runs/default"),
+    threads: Annotated[
+        int | None, typer.Option(help="threads per model (default: physical cores)")
+    ] = None,
+    rounds: Annotated[int, typer.Option(help="interleaved timing rounds (median)")] = 3,
+    batch: Annotated[int, typer.Option(help="batch size for throughput")] = 64,
+    gate: Annotated[float, typer.Option(help="a variant keeps >= GATE x fp32 accuracy")] = 0.99,
+) -> None:
+    """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
+    from lightship.report import ReportSettings
+    from lightship.report import report as report_run
+    from lightship.runs import RunDir
+
+    r = report_run(
+        RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
+    )
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{run} on {r['cpu']['model']} ({r['cpu']['target']}), {r['threads']} threads"
+    )
+    for col in ("variant", "accuracy", "p50 ms", f"img/s @{batch}", "x eager", "gate"):
+        table.add_column(col, justify="right")
+    for v in r["variants"]:
+        table.add_row(
+            ("★ " if v["recommended"] else "") + v["name"],
+            f"{v['accuracy']:.4f}",
+            f"{v['latency_ms']['p50']:.3f}",
+            f"{v['throughput_per_s']:.0f}",
+            f"{v['speedup_vs_eager']:.2f}",
+            "pass" if v["gate_passed"] else "FAIL",
+        )
+    Console().print(table)
+    print(f"report: {run}/report/report.md (+ report.json, pareto.png)")
+    print(f"recommended: {r['recommended']}")
+    print(f"next: make serve RUN={run}")
+
+
 @bench_app.command("train")
 def bench_train(
     config: ConfigOpt = None,

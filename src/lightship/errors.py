@@ -25,3 +25,9 @@ class RunError(LightshipError):
 
 class ParityError(LightshipError):
     exit_code = 5
+
+
+class QuantizeError(LightshipError):
+    """Quantization could not produce a model (unsupported op, empty calibration set, ...)."""
+
+    exit_code = 6

@@ -1,0 +1,365 @@
+"""`quantize(run, methods, target)`: int8 variants of RUN/export/model.onnx, each gated.
+
+Reads the exported fp32 ONNX model and the data spec recorded in the manifest (never the
+training code), writes `RUN/quantize/model.int8-<method>.onnx` atomically, and records each
+variant in the manifest with its scheme, the CPU it was made for, calibration settings,
+accuracy against fp32 and the nodes kept in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from lightship import __version__
+from lightship.data import DataSpec, Splits, load_splits
+from lightship.errors import LightshipError, QuantizeError, RunError
+from lightship.quantize import fallback, isa, ptq
+from lightship.runs import RunDir, atomic_path, sha256_file
+from lightship.runtime import load_predictor
+
+log = logging.getLogger(__name__)
+
+METHODS = ("static", "dynamic", "qat")
+FILENAMES = {m: f"model.int8-{m}.onnx" for m in METHODS}
+INT8_OPS = {
+    "QLinearConv",
+    "QLinearMatMul",
+    "ConvInteger",
+    "MatMulInteger",
+    "QGemm",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+}
+FLOAT_OPS = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm"}
+
+
+@dataclass
+class QuantizeSettings:
+    calibration_samples: int = 256
+    calibration_method: str = "minmax"
+    calibration_chunk: int = 64  # images held by the calibrator at once (bounds memory)
+    per_channel: bool = True
+    gate: float = 0.99  # an int8 variant keeps >= gate x fp32 accuracy
+    fallback_budget: int = 3  # at most this many nodes are moved back to fp32
+    qat_epochs: int = 3
+    qat_lr: float = 1e-4
+    seed: int = 0
+
+
+@dataclass
+class Variant:
+    method: str
+    path: Path
+    accuracy: float
+    gate_passed: bool
+    entry: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_methods(methods: Sequence[str] | str | None) -> list[str]:
+    if methods is None:
+        return list(METHODS)
+    items = methods.split(",") if isinstance(methods, str) else list(methods)
+    items = [m.strip() for m in items if m.strip()]
+    unknown = [m for m in items if m not in METHODS]
+    if unknown or not items:
+        raise QuantizeError(
+            f"unknown quantization method {unknown or items!r}: choose from {','.join(METHODS)}"
+        )
+    return list(dict.fromkeys(items))
+
+
+def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
+    """Conv/MatMul nodes ORT actually runs in int8 after its graph optimisation."""
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        so.intra_op_num_threads = threads or 1
+        so.log_severity_level = 3
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        import onnx
+
+        ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    n_int8 = sum(op in INT8_OPS for op in ops)
+    n_float = sum(op in FLOAT_OPS for op in ops)
+    return {
+        "int8_nodes": n_int8,
+        "float_nodes": n_float,
+        "share": n_int8 / max(n_int8 + n_float, 1),
+        "int8_op_types": sorted({op for op in ops if op in INT8_OPS}),
+    }
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
+    """`n` training images, the same for every method; classes mixed by a seeded shuffle."""
+    if n <= 0:
+        raise QuantizeError(
+            "empty calibration set: --calibration-samples must be positive (default 256)"
+        )
+    if len(splits.train_x) == 0:
+        raise QuantizeError("empty calibration set: the run's training split has no images")
+    idx = np.random.default_rng(seed).permutation(len(splits.train_x))[:n]
+    return np.ascontiguousarray(splits.train_x[np.sort(idx)])
+
+
+def _accuracy(path: Path, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    logits = load_predictor(path).predict(x)
+    return float(np.mean(logits.argmax(1) == y)), logits
+
+
+class Quantizer:
+    """One quantization session over a run: shared inputs for every method."""
+
+    def __init__(self, run: RunDir, target: str, settings: QuantizeSettings) -> None:
+        self.run = run
+        self.settings = settings
+        self.fp32 = run.export_dir / "model.onnx"
+        if not run.root.is_dir():
+            raise RunError(
+                f"run directory {run.root} does not exist: run `make train export RUN={run.root}`"
+            )
+        entry = run.artifact("onnx-fp32")
+        if entry is None or not self.fp32.is_file():
+            raise RunError(
+                f"no exported ONNX model in {run.root}: run `make export RUN={run.root}` first"
+            )
+        self.fp32_entry = entry
+        try:
+            self.target = isa.resolve_target(target)
+        except ValueError as exc:
+            raise QuantizeError(str(exc)) from None
+        self.scheme = isa.SCHEMES[self.target]
+        self.cpu = isa.host_cpu()
+        ckpt = run.artifact("checkpoint") or {}
+        if "data_spec" not in ckpt:
+            raise RunError(f"{run.manifest_path} has no data spec: re-run `make train`")
+        self.splits = load_splits(DataSpec.from_dict(ckpt["data_spec"]))
+        self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
+        self.input_name = str(entry["input_spec"].get("name", "input"))
+        self.fp32_acc, self.fp32_logits = _accuracy(
+            self.fp32, self.splits.test_x, self.splits.test_y
+        )
+        self.work = Path(tempfile.mkdtemp(prefix=".quantize.", dir=run.root))
+        self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
+        self.cache = self.work / f"calibration.{settings.calibration_method}.json"
+        self.calibration: dict[str, Any] = {}
+
+    def close(self) -> None:
+        for p in sorted(self.work.glob("**/*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+        self.work.rmdir()
+
+    def _gate(self, accuracy: float) -> bool:
+        return accuracy >= self.settings.gate * self.fp32_acc
+
+    def _static(self, out: Path, scheme: isa.Scheme, exclude: Sequence[str]) -> None:
+        s = self.settings
+        first = not self.cache.exists()
+        if first:
+            _reset_peak_rss()
+            t0 = time.perf_counter()
+        ptq.quantize_static_onnx(
+            self.pre,
+            out,
+            self.calib,
+            scheme,
+            input_name=self.input_name,
+            method=s.calibration_method,
+            per_channel=s.per_channel,
+            nodes_to_exclude=exclude,
+            cache=self.cache,
+            chunk=s.calibration_chunk,
+        )
+        if first:
+            self.calibration = {
+                "samples": len(self.calib),
+                "method": s.calibration_method,
+                "chunk": s.calibration_chunk,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "peak_rss_mb": _peak_rss_mb(),
+            }
+
+    def _scheme_error(self, path: Path) -> dict[str, float]:
+        acc, logits = _accuracy(path, self.splits.test_x, self.splits.test_y)
+        return {
+            "accuracy": acc,
+            "max_abs_diff": float(np.abs(logits - self.fp32_logits).max()),
+            "argmax_agreement": float(np.mean(logits.argmax(1) == self.fp32_logits.argmax(1))),
+        }
+
+    def static(self) -> Variant:
+        t0 = time.perf_counter()
+        s = self.settings
+        exclude: list[str] = []
+        fallback_nodes: list[dict[str, Any]] = []
+        final = self.run.quantize_dir / FILENAMES["static"]
+        with atomic_path(final) as tmp:
+            for round_ in range(s.fallback_budget + 1):
+                self._static(tmp, self.scheme, exclude)
+                acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
+                log.info(
+                    "static int8 round %d: accuracy %.4f (fp32 %.4f)", round_, acc, self.fp32_acc
+                )
+                if self._gate(acc) or round_ == s.fallback_budget:
+                    break
+                ranked = fallback.rank_nodes(
+                    self.pre, tmp, self.calib[:64], self.input_name, frozenset(exclude)
+                )
+                if not ranked:
+                    break
+                worst = ranked[0]
+                island = ptq.fp32_island(self.pre, worst.node)
+                log.info("gate failed: keeping %s in fp32 (%s)", island, worst.as_dict())
+                exclude.extend(n for n in island if n not in exclude)
+                fallback_nodes.append({**worst.as_dict(), "island": island, "accuracy_before": acc})
+            chosen = self._scheme_error(tmp)
+            ptq.copy_metadata(self.fp32, tmp, self._meta("static"))
+            scales = ptq.scales_digest(tmp)
+            share = int8_share(tmp)
+            seconds = time.perf_counter() - t0
+        entry = {
+            **self._entry(final, "static", acc),
+            "per_channel": s.per_channel,
+            "calibration": {**self.calibration, "scales_sha256": scales},
+            "nodes_fp32_by_fallback": fallback_nodes,
+            "int8_ops": share,
+            "scheme_check": {"chosen": {"target": self.target, **chosen}},
+            "quantize_seconds": round(seconds, 2),
+        }
+        alt = "vnni" if self.scheme.reduce_range else "avx2"
+        with tempfile.TemporaryDirectory(dir=self.work) as tmpdir:
+            alt_path = Path(tmpdir) / "alt.onnx"
+            self._static(alt_path, isa.SCHEMES[alt], exclude)
+            entry["scheme_check"]["alternative"] = {"target": alt, **self._scheme_error(alt_path)}
+        self.run.record("onnx-int8-static", entry)
+        return Variant("static", final, acc, self._gate(acc), entry)
+
+    def dynamic(self) -> Variant:
+        t0 = time.perf_counter()
+        final = self.run.quantize_dir / FILENAMES["dynamic"]
+        flops = ptq.flop_share(self.pre)
+        with atomic_path(final) as tmp:
+            ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme)
+            ptq.copy_metadata(self.fp32, tmp, self._meta("dynamic"))
+            acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
+            share = int8_share(tmp)
+        suits = flops["matmul"] >= 0.5
+        entry = {
+            **self._entry(final, "dynamic", acc),
+            "flop_share": flops,
+            "int8_ops": share,
+            "recommendable": suits,
+            "why": (
+                "most multiply-adds are in MatMul/Gemm: dynamic quantization suits it"
+                if suits
+                else f"{flops['conv']:.0%} of multiply-adds are in convolutions: dynamic "
+                "quantization (ConvInteger) was measured slower than fp32 on conv nets; "
+                "reported, not recommended"
+            ),
+            "quantize_seconds": round(time.perf_counter() - t0, 2),
+        }
+        self.run.record("onnx-int8-dynamic", entry)
+        return Variant("dynamic", final, acc, self._gate(acc), entry)
+
+    def qat(self) -> Variant:
+        from lightship.quantize.qat import quantize_aware_train
+
+        s = self.settings
+        final = self.run.quantize_dir / FILENAMES["qat"]
+        info = quantize_aware_train(
+            self.run, self.scheme, final, epochs=s.qat_epochs, lr=s.qat_lr, seed=s.seed
+        )
+        acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
+        entry = {**self._entry(final, "qat", acc), **info, "int8_ops": int8_share(final)}
+        self.run.record("onnx-int8-qat", entry)
+        return Variant("qat", final, acc, self._gate(acc), entry)
+
+    def _meta(self, method: str) -> dict[str, str]:
+        return {
+            "lightship.quantization": method,
+            "lightship.target": self.target,
+            "lightship.reduce_range": str(self.scheme.reduce_range).lower(),
+        }
+
+    def _entry(self, final: Path, method: str, acc: float) -> dict[str, Any]:
+        return {
+            "file": self.run.relative(final),
+            "format": "onnx",
+            "quantization": method,
+            "sha256": sha256_file(final),
+            "bytes": final.stat().st_size,
+            "input_spec": self.fp32_entry["input_spec"],
+            "labels": self.fp32_entry["labels"],
+            "source_sha256": self.fp32_entry["sha256"],
+            "target": self.target,
+            "scheme": self.scheme.as_dict(),
+            "cpu": self.cpu.as_dict(),
+            "accuracy": acc,
+            "fp32_accuracy": self.fp32_acc,
+            "gate": {"min_ratio": self.settings.gate, "passed": self._gate(acc)},
+            "versions": {"lightship": __version__, "onnxruntime": ort.__version__},
+        }
+
+
+def quantize(
+    run: RunDir,
+    methods: Sequence[str] | str | None = None,
+    target: str = "auto",
+    settings: QuantizeSettings | None = None,
+    on_error: Callable[[str, LightshipError], None] | None = None,
+) -> list[Variant]:
+    """Make every requested int8 variant; a method that cannot handle the model is reported
+    through `on_error` (default: logged) and the others are still produced."""
+    chosen = parse_methods(methods)
+    settings = settings or QuantizeSettings()
+    if settings.calibration_method not in ptq.CALIBRATION_METHODS:
+        raise QuantizeError(
+            f"unknown calibration method '{settings.calibration_method}': "
+            f"choose from {', '.join(ptq.CALIBRATION_METHODS)}"
+        )
+    if "static" in chosen and settings.calibration_samples <= 0:
+        raise QuantizeError(
+            "empty calibration set: --calibration-samples must be positive (default 256)"
+        )
+    q = Quantizer(run, target, settings)
+    variants: list[Variant] = []
+    try:
+        for method in chosen:
+            try:
+                variants.append(getattr(q, method)())
+            except QuantizeError as exc:
+                if on_error is None:
+                    log.error("%s: %s", method, exc)
+                else:
+                    on_error(method, exc)
+    finally:
+        q.close()
+    return variants

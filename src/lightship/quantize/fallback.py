@@ -1,0 +1,101 @@
+"""Accuracy-gate fallback: find the quantized nodes that hurt most, keep them in fp32.
+
+Each compute node's output is compared between the fp32 model and the int8 (QDQ) model on
+calibration images as a signal-to-quantization-noise ratio (SQNR, dB). Error accumulates with
+depth, so a node is ranked by the SQNR it *loses*: SQNR of its input minus SQNR of its output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from lightship.quantize.ptq import COMPUTE_OPS
+
+SQNR_CAP_DB = 120.0  # an exact tensor has infinite SQNR; cap it so differences stay finite
+
+
+def sqnr_db(reference: np.ndarray, approx: np.ndarray) -> float:
+    ref = reference.astype(np.float64).ravel()
+    noise = float(np.linalg.norm(ref - approx.astype(np.float64).ravel()))
+    signal = float(np.linalg.norm(ref))
+    if noise == 0.0:
+        return SQNR_CAP_DB
+    if signal == 0.0:
+        return -SQNR_CAP_DB
+    return min(20.0 * math.log10(signal / noise), SQNR_CAP_DB)
+
+
+@dataclass(frozen=True)
+class NodeError:
+    node: str
+    op_type: str
+    sqnr_in_db: float
+    sqnr_out_db: float
+
+    @property
+    def loss_db(self) -> float:
+        return self.sqnr_in_db - self.sqnr_out_db
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "node": self.node,
+            "op_type": self.op_type,
+            "sqnr_in_db": round(self.sqnr_in_db, 2),
+            "sqnr_out_db": round(self.sqnr_out_db, 2),
+            "loss_db": round(self.loss_db, 2),
+        }
+
+
+def _run_with_outputs(path: Path, names: list[str], feeds: list[dict[str, np.ndarray]]) -> list:
+    model = onnx.load(str(path))
+    existing = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in existing:
+            model.graph.output.append(onnx.ValueInfoProto(name=name))
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep names
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    per_batch = [sess.run(names, feed) for feed in feeds]
+    return [np.concatenate([b[i] for b in per_batch]) for i in range(len(names))]
+
+
+def rank_nodes(
+    fp32: Path,
+    int8: Path,
+    images: np.ndarray,
+    input_name: str = "input",
+    excluded: frozenset[str] = frozenset(),
+    batch: int = 32,
+) -> list[NodeError]:
+    """Quantized compute nodes, worst first (largest SQNR loss across the node)."""
+    fp32_graph, int8_graph = onnx.load(str(fp32)).graph, onnx.load(str(int8)).graph
+    # Node names survive quantization; tensor names do not (Q/DQ pairs are inserted), so each
+    # model's own input/output names of a node are read by the node's name.
+    in_int8 = {n.name: n for n in int8_graph.node}
+    nodes = [
+        n
+        for n in fp32_graph.node
+        if n.op_type in COMPUTE_OPS and n.name not in excluded and n.name in in_int8
+    ]
+    if not nodes:
+        return []
+    feeds = [{input_name: images[i : i + batch]} for i in range(0, len(images), batch)]
+
+    def io_names(graph_nodes: list[onnx.NodeProto]) -> list[str]:
+        return [t for n in graph_nodes for t in (n.input[0], n.output[0])]
+
+    ref = _run_with_outputs(fp32, io_names(nodes), feeds)
+    got = _run_with_outputs(int8, io_names([in_int8[n.name] for n in nodes]), feeds)
+    ranked = []
+    for i, n in enumerate(nodes):
+        sqnr_in = sqnr_db(ref[2 * i], got[2 * i])
+        sqnr_out = sqnr_db(ref[2 * i + 1], got[2 * i + 1])
+        ranked.append(NodeError(n.name, n.op_type, sqnr_in, sqnr_out))
+    return sorted(ranked, key=lambda e: e.loss_db, reverse=True)

@@ -1,0 +1,143 @@
+"""Which int8 scheme a CPU (or TensorRT) runs without saturating (DESIGN.md §4).
+
+On x86 without VNNI, int8 convolutions multiply u8 activations by s8 weights with
+`vpmaddubsw`, which adds pairs of products into int16 and saturates: full-range weights give
+wrong answers. 7-bit weights (`reduce_range`) keep every pair sum in range. With AVX-512 VNNI,
+AVX-VNNI or AMX the products are accumulated in int32 and full-range s8 weights are exact.
+ARM64 with the dot-product extension accumulates in int32 too. TensorRT wants symmetric S8S8.
+
+Pure standard library: the server imports this to re-check a model at start-up without torch.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+TARGETS = ("avx2", "vnni", "arm64", "tensorrt")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How weights and activations are quantized for a target."""
+
+    target: str
+    activation_type: str  # "QUInt8" or "QInt8"
+    weight_type: str  # "QInt8" or "QUInt8"
+    reduce_range: bool  # 7-bit weights
+    symmetric_activations: bool
+    why: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SCHEMES = {
+    "avx2": Scheme(
+        "avx2",
+        "QUInt8",
+        "QInt8",
+        reduce_range=True,
+        symmetric_activations=False,
+        why="no VNNI: u8 x s8 pairs sum in int16 and saturate; 7-bit weights keep them exact",
+    ),
+    "vnni": Scheme(
+        "vnni",
+        "QUInt8",
+        "QInt8",
+        reduce_range=False,
+        symmetric_activations=False,
+        why="VNNI/AMX accumulate u8 x s8 in int32: full-range weights are exact",
+    ),
+    "arm64": Scheme(
+        "arm64",
+        "QUInt8",
+        "QInt8",
+        reduce_range=False,
+        symmetric_activations=False,
+        why="ARM64 dot-product instructions accumulate in int32",
+    ),
+    "tensorrt": Scheme(
+        "tensorrt",
+        "QInt8",
+        "QInt8",
+        reduce_range=False,
+        symmetric_activations=True,
+        why="TensorRT runs symmetric S8S8 QDQ",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    arch: str
+    flags: frozenset[str]
+
+    @property
+    def target(self) -> str:
+        """The scheme this CPU runs without saturation."""
+        if self.arch in ("aarch64", "arm64"):
+            return "arm64"
+        if self.flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+            return "vnni"
+        return "avx2"
+
+    @property
+    def int8_flags(self) -> list[str]:
+        wanted = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8", "asimddp")
+        return [f for f in wanted if f in self.flags]
+
+    def describe(self) -> str:
+        return f"{self.model} ({self.arch}; {' '.join(self.int8_flags) or 'no int8 flags'})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "arch": self.arch, "int8_flags": self.int8_flags}
+
+
+@cache
+def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+    model, flags = platform.processor() or "unknown CPU", set[str]()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model", "CPU part") and model in ("", "unknown CPU"):
+                model = value.strip()
+            elif key in ("flags", "Features"):  # x86 / ARM
+                flags.update(value.split())
+    except OSError:
+        pass
+    return CpuInfo(model or "unknown CPU", platform.machine().lower(), frozenset(flags))
+
+
+def resolve_target(target: str) -> str:
+    """`auto` becomes this machine's target; anything else must be a known target."""
+    if target == "auto":
+        return host_cpu().target
+    if target not in TARGETS:
+        raise ValueError(f"unknown target '{target}': choose auto or one of {', '.join(TARGETS)}")
+    return target
+
+
+def compatibility(made_for: str, cpu: CpuInfo | None = None) -> str | None:
+    """None when a model quantized for `made_for` runs correctly on `cpu` (default: this host),
+    else one sentence on what goes wrong and how to fix it."""
+    here = (cpu or host_cpu()).target
+    if made_for == "avx2" or made_for == here:
+        return None  # 7-bit weights are exact everywhere
+    if made_for == "tensorrt":
+        return (
+            "model was quantized for TensorRT (S8S8); on a CPU re-run "
+            "`lightship quantize --target auto` for this machine"
+        )
+    if here == "avx2":
+        return (
+            f"model was quantized for {made_for} (full-range int8 weights) but this CPU has no "
+            "VNNI: int16 accumulation saturates and answers drift; re-quantize with "
+            "`lightship quantize --target avx2` (or auto on this machine)"
+        )
+    return None

@@ -1,0 +1,245 @@
+"""Post-training int8 quantization with onnxruntime.quantization (QDQ, static and dynamic).
+
+Calibration runs once per method and its ranges are cached, so the scheme check and every
+fallback round re-quantize without re-running the model over the calibration set. Memory is
+bounded: the calibrator sees `chunk` images at a time (histogram methods otherwise hold every
+activation of every calibration image at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+from onnxruntime.quantization.shape_inference import quant_pre_process
+
+from lightship.errors import QuantizeError
+from lightship.quantize.isa import Scheme
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_METHODS = {
+    "minmax": CalibrationMethod.MinMax,
+    "entropy": CalibrationMethod.Entropy,
+    "percentile": CalibrationMethod.Percentile,
+}
+COMPUTE_OPS = ("Conv", "Gemm", "MatMul")
+
+
+class ImageReader(CalibrationDataReader):
+    """Calibration batches of uint8 images."""
+
+    def __init__(self, images: np.ndarray, input_name: str, batch: int = 32) -> None:
+        self._it = iter(
+            [
+                {input_name: np.ascontiguousarray(images[i : i + batch])}
+                for i in range(0, len(images), batch)
+            ]
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """ORT's calibrators print() progress lines; keep our output readable."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def preprocess(fp32: Path, out: Path) -> Path:
+    """Shape inference + ORT graph optimisation before quantization (ORT's advice)."""
+    try:
+        with _quiet():
+            quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+    except Exception as exc:  # pre-processing is an optimisation; quantization still works
+        log.warning("quant_pre_process failed (%s): quantizing the exported graph as is", exc)
+        onnx.save(onnx.load(str(fp32)), str(out))
+    return out
+
+
+# Entropy needs many more histogram bins than quantized levels to search a threshold: with
+# ORT's default (128 and 128) its only candidate is the full range and it equals MinMax.
+HISTOGRAM_OPTIONS: dict[str, dict[str, Any]] = {
+    "minmax": {},
+    "entropy": {"num_bins": 2048, "num_quantized_bins": 255},
+    "percentile": {"num_bins": 2048, "percentile": 99.99, "symmetric": False},
+}
+
+
+def calibrate(
+    pre: Path,
+    images: np.ndarray,
+    method: str,
+    cache: Path,
+    *,
+    input_name: str = "input",
+    batch: int = 32,
+    chunk: int = 64,
+) -> None:
+    """Activation ranges of every quantizable tensor, saved to `cache` for `quantize_static`.
+
+    The calibrator is fed `chunk` images per pass and folds them into its running min/max or
+    histograms, so memory is bounded by `chunk` x activation sizes, not by the sample count.
+    """
+    if len(images) == 0:
+        raise QuantizeError(
+            "empty calibration set: static quantization needs images; "
+            "set --calibration-samples to a positive number"
+        )
+    op_types = sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
+    with tempfile.TemporaryDirectory(dir=pre.parent) as tmp, _quiet():
+        calibrator = create_calibrator(
+            pre,
+            op_types,
+            augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+            calibrate_method=CALIBRATION_METHODS[method],
+            extra_options=HISTOGRAM_OPTIONS[method],
+        )
+        for start in range(0, len(images), chunk):
+            calibrator.collect_data(ImageReader(images[start : start + chunk], input_name, batch))
+        ranges = calibrator.compute_data()
+    save_tensors_data(ranges, cache)
+
+
+def quantize_static_onnx(
+    pre: Path,
+    out: Path,
+    images: np.ndarray,
+    scheme: Scheme,
+    *,
+    input_name: str = "input",
+    method: str = "minmax",
+    per_channel: bool = True,
+    nodes_to_exclude: Sequence[str] = (),
+    cache: Path,
+    batch: int = 32,
+    chunk: int = 64,
+) -> None:
+    """Static QDQ quantization from the ranges in `cache` (calibrated first when missing)."""
+    if not cache.exists():
+        calibrate(pre, images, method, cache, input_name=input_name, batch=batch, chunk=chunk)
+    extra: dict[str, Any] = {"ActivationSymmetric": scheme.symmetric_activations}
+    with _quiet():
+        quantize_static(
+            str(pre),
+            str(out),
+            None,
+            quant_format=QuantFormat.QDQ,
+            per_channel=per_channel,
+            reduce_range=scheme.reduce_range,
+            activation_type=QuantType[scheme.activation_type],
+            weight_type=QuantType[scheme.weight_type],
+            calibrate_method=CALIBRATION_METHODS[method],
+            nodes_to_exclude=list(nodes_to_exclude),
+            calibration_cache_path=str(cache),
+            extra_options=extra,
+        )
+
+
+def quantize_dynamic_onnx(pre: Path, out: Path, scheme: Scheme) -> None:
+    """Dynamic quantization: int8 weights, activations quantized per batch at run time."""
+    with _quiet():
+        quantize_dynamic(
+            str(pre),
+            str(out),
+            per_channel=False,
+            reduce_range=scheme.reduce_range,
+            weight_type=QuantType.QInt8 if scheme.target != "avx2" else QuantType.QUInt8,
+        )
+
+
+def scales_digest(path: Path) -> str:
+    """sha256 over every quantization scale in a QDQ model: equal digests, equal quantization."""
+    model = onnx.load(str(path))
+    digest = hashlib.sha256()
+    for init in sorted(model.graph.initializer, key=lambda t: t.name):
+        if init.name.endswith("_scale"):
+            digest.update(init.name.encode())
+            digest.update(numpy_helper.to_array(init).tobytes())
+    return digest.hexdigest()
+
+
+def flop_share(path: Path) -> dict[str, float]:
+    """Share of multiply-accumulates in convolutions vs matrix products, at batch 1."""
+    model = onnx.load(str(path))
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].dim_param:
+            dims[0].dim_value = 1
+    model = shape_inference.infer_shapes(model)
+    shapes: dict[str, list[int]] = {}
+    for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        shapes[v.name] = [d.dim_value for d in v.type.tensor_type.shape.dim]
+    for init in model.graph.initializer:
+        shapes[init.name] = list(init.dims)
+    macs = {"conv": 0.0, "matmul": 0.0}
+    for node in model.graph.node:
+        out_shape = shapes.get(node.output[0], [])
+        if node.op_type == "Conv" and node.input[1] in shapes and out_shape:
+            w = shapes[node.input[1]]  # [Cout, Cin/groups, kh, kw]
+            macs["conv"] += float(np.prod(out_shape)) * float(np.prod(w[1:]))
+        elif node.op_type in ("Gemm", "MatMul") and out_shape:
+            a = shapes.get(node.input[0], [])
+            k = a[-1] if a else 0
+            if node.op_type == "Gemm" and any(
+                attr.name == "transA" and attr.i for attr in node.attribute
+            ):
+                k = a[0]
+            macs["matmul"] += float(np.prod(out_shape)) * float(k)
+    total = sum(macs.values()) or 1.0
+    return {k: v / total for k, v in macs.items()}
+
+
+def fp32_island(path: Path, node: str) -> list[str]:
+    """`node` plus the non-compute nodes feeding it back to the previous compute node.
+
+    Excluding a Conv alone is not enough: with a quantized input and output, ORT's
+    WeightBiasQuantization transformer quantizes its float weights itself (full-range,
+    per-tensor, so it saturates on AVX2) and still runs QLinearConv. With a float input the
+    node stays a float Conv.
+    """
+    graph = onnx.load(str(path)).graph
+    producer = {out: n for n in graph.node for out in n.output}
+    by_name = {n.name: n for n in graph.node}
+    island, stack = [node], [by_name[node].input[0]] if node in by_name else []
+    while stack:
+        prev = producer.get(stack.pop())
+        if prev is None or prev.op_type in COMPUTE_OPS or prev.name in island:
+            continue
+        island.append(prev.name)
+        stack.extend(i for i in prev.input if i in producer)
+    return island
+
+
+def copy_metadata(src: Path, dst: Path, extra: dict[str, str]) -> None:
+    """Carry the exported model's metadata_props (labels, input spec) into a quantized file."""
+    source = onnx.load(str(src))
+    model = onnx.load(str(dst))
+    props = {p.key: p.value for p in source.metadata_props}
+    props.update(extra)
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    model.producer_name = "lightship"
+    onnx.save(model, str(dst))

@@ -1,0 +1,124 @@
+"""`report(run)`: every variant's accuracy, error and speed on this machine, one table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightship import __version__
+from lightship.data import DataSpec, load_splits
+from lightship.errors import RunError
+from lightship.quantize import isa
+from lightship.report import render
+from lightship.report.evaluate import candidates, logits, sqnr_db
+from lightship.report.measure import measure
+from lightship.runs import RunDir, atomic_write_text
+from lightship.runtime import physical_cores
+
+
+@dataclass
+class ReportSettings:
+    threads: int | None = None  # None: physical cores
+    rounds: int = 3
+    batch: int = 64
+    seconds: float = 0.5
+    gate: float = 0.99
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"lightship": __version__, "python": platform.python_version()}
+    for pkg in ("onnxruntime", "torch", "onnx"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[pkg] = md.version(pkg)
+    return out
+
+
+def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any]:
+    from rich.progress import Progress
+
+    s = settings or ReportSettings()
+    threads = s.threads or physical_cores()
+    ckpt = run.artifact("checkpoint")
+    if not run.root.is_dir() or ckpt is None:
+        raise RunError(f"no trained run in {run.root}: run `make train export quantize RUN=...`")
+    found = candidates(run, threads)
+    if not any(c.name == "eager" for c in found):
+        raise RunError(f"{run.root}/best.ckpt is missing: run `make train RUN={run.root}`")
+    splits = load_splits(DataSpec.from_dict(ckpt["data_spec"]))
+    x, y = splits.test_x, splits.test_y
+    ref = logits(next(c for c in found if c.name == "eager").predictor, x)
+    ref_acc = float(np.mean(ref.argmax(1) == y))
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("measuring variants", total=len(found) * s.rounds)
+        timings = measure(
+            {c.name: c.predictor for c in found},
+            x,
+            rounds=s.rounds,
+            batch=s.batch,
+            seconds=s.seconds,
+            on_step=lambda name, r: bar.update(
+                task, advance=1, description=f"round {r + 1}: {name}"
+            ),
+        )
+    eager_tp = timings["eager"].throughput_per_s
+    rows: list[dict[str, Any]] = []
+    for c in found:
+        out = logits(c.predictor, x)
+        acc = float(np.mean(out.argmax(1) == y))
+        t = timings[c.name]
+        recommendable = bool(c.entry.get("recommendable", True)) and c.name not in ("eager",)
+        rows.append(
+            {
+                "name": c.name,
+                "file": c.entry["file"],
+                "bytes": c.path.stat().st_size,
+                "accuracy": acc,
+                "delta_vs_fp32": acc - ref_acc,
+                "sqnr_db": sqnr_db(ref, out) if c.name != "eager" else None,
+                "max_abs_diff": float(np.abs(out - ref).max()),
+                "int8_share": (c.entry.get("int8_ops") or {}).get("share", 0.0),
+                "latency_ms": t.summary(),
+                "throughput_per_s": t.throughput_per_s,
+                "speedup_vs_eager": t.throughput_per_s / eager_tp,
+                "gate_passed": acc >= s.gate * ref_acc,
+                "recommendable": recommendable,
+                "target": c.entry.get("target"),
+                "nodes_fp32": [n["node"] for n in c.entry.get("nodes_fp32_by_fallback", [])],
+            }
+        )
+    eligible = [r for r in rows if r["gate_passed"] and r["recommendable"]]
+    best = max(eligible, key=lambda r: r["throughput_per_s"]) if eligible else None
+    for r in rows:
+        r["recommended"] = best is not None and r["name"] == best["name"]
+    static = run.artifact("onnx-int8-static") or {}
+    cpu = isa.host_cpu()
+    result: dict[str, Any] = {
+        "schema": 1,
+        "run": str(run.root),
+        "model": ckpt.get("model"),
+        "cpu": {**cpu.as_dict(), "target": cpu.target},
+        "threads": threads,
+        "batch": s.batch,
+        "rounds": s.rounds,
+        "test_images": len(x),
+        "gate": s.gate,
+        "fp32_accuracy": ref_acc,
+        "versions": _versions(),
+        "calibration": static.get("calibration"),
+        "scheme_check": static.get("scheme_check"),
+        "recommended": best["name"] if best else None,
+        "variants": rows,
+    }
+    run.report_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run.report_dir / "report.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(run.report_dir / "report.md", render.markdown(result))
+    render.pareto(result, run.report_dir / "pareto.png")
+    return result

@@ -1,0 +1,56 @@
+"""Which variants a run has, and how accurate each is on the held-out test split."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightship.runs import RunDir
+from lightship.runtime import Predictor, load_predictor
+
+# Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
+VARIANTS = (
+    "eager",
+    "torchscript",
+    "pt2",
+    "onnx-fp32",
+    "onnx-int8-static",
+    "onnx-int8-dynamic",
+    "onnx-int8-qat",
+)
+MANIFEST_KEY = {"eager": "checkpoint"}
+
+
+@dataclass
+class Candidate:
+    name: str
+    path: Path
+    entry: dict[str, Any]
+    predictor: Predictor
+
+
+def candidates(run: RunDir, threads: int) -> list[Candidate]:
+    """Every variant of VARIANTS whose file exists, loaded with `threads` threads."""
+    artifacts = run.manifest()["artifacts"]
+    found = []
+    for name in VARIANTS:
+        entry = artifacts.get(MANIFEST_KEY.get(name, name))
+        if entry is None or not (run.root / entry["file"]).is_file():
+            continue
+        path = run.root / entry["file"]
+        found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
+    return found
+
+
+def sqnr_db(reference: np.ndarray, approx: np.ndarray) -> float:
+    noise = float(np.linalg.norm(reference.astype(np.float64) - approx.astype(np.float64)))
+    signal = float(np.linalg.norm(reference.astype(np.float64)))
+    return math.inf if noise == 0 else 20 * math.log10(max(signal, 1e-30) / noise)
+
+
+def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:
+    return np.concatenate([predictor.predict(x[i : i + batch]) for i in range(0, len(x), batch)])

@@ -1,0 +1,71 @@
+"""Latency and throughput, measured fairly: fixed threads, warm-up, variants interleaved.
+
+Each round times every variant one after the other, so a slow patch of the machine (another
+process, frequency change) touches all variants alike; the median over rounds is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightship.runtime import Predictor
+
+
+@dataclass
+class Timing:
+    latency_ms: list[float] = field(default_factory=list)  # batch-1 calls, all rounds
+    throughput: list[float] = field(default_factory=list)  # images/s, large batch, per round
+
+    def summary(self) -> dict[str, float]:
+        lat = np.asarray(self.latency_ms)
+        return {
+            "p50": float(np.percentile(lat, 50)),
+            "p90": float(np.percentile(lat, 90)),
+            "p99": float(np.percentile(lat, 99)),
+        }
+
+    @property
+    def throughput_per_s(self) -> float:
+        return float(np.median(self.throughput))
+
+
+def _time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list[float]:
+    out: list[float] = []
+    start = time.perf_counter()
+    while len(out) < min_calls or time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def measure(
+    predictors: dict[str, Predictor],
+    images: np.ndarray,
+    rounds: int = 3,
+    batch: int = 64,
+    seconds: float = 0.5,
+    warmup: int = 3,
+    on_step: Callable[[str, int], None] | None = None,
+) -> dict[str, Timing]:
+    """Batch-1 latency and batch-`batch` throughput of each predictor (the hot path, no checks)."""
+    one = np.ascontiguousarray(images[:1])
+    big = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])))
+    timings = {name: Timing() for name in predictors}
+    for p in predictors.values():
+        for _ in range(warmup):
+            p._run(one)
+            p._run(big)
+    for r in range(rounds):
+        for name, p in predictors.items():
+            lat = _time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
+            timings[name].latency_ms.extend(1000 * t for t in lat)
+            big_calls = _time_calls(lambda p=p: p._run(big), seconds, 2)  # type: ignore[misc]
+            timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
+            if on_step is not None:
+                on_step(name, r)
+    return timings

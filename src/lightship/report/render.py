@@ -1,0 +1,119 @@
+"""report.md (a table people can scan) and pareto.png (accuracy against latency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightship.runs import atomic_path
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    cpu = r["cpu"]
+    lines = [
+        f"# lightship report: {r['run']}",
+        "",
+        f"- CPU: {cpu['model']} ({cpu['arch']}; flags {' '.join(cpu['int8_flags']) or 'none'};"
+        f" int8 target `{cpu['target']}`), {r['threads']} threads",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
+        f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
+        f" variants interleaved over {r['rounds']} rounds, median throughput",
+        f"- accuracy gate: a variant keeps >= {r['gate']:.0%} of fp32 accuracy "
+        f"({r['fp32_accuracy']:.4f})",
+    ]
+    cal = r.get("calibration")
+    if cal:
+        lines.append(
+            f"- calibration: {cal['samples']} training images, {cal['method']}, "
+            f"{cal['chunk']} images held at once, {cal['seconds']} s, "
+            f"peak RSS {cal.get('peak_rss_mb') or 0:.0f} MB, scales {cal['scales_sha256'][:12]}"
+        )
+    lines += [
+        "",
+        "| variant | size | accuracy | Δ vs fp32 | SQNR dB | int8 ops | p50 ms | p90 ms "
+        "| p99 ms | img/s @batch | × eager | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in r["variants"]:
+        name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
+        sqnr = "—" if v["sqnr_db"] is None else f"{v['sqnr_db']:.1f}"
+        lat = v["latency_ms"]
+        lines.append(
+            f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
+            f"{100 * v['delta_vs_fp32']:+.2f} pt | {sqnr} | {v['int8_share']:.0%} | "
+            f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
+            f"{v['throughput_per_s']:.0f} | {v['speedup_vs_eager']:.2f} | "
+            f"{'pass' if v['gate_passed'] else 'FAIL'}"
+            f"{'' if v['recommendable'] else ' (not recommended)'} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Recommended (fastest at batch {r['batch']} that passes the gate): "
+        f"**{r['recommended'] or 'none'}** ★"
+    )
+    kept = [(v["name"], v["nodes_fp32"]) for v in r["variants"] if v["nodes_fp32"]]
+    for name, nodes in kept:
+        lines.append(f"\nNodes kept in fp32 by the accuracy fallback in {name}: {', '.join(nodes)}")
+    sc = r.get("scheme_check")
+    if sc and "alternative" in sc:
+        c, a = sc["chosen"], sc["alternative"]
+        lines += [
+            "",
+            "Scheme check on this CPU (static int8, real kernels):",
+            "",
+            "| scheme | accuracy | max abs Δlogit vs fp32 | argmax agreement |",
+            "|---|---|---|---|",
+            f"| {c['target']} (chosen) | {c['accuracy']:.4f} | {c['max_abs_diff']:.3f} | "
+            f"{c['argmax_agreement']:.2%} |",
+            f"| {a['target']} (the other) | {a['accuracy']:.4f} | {a['max_abs_diff']:.3f} | "
+            f"{a['argmax_agreement']:.2%} |",
+        ]
+    lines += ["", "![accuracy vs latency](pareto.png)", ""]
+    return "\n".join(lines)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point beats on both lower latency and higher accuracy."""
+    front = []
+    for i, (lat, acc) in enumerate(points):
+        dominated = any(
+            (lat2 <= lat and acc2 >= acc) and (lat2 < lat or acc2 > acc)
+            for j, (lat2, acc2) in enumerate(points)
+            if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def pareto(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = r["variants"]
+    points = [(v["latency_ms"]["p50"], 100 * v["accuracy"]) for v in variants]
+    front = pareto_front(points)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for v, (lat, acc) in zip(variants, points, strict=True):
+        color = "tab:green" if v["gate_passed"] else "tab:red"
+        marker = "*" if v["recommended"] else "o"
+        ax.scatter(lat, acc, s=160 if v["recommended"] else 50, c=color, marker=marker, zorder=3)
+        ax.annotate(v["name"], (lat, acc), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    fx = [points[i][0] for i in front]
+    fy = [points[i][1] for i in front]
+    ax.step(fx, fy, where="post", color="tab:blue", alpha=0.6, label="Pareto front")
+    ax.set_xlabel("latency p50 at batch 1 (ms, lower is better)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{r['cpu']['model']}, {r['threads']} threads", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

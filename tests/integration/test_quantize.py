@@ -1,0 +1,171 @@
+"""PTQ, the accuracy gate with its fallback, and the report, on the tiny run (seconds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from lightship.quantize.core import QuantizeSettings, int8_share, quantize
+from lightship.report import ReportSettings, report
+from lightship.runs import RunDir
+from lightship.runtime import load_predictor
+from tests.conftest import ROOT, last_line, run_cli
+
+FAST = ReportSettings(rounds=1, seconds=0.05, batch=16)
+
+
+@pytest.fixture(scope="module")
+def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("quantize") / "tiny"
+    shutil.copytree(tiny_run, run)
+    run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def quantized(exported_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("quantized") / "tiny"
+    shutil.copytree(exported_run, run)
+    proc = run_cli("quantize", "--run", str(run), "--methods", "static,dynamic", check=True)
+    assert "next: make report" in proc.stdout
+    return run
+
+
+def entries(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["artifacts"]
+
+
+def test_static_and_dynamic_variants_are_recorded(quantized: Path) -> None:
+    e = entries(quantized)
+    fp32 = e["onnx-fp32"]
+    for key, name in [("onnx-int8-static", "static"), ("onnx-int8-dynamic", "dynamic")]:
+        v = e[key]
+        path = quantized / v["file"]
+        assert v["file"] == f"quantize/model.int8-{name}.onnx" and path.is_file()
+        assert v["source_sha256"] == fp32["sha256"] and v["bytes"] == path.stat().st_size
+        assert v["target"] == "avx2" or v["target"] in ("vnni", "arm64")  # this host's scheme
+        assert v["scheme"]["reduce_range"] == (v["target"] == "avx2")
+        assert v["cpu"]["model"] and v["fp32_accuracy"] > 0.5
+        p = load_predictor(path)  # metadata carried into the quantized file
+        assert p.labels == fp32["labels"] and p.chw == (1, 16, 16)
+    static = e["onnx-int8-static"]
+    assert static["gate"]["passed"] and static["accuracy"] >= 0.99 * static["fp32_accuracy"]
+    assert (
+        static["int8_ops"]["share"] == 1.0 and "QLinearConv" in static["int8_ops"]["int8_op_types"]
+    )
+    cal = static["calibration"]
+    assert cal["samples"] == 256 and cal["method"] == "minmax" and len(cal["scales_sha256"]) == 64
+    check = static["scheme_check"]
+    assert {check["chosen"]["target"], check["alternative"]["target"]} <= {"avx2", "vnni"}
+    dyn = e["onnx-int8-dynamic"]
+    assert dyn["flop_share"]["conv"] > 0.9 and dyn["recommendable"] is False
+    assert "ConvInteger" in dyn["int8_ops"]["int8_op_types"]
+    assert not list((quantized / "quantize").glob(".*"))  # no temporary files left
+    assert not list(quantized.glob(".quantize.*"))
+
+
+def test_calibration_method_changes_the_scales(exported_run: Path, tmp_path: Path) -> None:
+    digests = {}
+    for method in ("minmax", "entropy", "percentile"):
+        run = tmp_path / method
+        shutil.copytree(exported_run, run)
+        s = QuantizeSettings(calibration_samples=64, calibration_method=method)
+        (v,) = quantize(RunDir(run), "static", settings=s)
+        digests[method] = v.entry["calibration"]["scales_sha256"]
+        assert v.entry["calibration"]["samples"] == 64
+    assert len(set(digests.values())) == 3, digests
+
+
+def test_failed_gate_keeps_the_worst_nodes_in_fp32(exported_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "strict"
+    shutil.copytree(exported_run, run)
+    # A gate no int8 model can pass (> 100 % of fp32) forces every fallback round.
+    s = QuantizeSettings(gate=1.01, fallback_budget=2)
+    (v,) = quantize(RunDir(run), "static", settings=s)
+    kept = v.entry["nodes_fp32_by_fallback"]
+    assert len(kept) == 2 and not v.gate_passed
+    assert all(k["op_type"] in ("Conv", "Gemm", "MatMul") for k in kept)
+    assert kept[0]["loss_db"] >= 0  # ranked by the SQNR each node loses
+    # the kept nodes really run in fp32 in ORT (no weight DequantizeLinear feeds them) ...
+    graph = onnx.load(str(v.path)).graph
+    producers = {o: n for n in graph.node for o in n.output}
+    for k in kept:
+        node = next(n for n in graph.node if n.name == k["node"])
+        assert producers.get(node.input[1]) is None, "weights must stay float"
+    share = int8_share(v.path)
+    assert share["float_nodes"] == 2 and share["int8_nodes"] == 1
+    # ... and the report lists them
+    r = report(RunDir(run), FAST)
+    row = next(x for x in r["variants"] if x["name"] == "onnx-int8-static")
+    assert row["nodes_fp32"] == [k["node"] for k in kept]
+    assert kept[0]["node"] in (run / "report" / "report.md").read_text()
+
+
+def test_report_ranks_every_variant(quantized: Path) -> None:
+    r = report(RunDir(quantized), FAST)
+    names = [v["name"] for v in r["variants"]]
+    assert names == ["eager", "torchscript", "onnx-fp32", "onnx-int8-static", "onnx-int8-dynamic"]
+    for v in r["variants"]:
+        assert set(v) >= {"name", "file", "bytes", "accuracy", "latency_ms", "throughput_per_s"}
+        assert set(v) >= {"speedup_vs_eager", "gate_passed"}
+        lat = v["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+        assert v["throughput_per_s"] > 0
+    eager = r["variants"][0]
+    assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
+    fp32 = r["variants"][2]
+    assert fp32["max_abs_diff"] < 1e-3 and fp32["sqnr_db"] > 60
+    eligible = [v for v in r["variants"] if v["gate_passed"] and v["recommendable"]]
+    best = max(eligible, key=lambda v: v["throughput_per_s"])
+    assert r["recommended"] == best["name"] and best["recommended"]
+    assert r["recommended"] not in ("eager", "onnx-int8-dynamic")  # dynamic: conv net
+    md = (quantized / "report" / "report.md").read_text()
+    assert r["cpu"]["model"] in md and "★" in md and "Scheme check" in md
+    png = (quantized / "report" / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    on_disk = json.loads((quantized / "report" / "report.json").read_text())
+    assert on_disk["recommended"] == r["recommended"]
+
+
+def test_wrong_scheme_error_is_measured(quantized: Path) -> None:
+    check = entries(quantized)["onnx-int8-static"]["scheme_check"]
+    chosen, other = check["chosen"], check["alternative"]
+    x = np.asarray(chosen["max_abs_diff"]), np.asarray(other["max_abs_diff"])
+    assert all(np.isfinite(v) and v >= 0 for v in x)
+    if chosen["target"] == "avx2":  # on an AVX2 host full-range weights saturate
+        assert other["max_abs_diff"] >= chosen["max_abs_diff"]
+
+
+def test_quantize_does_not_import_training_code() -> None:
+    code = (
+        "import sys, lightship.quantize.core, lightship.report; "
+        "print([m for m in sys.modules if m.startswith('lightship.train')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_path: Path) -> None:
+    proc = run_cli("quantize", "--run", str(tiny_run))  # trained, never exported
+    assert proc.returncode == 4 and "make export" in last_line(proc.stderr)
+    cases = [
+        (["--calibration-samples", "0"], "empty calibration set"),
+        (["--methods", "static,fp4"], "unknown quantization method ['fp4']"),
+        (["--target", "sse"], "unknown target 'sse'"),
+        (["--calibration-method", "mse"], "unknown calibration method 'mse'"),
+    ]
+    for args, message in cases:
+        run = tmp_path / args[1].replace(",", "_")
+        shutil.copytree(exported_run, run)
+        proc = run_cli("quantize", "--run", str(run), *args)
+        assert proc.returncode == 6, (args, proc.stderr)
+        assert message in last_line(proc.stderr) and last_line(proc.stderr).startswith("error:")
+        assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
