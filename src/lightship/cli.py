@@ -202,6 +202,11 @@ def bench_train(
     bench_training(load_config(config, overrides), steps=steps, out=out)
 
 
+from lightship.serve.command import serve  # noqa: E402  (commands first, then main)
+
+app.command()(serve)
+
+
 def main() -> None:
     try:
         app()

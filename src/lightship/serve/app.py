@@ -1,0 +1,574 @@
+"""The HTTP server: routes, error bodies, readiness and shutdown around one batched `Predictor`.
+
+Knows the `Predictor` interface, not the runtime behind it; knows the batcher's exceptions, not
+its threads. Every error is JSON `{"error": "..."}` with a 4xx (the caller's fault) or 5xx status.
+Hot routes read the raw body (orjson, `np.frombuffer`) instead of a pydantic model: cheaper, and
+`tritonclient` sends no `Content-Type`, which a pydantic body would answer with 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Annotated, Any
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, File, Path, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lightship import __version__
+from lightship.runtime import InputError, Predictor
+from lightship.serve import openapi, v1, v2
+from lightship.serve.batcher import (
+    Batcher,
+    ClientGone,
+    Closed,
+    DeadlineExceeded,
+    InferenceFailed,
+    QueueFull,
+    Ticket,
+    TooManyRows,
+)
+from lightship.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from lightship.serve.model import ServedModel
+from lightship.serve.settings import ServeSettings
+from lightship.serve.v2 import ProtocolError, error_body
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-request-timeout-ms"
+PLATFORMS = {
+    "onnxruntime": "onnxruntime_onnx",
+    "torchscript": "pytorch_libtorch",
+    "pt2": "pytorch_pt2",
+    "eager": "pytorch",
+}
+# Status for a client that left before its answer (nginx's convention); only metrics see it.
+CLIENT_CLOSED = 499
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(message), status, headers, media_type="application/json")
+
+
+class Service:
+    """The model behind the routes: predictor, batcher, readiness, deadlines."""
+
+    def __init__(self, predictor: Predictor, served: ServedModel, settings: ServeSettings) -> None:
+        self.predictor = predictor
+        self.served = served
+        self.settings = settings
+        self.name = served.name
+        self.labels = list(predictor.labels)
+        self.chw = predictor.chw
+        self.input_name = str(predictor.input_spec.get("name", "input"))
+        self.metrics = Metrics()
+        self.metrics.model_info.labels(
+            self.name, served.variant, predictor.kind, predictor.device
+        ).set(1)
+        # `_run` is the predictor's unchecked hot path: every request was checked on the event
+        # loop (Predictor.check) before it was queued, so a bad row never reaches a batch.
+        self.batcher = Batcher(
+            predictor._run,
+            max_batch_rows=settings.max_batch_rows,
+            max_wait_ms=settings.max_wait_ms,
+            max_queue_rows=settings.max_queue_rows,
+            observer=self.metrics,
+        )
+        self.ready = False
+        self.failed: str | None = None
+        self.settled = asyncio.Event()  # set when the warm-up ended, ready or failed
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.batcher.start()
+
+    async def warm_up(self) -> None:
+        """One batch through the whole path; ready only if it answers as the labels say."""
+        rows = min(self.settings.warmup_rows, self.settings.max_batch_rows)
+        x = np.zeros((rows, *self.chw), np.uint8)
+        try:
+            # Generous: a TensorRT engine is built on the first batch and may take minutes.
+            y = await self.batcher.infer(x, max(self.settings.timeout_ms / 1000, 900.0), wait=False)
+            if y.shape != (rows, len(self.labels)) or not np.isfinite(y).all():
+                raise RuntimeError(
+                    f"it gave {y.dtype} {list(y.shape)} (finite: {bool(np.isfinite(y).all())}), "
+                    f"expected finite logits {[rows, len(self.labels)]}"
+                )
+        except Exception as exc:
+            self.failed = f"model failed its warm-up batch: {exc}"
+            log.error("%s; not ready", self.failed)
+        else:
+            # Everything made so far (modules, routes, the model session) lives as long as the
+            # process: move it out of the garbage collector's generations, so the collections
+            # that per-request garbage triggers stop re-scanning it.
+            gc.freeze()
+            self.ready = True
+            log.info(
+                "ready: model '%s' (%s, %s on %s), input '%s' uint8 %s",
+                self.name,
+                self.served.variant,
+                self.predictor.kind,
+                self.predictor.device,
+                self.input_name,
+                list(self.chw),
+            )
+        finally:
+            self.settled.set()
+
+    def begin_shutdown(self) -> None:
+        """On SIGTERM (from a signal handler): not ready; the queue runs without waiting."""
+        self.ready = False
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.batcher.drain)
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.batcher.aclose()
+
+    def check_model(self, name: str, version: str | None = None) -> None:
+        if name != self.name:
+            raise ProtocolError(f"unknown model '{name}': this server serves '{self.name}'", 404)
+        if version is not None and version != v2.VERSION:
+            raise ProtocolError(
+                f"unknown version '{version}' of model '{name}': it has version {v2.VERSION}", 404
+            )
+
+    def timeout_s(self, request: Request, requested_s: float | None = None) -> float:
+        """The server's deadline, shortened by the client's header or V2 parameter."""
+        timeout = self.settings.timeout_ms / 1000
+        header = request.headers.get(TIMEOUT_HEADER)
+        if header is not None:
+            try:
+                value = float(header) / 1000
+            except ValueError:
+                value = float("nan")
+            if not value > 0:  # also false for NaN
+                raise ProtocolError(
+                    f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got {header!r}"
+                )
+            timeout = min(timeout, value)
+        if requested_s is not None:
+            timeout = min(timeout, requested_s)
+        return timeout
+
+    async def predict(self, x: np.ndarray, timeout_s: float, receive: Receive) -> np.ndarray:
+        """Logits for checked input through the batcher; drops the request if its client left."""
+        if not self.ready and self.failed is not None:
+            raise NotReady(self.failed)
+        x = self.predictor.check(x)
+        ticket = self.batcher.submit(x, timeout_s)
+        assert self._loop is not None
+        watch = _DisconnectWatch(self._loop, ticket, receive)
+        try:
+            return await ticket.future
+        finally:
+            watch.close()
+
+
+class _DisconnectWatch:
+    """Abandons a queued request when its client disconnects.
+
+    After the body, an ASGI `receive()` returns only on disconnect, but awaiting it takes a task
+    (~12 µs to make and cancel, a few % of a small model's request). Most requests are answered
+    within a few milliseconds, so the task starts only for one still waiting after
+    `WATCH_AFTER_S`: those are the ones a backlog holds, where dropping them saves compute.
+    """
+
+    WATCH_AFTER_S = 0.005
+    __slots__ = ("_handle", "_receive", "_task", "_ticket")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ticket: Ticket, receive: Receive) -> None:
+        self._ticket = ticket
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._handle = loop.call_later(self.WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        if not self._ticket.future.done():
+            self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._ticket.abandon()
+
+    def close(self) -> None:
+        self._handle.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+
+class BodyLimit:
+    """413 for a body over `limit` bytes: at once from Content-Length, else while it streams."""
+
+    def __init__(self, app: ASGIApp, limit: int, metrics: Metrics) -> None:
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                if not value.isdigit() or int(value) > self.limit:
+                    self.metrics.rejected("body_too_large")
+                    too_large = _error(
+                        413,
+                        f"request body over the limit of {self.limit} bytes "
+                        "(max_body_bytes): send fewer rows per request",
+                        {"connection": "close"},
+                    )
+                    await too_large(scope, receive, send)
+                    return
+                break
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                self.metrics.rejected("body_too_large")
+                raise BodyTooLarge(f"request body over the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo Content-Encoding gzip/deflate (tritonclient can compress), bounded by `limit`."""
+    if not encoding or encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise ProtocolError(
+            f"Content-Encoding {encoding} is not supported: use gzip or deflate", 415
+        )
+    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ProtocolError(f"body is not valid {encoding} data ({exc})") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise BodyTooLarge(f"decompressed body over the limit of {limit} bytes")
+    return out
+
+
+def create_app(predictor: Predictor, served: ServedModel, settings: ServeSettings) -> FastAPI:
+    service = Service(predictor, served, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        # Warm up in the background: the port answers /v2/health/live at once and
+        # /v2/health/ready turns 200 when the batch is back (a TensorRT build may take minutes).
+        warm = asyncio.create_task(service.warm_up())
+        yield
+        warm.cancel()
+        await service.stop()
+
+    app = FastAPI(
+        title="lightship",
+        version=__version__,
+        summary=f"Image classifier '{served.name}' ({served.variant}) with dynamic batching",
+        description="KServe V2 / Open Inference Protocol (with the binary tensor extension) "
+        "under /v2, a simple JSON and image API under /v1, Prometheus metrics at /metrics. "
+        f"Clients may shorten the deadline with the `{TIMEOUT_HEADER}` header.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=service.metrics)
+    raw_routes: dict[Any, str] = {}  # filled below, read per request
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
+    _add_error_handlers(app, service)
+    body_limit = settings.max_body_bytes
+
+    async def read_body(request: Request) -> bytes:
+        body = await request.body()
+        return _decode_content(body, request.headers.get("content-encoding"), body_limit)
+
+    # Documented as the one name and version served (schemathesis then reaches the model);
+    # other values are still accepted by the router and answered 404 with a V2 error body.
+    name_param = Path(description="the served model", json_schema_extra={"enum": [service.name]})
+    version_param = Path(description="model version", json_schema_extra={"enum": [v2.VERSION]})
+
+    # -- KServe V2 -------------------------------------------------------------------------
+    # The two POST routes that carry tensors are plain Starlette routes: FastAPI's per-request
+    # parameter solving costs as much as the rest of a small model's request (measured with
+    # the benchmark's no-model endpoint), and they read the raw body anyway. They are described
+    # in the OpenAPI schema by hand (`openapi.raw_paths`), with the served model's names.
+    async def v2_infer(request: Request) -> Response:
+        return await infer(request, None)
+
+    async def v2_infer_version(request: Request) -> Response:
+        return await infer(request, request.path_params["version"])
+
+    async def infer(request: Request, version: str | None) -> Response:
+        service.check_model(request.path_params["model_name"], version)
+        body = await read_body(request)
+        req = v2.decode_request(body, request.headers.get(v2.HEADER_LENGTH), service.input_name)
+        logits = await service.predict(
+            req.x, service.timeout_s(request, req.timeout_s), request.receive
+        )
+        content, headers = v2.encode_response(
+            logits, req.outputs, service.labels, service.name, req.id
+        )
+        return Response(content, headers=headers)
+
+    async def v1_predict(request: Request) -> Response:
+        body = await read_body(request)
+        x, top_k = v1.decode_instances(body, service.chw, settings.top_k)
+        logits = await service.predict(x, service.timeout_s(request), request.receive)
+        return Response(
+            v1.encode_predictions(logits, service.labels, top_k, service.name),
+            media_type="application/json",
+        )
+
+    for path, endpoint in (
+        ("/v2/models/{model_name}/infer", v2_infer),
+        ("/v2/models/{model_name}/versions/{version}/infer", v2_infer_version),
+        ("/v1/predict", v1_predict),
+    ):
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+        raw_routes[endpoint] = path
+    raw_paths = openapi.raw_paths(
+        service.name, service.input_name, service.chw, settings.max_batch_rows
+    )
+    fastapi_openapi = app.openapi
+
+    def openapi_with_raw_routes() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            fastapi_openapi()["paths"].update(raw_paths)  # FastAPI caches it in openapi_schema
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi_with_raw_routes  # type: ignore[method-assign]
+
+    @app.get("/v2", tags=["v2"], summary="Server metadata")
+    async def v2_server() -> dict[str, Any]:
+        return {
+            "name": "lightship",
+            "version": __version__,
+            "extensions": ["binary_tensor_data", "classification"],
+        }
+
+    @app.get("/v2/health/live", tags=["v2"], responses=openapi.errors(503))
+    async def v2_live() -> Response:
+        if service.failed:
+            return _error(503, service.failed)
+        return Response(b'{"live":true}', media_type="application/json")
+
+    def ready_response() -> Response:
+        if service.ready:
+            return Response(b'{"ready":true}', media_type="application/json")
+        return _error(503, service.failed or "not ready", {"retry-after": "1"})
+
+    @app.get("/v2/health/ready", tags=["v2"], responses=openapi.errors(503))
+    async def v2_ready() -> Response:
+        return ready_response()
+
+    def metadata() -> dict[str, Any]:
+        return v2.model_metadata(
+            service.name,
+            PLATFORMS.get(predictor.kind, predictor.kind),
+            service.input_name,
+            service.chw,
+            service.labels,
+        )
+
+    @app.get("/v2/models/{model_name}", tags=["v2"], responses=openapi.errors(404))
+    async def v2_model(model_name: str = name_param) -> dict[str, Any]:
+        service.check_model(model_name)
+        return metadata()
+
+    @app.get(
+        "/v2/models/{model_name}/versions/{version}", tags=["v2"], responses=openapi.errors(404)
+    )
+    async def v2_model_version(
+        model_name: str = name_param, version: str = version_param
+    ) -> dict[str, Any]:
+        service.check_model(model_name, version)
+        return metadata()
+
+    @app.get("/v2/models/{model_name}/ready", tags=["v2"], responses=openapi.errors(404, 503))
+    async def v2_model_ready(model_name: str = name_param) -> Response:
+        service.check_model(model_name)
+        return ready_response()
+
+    @app.get(
+        "/v2/models/{model_name}/versions/{version}/ready",
+        tags=["v2"],
+        responses=openapi.errors(404, 503),
+    )
+    async def v2_model_version_ready(
+        model_name: str = name_param, version: str = version_param
+    ) -> Response:
+        service.check_model(model_name, version)
+        return ready_response()
+
+    # -- simple JSON and images ------------------------------------------------------------
+    @app.post(
+        "/v1/predict/image",
+        tags=["v1"],
+        summary="Labels and top-k probabilities for uploaded PNG/JPEG files",
+        responses=openapi.errors(400, 413, 415, 422, 429, 503, 504),
+    )
+    async def v1_predict_image(
+        request: Request,
+        files: Annotated[
+            list[UploadFile], File(description="one or more PNG or JPEG images", min_length=1)
+        ],
+        top_k: int | None = None,
+    ) -> Response:
+        if top_k is not None and top_k < 1:
+            raise ProtocolError(f"top_k must be a positive integer, got {top_k}")
+        contents = [(await f.read(), f.filename or f"file {i}") for i, f in enumerate(files)]
+        # Decoding a large photo takes milliseconds: keep it off the event loop.
+        x = await run_in_threadpool(
+            lambda: np.stack([v1.decode_image(data, service.chw, name) for data, name in contents])
+        )
+        logits = await service.predict(x, service.timeout_s(request), request.receive)
+        return Response(
+            v1.encode_predictions(
+                logits,
+                service.labels,
+                top_k or settings.top_k,
+                service.name,
+                [name for _, name in contents],
+            ),
+            media_type="application/json",
+        )
+
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}}},
+    )
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, service: Service) -> None:
+    def handle(
+        status: int | Callable[[Any], int], headers: Callable[[Any], dict[str, str]] | None = None
+    ) -> Callable[[Request, Any], Awaitable[Response]]:
+        async def handler(request: Request, exc: Any) -> Response:
+            code = status(exc) if callable(status) else status
+            return _error(code, str(exc), headers(exc) if headers else None)
+
+        return handler
+
+    app.add_exception_handler(ProtocolError, handle(lambda e: e.status))
+    app.add_exception_handler(InputError, handle(400))
+    app.add_exception_handler(TooManyRows, handle(413))
+    app.add_exception_handler(BodyTooLarge, handle(413))
+    app.add_exception_handler(
+        QueueFull, handle(429, lambda e: {"retry-after": str(e.retry_after_s)})
+    )
+    app.add_exception_handler(DeadlineExceeded, handle(504))
+    app.add_exception_handler(ClientGone, handle(CLIENT_CLOSED))
+
+    def not_ready(exc: Any) -> dict[str, str]:
+        service.metrics.rejected("not_ready")
+        return {"retry-after": "1"}
+
+    app.add_exception_handler(Closed, handle(503, not_ready))
+    app.add_exception_handler(NotReady, handle(503, not_ready))
+    app.add_exception_handler(InferenceFailed, handle(500))
+
+    async def http_error(request: Request, exc: Any) -> Response:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    async def validation_error(request: Request, exc: Any) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return _error(422, f"invalid request: {problems}")
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def serve(settings: ServeSettings) -> None:
+    """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT."""
+    from lightship.serve.model import choose, verify
+
+    served = choose(settings)
+    verify(served, settings.isa_check)
+    predictor = served.load(settings.device, settings.threads)
+    app = create_app(predictor, served, settings)
+    service: Service = app.state.service
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        access_log=settings.access_log,
+        log_level=settings.log_level,
+        # Accepted requests finish within their deadline; give shutdown that long, then go.
+        timeout_graceful_shutdown=int(settings.timeout_ms / 1000) + 5,
+    )
+    server = _Server(config, service)
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so that the previous handler runs:
+    # by default, death by signal (status 143). A drained server has done its job: make the
+    # previous handler a no-op, and the process exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    log.info(
+        "serving '%s' (%s: %s) at http://%s:%d  (docs at /docs)",
+        served.name,
+        served.variant,
+        served.path,
+        settings.host,
+        settings.port,
+    )
+    server.run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM also turns not-ready and lets the batcher drain."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    # Connections accepted just before SIGTERM may not have delivered their request yet, and
+    # uvicorn's shutdown closes every connection without one: give them this long to arrive.
+    ACCEPTED_GRACE_S = 0.25
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.service.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting first
+            server.close()
+        await asyncio.sleep(self.ACCEPTED_GRACE_S)
+        await super().shutdown(sockets)

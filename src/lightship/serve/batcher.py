@@ -1,0 +1,309 @@
+"""Dynamic batching: requests arrive on the event loop, one inference thread runs them in batches.
+
+    submit(x) ──> queue (bounded in rows) ──> worker thread: wait, take a batch, run, deliver
+        │                                                                    │
+        └── asyncio future <── call_soon_threadsafe(set_result) ─────────────┘
+
+- The queue is counted in rows; a request that would overflow it raises `QueueFull` at once.
+- A batch opens with the oldest queued request and closes when it holds `max_batch_rows` rows
+  or `max_wait_ms` after that request arrived, whichever comes first.
+- The worker sleeps on a condition variable while the queue is empty (no polling) and only
+  wakes early during the wait when the batch fills, so an idle server costs no CPU.
+- Requests whose deadline passed or whose client left are dropped before compute; results go
+  only to futures still waiting.
+
+Nothing here knows HTTP: `app.py` maps these exceptions to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue_rows`; retry after `retry_after_s` (an estimate)."""
+
+    def __init__(self, queued_rows: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"server busy: {queued_rows} rows queued; retry in about {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its answer was ready."""
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody reads this answer."""
+
+
+class Closed(Exception):
+    """The batcher is shutting down and takes no more requests."""
+
+
+class TooManyRows(ValueError):
+    """One request holds more rows than a batch may."""
+
+
+class InferenceFailed(RuntimeError):
+    """The model raised while running a batch this request was in."""
+
+
+class Observer(Protocol):
+    """Where the batcher reports what it does (Prometheus metrics in the server)."""
+
+    def queue_depth(self, rows: int) -> None: ...
+
+    def batch(self, rows: int, waits: Sequence[float], compute_s: float) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+
+class NullObserver:
+    def queue_depth(self, rows: int) -> None:
+        pass
+
+    def batch(self, rows: int, waits: Sequence[float], compute_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    x: np.ndarray
+    rows: int
+    arrival: float  # time.monotonic()
+    due: float  # when the batch this request opens must close: arrival + max_wait, or now
+    deadline: float  # time.monotonic()
+    future: asyncio.Future[np.ndarray]
+    timer: asyncio.TimerHandle | None = None
+
+
+class Ticket:
+    """One queued request: await `future` for its logits; `abandon()` when the client left."""
+
+    __slots__ = ("_batcher", "_item")
+
+    def __init__(self, batcher: Batcher, item: _Item) -> None:
+        self._batcher = batcher
+        self._item = item
+
+    @property
+    def future(self) -> asyncio.Future[np.ndarray]:
+        return self._item.future
+
+    def abandon(self) -> None:
+        self._batcher._resolve_without_model(self._item, ClientGone(), "disconnected")
+        # Whoever abandons wants no answer: mark the exception seen, or asyncio logs
+        # "Future exception was never retrieved" when nothing awaits the future.
+        if not self._item.future.cancelled():
+            self._item.future.exception()
+
+
+class Batcher:
+    """Batches rows for `run(x) -> y` (y has one row per row of x) in a dedicated thread."""
+
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], np.ndarray],
+        *,
+        max_batch_rows: int = 64,
+        max_wait_ms: float = 2.0,
+        max_queue_rows: int = 1024,
+        observer: Observer | None = None,
+    ) -> None:
+        if max_batch_rows < 1 or max_queue_rows < max_batch_rows:
+            raise ValueError(
+                f"need 1 <= max_batch_rows ({max_batch_rows}) <= max_queue_rows ({max_queue_rows})"
+            )
+        self._run = run
+        self.max_batch_rows = max_batch_rows
+        self.max_wait_s = max_wait_ms / 1000
+        self.max_queue_rows = max_queue_rows
+        self._observer: Observer = observer or NullObserver()
+        self._cond = threading.Condition()
+        self._queue: deque[_Item] = deque()
+        self._rows = 0  # rows in _queue, abandoned ones included until the worker pops them
+        self._draining = False  # no waiting for more rows: nothing new is coming
+        self._closed = False  # no new requests; the worker exits once the queue is empty
+        self._rows_per_s = 0.0  # moving average of the model's speed, for Retry-After
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # For tests and logs: how often the worker woke up, and what it dropped unrun.
+        self.wakeups = 0
+        self.dropped_rows = 0
+
+    # -- event-loop side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker; call from the event loop that will await the results."""
+        if self._thread is not None:
+            raise RuntimeError("batcher already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._work, name="lightship-infer", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued_rows(self) -> int:
+        return self._rows
+
+    def submit(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> Ticket:
+        """Queue `x` (rows first) with a deadline `timeout_s` from now; on the event loop.
+
+        `wait=False` closes its batch without waiting for company (the warm-up batch).
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("batcher not started")
+        rows = len(x)
+        if rows > self.max_batch_rows:
+            raise TooManyRows(
+                f"request has {rows} rows; this server takes at most {self.max_batch_rows} "
+                "per request: split it"
+            )
+        now = time.monotonic()
+        due = now + self.max_wait_s if wait else now
+        item = _Item(x, rows, now, due, now + timeout_s, loop.create_future())
+        with self._cond:
+            if self._closed:
+                raise Closed("server is shutting down")
+            if self._rows + rows > self.max_queue_rows:
+                queued, retry = self._rows, self._retry_after()
+                self._observer.rejected("queue_full")
+                raise QueueFull(queued, retry)
+            was_empty = not self._queue
+            self._queue.append(item)
+            self._rows += rows
+            depth = self._rows
+            # Wake the worker only when that changes what it does: it sleeps on an empty queue,
+            # or it waits for a batch to fill. Otherwise it picks the request up on its own.
+            if was_empty or depth >= self.max_batch_rows or self._draining or not wait:
+                self._cond.notify()
+        self._observer.queue_depth(depth)
+        item.timer = loop.call_later(timeout_s, self._expire, item)
+        return Ticket(self, item)
+
+    async def infer(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> np.ndarray:
+        """Submit and await; raises QueueFull, DeadlineExceeded, Closed, InferenceFailed."""
+        return await self.submit(x, timeout_s, wait).future
+
+    def drain(self) -> None:
+        """Run what is queued without waiting for batches to fill (no new requests coming)."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+
+    async def aclose(self) -> None:
+        """Refuse new requests, finish the queued ones, stop the worker."""
+        with self._cond:
+            self._closed = self._draining = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
+
+    def _expire(self, item: _Item) -> None:
+        self._resolve_without_model(
+            item, DeadlineExceeded("deadline passed before the answer was ready"), "deadline"
+        )
+
+    def _resolve_without_model(self, item: _Item, exc: Exception, reason: str) -> None:
+        if item.future.done():
+            return
+        if item.timer is not None:
+            item.timer.cancel()
+        item.future.set_exception(exc)
+        self._observer.rejected(reason)
+
+    def _deliver(self, items: list[_Item], y: np.ndarray | None, error: str | None) -> None:
+        offset = 0
+        for item in items:
+            if item.timer is not None:
+                item.timer.cancel()
+            # The future may be done already: deadline passed or client left during compute.
+            if not item.future.done():
+                if y is None:
+                    item.future.set_exception(InferenceFailed(error))
+                else:
+                    item.future.set_result(y[offset : offset + item.rows])
+            offset += item.rows
+
+    # -- worker thread ---------------------------------------------------------------------
+
+    def _retry_after(self) -> int:
+        rate = self._rows_per_s
+        return 1 if rate <= 0 else min(60, max(1, math.ceil(self._rows / rate)))
+
+    def _next_batch(self) -> list[_Item] | None:
+        """Block until a batch is due and take it; None when closed and empty."""
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()  # idle: sleeps until submit() notifies
+                self.wakeups += 1
+            while self._rows < self.max_batch_rows and not self._draining:
+                # The oldest request sets the close time; a later one may bring it forward.
+                due = min(item.due for item in self._queue)
+                remaining = due - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+                self.wakeups += 1
+            batch: list[_Item] = []
+            rows = 0
+            while self._queue and rows + self._queue[0].rows <= self.max_batch_rows:
+                item = self._queue.popleft()
+                self._rows -= item.rows
+                batch.append(item)
+                rows += item.rows
+            depth = self._rows
+        self._observer.queue_depth(depth)
+        return batch
+
+    def _work(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while (batch := self._next_batch()) is not None:
+            now = time.monotonic()
+            # A done future was answered without the model (deadline, client gone, awaiting
+            # task cancelled). done() only reads the future's state: safe from this thread.
+            live = [it for it in batch if not it.future.done() and it.deadline > now]
+            self.dropped_rows += sum(it.rows for it in batch) - sum(it.rows for it in live)
+            if not live:
+                continue
+            x = live[0].x if len(live) == 1 else np.concatenate([it.x for it in live])
+            start = time.perf_counter()
+            y: np.ndarray | None = None
+            error: str | None = None
+            try:
+                y = self._run(x)
+            except Exception as exc:  # a model failure answers this batch, the server lives on
+                log.exception("inference failed on a batch of %d rows", len(x))
+                error = f"inference failed: {type(exc).__name__}: {exc}"
+            compute_s = time.perf_counter() - start
+            if y is not None and compute_s > 0:
+                rate = len(x) / compute_s
+                self._rows_per_s = (
+                    rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
+                )
+            self._observer.batch(len(x), [now - it.arrival for it in live], compute_s)
+            try:
+                loop.call_soon_threadsafe(self._deliver, live, y, error)
+            except RuntimeError:  # the loop closed under us: nobody is waiting any more
+                return

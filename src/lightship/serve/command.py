@@ -1,0 +1,134 @@
+"""`lightship serve` and `lightship bench serve`.
+
+Only the standard library and typer at module level: `lightship --help` and the other commands
+import this file, and must not pay for FastAPI, onnxruntime or torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ENV = "env LIGHTSHIP_"
+
+
+def _settings(**given: Any) -> Any:
+    """ServeSettings from the flags given; the environment fills the rest (flags win)."""
+    from pydantic import ValidationError
+
+    from lightship.errors import ConfigError
+    from lightship.serve.settings import ServeSettings
+
+    try:
+        return ServeSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(
+            f"invalid serve settings ({problems}); check the flags and LIGHTSHIP_* variables"
+        ) from None
+
+
+def serve(
+    run: Annotated[
+        Path | None,
+        typer.Option(
+            "--run", "-r", help=f"run directory, or one .onnx file ({ENV}RUN; default runs/default)"
+        ),
+    ] = None,
+    variant: Annotated[
+        str | None,
+        typer.Option(
+            help="auto (the report's recommendation, else onnx-fp32), onnx-fp32, "
+            f"onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2 ({ENV}VARIANT)"
+        ),
+    ] = None,
+    device: Annotated[str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE)")] = None,
+    host: Annotated[str | None, typer.Option(help=f"({ENV}HOST; default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help=f"({ENV}PORT; default 8000)")] = None,
+    model_name: Annotated[
+        str | None,
+        typer.Option(help=f"name under /v2/models/ (default: the run's name) ({ENV}MODEL_NAME)"),
+    ] = None,
+    max_batch_rows: Annotated[
+        int | None, typer.Option(help=f"a batch closes at this many rows ({ENV}MAX_BATCH_ROWS; 64)")
+    ] = None,
+    max_wait_ms: Annotated[
+        float | None,
+        typer.Option(help=f"...or this long after its oldest request ({ENV}MAX_WAIT_MS; 2)"),
+    ] = None,
+    max_queue_rows: Annotated[
+        int | None, typer.Option(help=f"queue bound; beyond it 429 ({ENV}MAX_QUEUE_ROWS; 1024)")
+    ] = None,
+    timeout_ms: Annotated[
+        float | None,
+        typer.Option(help=f"request deadline; then 504 ({ENV}TIMEOUT_MS; 10000)"),
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option(help=f"larger bodies get 413 ({ENV}MAX_BODY_BYTES; 16 MiB)")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help=f"model threads (default: physical cores) ({ENV}THREADS)")
+    ] = None,
+    isa_check: Annotated[
+        str | None,
+        typer.Option(
+            help=f"int8 model made for another CPU: refuse or warn ({ENV}ISA_CHECK; refuse)"
+        ),
+    ] = None,
+    warmup_rows: Annotated[
+        int | None, typer.Option(help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1)")
+    ] = None,
+    access_log: Annotated[
+        bool | None, typer.Option("--access-log/--no-access-log", help=f"({ENV}ACCESS_LOG; off)")
+    ] = None,
+) -> None:
+    """Serve a run's model over HTTP: KServe V2 (/v2), JSON and images (/v1), /metrics, /docs."""
+    settings = _settings(
+        run=run,
+        variant=variant,
+        device=device,
+        host=host,
+        port=port,
+        model_name=model_name,
+        max_batch_rows=max_batch_rows,
+        max_wait_ms=max_wait_ms,
+        max_queue_rows=max_queue_rows,
+        timeout_ms=timeout_ms,
+        max_body_bytes=max_body_bytes,
+        threads=threads,
+        isa_check=isa_check,
+        warmup_rows=warmup_rows,
+        access_log=access_log,
+    )
+    from lightship.serve.app import serve as run_server
+
+    run_server(settings)
+
+
+def bench_serve(
+    digits_run: Annotated[
+        Path, typer.Option(help="digits run (trained and exported here when missing)")
+    ] = Path("runs/bench/digits"),
+    resnet_run: Annotated[
+        Path, typer.Option(help="ResNet-18 run (1 epoch, exported here when missing)")
+    ] = Path("runs/bench/resnet"),
+    duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 5.0,
+    concurrency: Annotated[str, typer.Option(help="comma-separated connection counts")] = "1,16,64",
+    out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
+        "runs/bench/serve.json"
+    ),
+) -> None:
+    """Serving throughput and latency with wrk, beside in-process and no-model ceilings."""
+    from lightship.serve.bench import bench
+
+    bench(
+        digits_run=digits_run,
+        resnet_run=resnet_run,
+        duration=duration,
+        concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
+        out=out,
+    )

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the server: HTTP requests, the queue, batches, rejections.
+
+One registry per app (not the global one), so several apps in a test process do not collide.
+`Metrics` is also the batcher's `Observer`; `MetricsMiddleware` times every HTTP request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+REJECTION_REASONS = ("queue_full", "deadline", "disconnected", "body_too_large", "not_ready")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_seconds = Histogram(
+            "lightship_request_duration_seconds",
+            "HTTP request latency, body read to response sent",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "lightship_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "lightship_queue_wait_seconds",
+            "time a request waited for its batch to start",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "lightship_compute_seconds", "model time per batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_rows = Histogram(
+            "lightship_batch_rows",
+            "rows per batch run by the model",
+            buckets=ROWS_BUCKETS,
+            registry=r,
+        )
+        self.queue_rows = Gauge("lightship_queue_rows", "rows waiting for a batch", registry=r)
+        self.rejections = Counter(
+            "lightship_rejections",
+            "requests answered without the model, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECTION_REASONS:  # export zeros, so a rate() has a series from the start
+            self.rejections.labels(reason)
+        self.model_info = Gauge(
+            "lightship_model_info",
+            "the model served (value 1)",
+            ["name", "variant", "backend", "device"],
+            registry=r,
+        )
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    # Observer of the batcher (called from the inference thread; prometheus-client is thread-safe)
+    def queue_depth(self, rows: int) -> None:
+        self.queue_rows.set(rows)
+
+    def batch(self, rows: int, waits: Sequence[float], compute_s: float) -> None:
+        self.batch_rows.observe(rows)
+        self.compute.observe(compute_s)
+        for wait in waits:
+            self.queue_wait.observe(wait)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def request(self, route: str, status: int, seconds: float) -> None:
+        key = (route, status)
+        children = self._children.get(key)
+        if children is None:  # labels() takes a lock and builds a tuple: cache the children
+            children = (
+                self.requests.labels(route, str(status)),
+                self.request_seconds.labels(route),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times each HTTP request under its route template (bounded label values).
+
+    Plain ASGI, not Starlette's BaseHTTPMiddleware, which costs a task per request. FastAPI
+    puts its routes in `scope["route"]` but not plain Starlette ones: `paths` names those by
+    endpoint.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: dict[Any, str] | None = None) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths if paths is not None else {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # an exception escaping the app becomes a 500 further out
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = getattr(scope.get("route"), "path", None) or self.paths.get(
+                scope.get("endpoint"), "unmatched"
+            )
+            self.metrics.request(path, status, time.perf_counter() - start)

@@ -1,0 +1,140 @@
+"""Which artifact to serve, checked before it is loaded: variant, report, sha256, CPU ISA.
+
+Reads only files (manifest.json, report/report.json): serving never imports the stage code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightship.errors import ConfigError, RunError
+from lightship.quantize.isa import CpuInfo, compatibility
+from lightship.runs import RunDir, sha256_file
+from lightship.runtime import Predictor, load_predictor
+from lightship.serve.settings import MODEL_NAME, ServeSettings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VARIANT = "onnx-fp32"
+MODEL_SUFFIXES = (".onnx", ".ts", ".pt2", ".ckpt")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The artifact chosen for serving and what the manifest says about it."""
+
+    name: str
+    variant: str  # manifest key; "file" for a lone file without a manifest entry
+    path: Path
+    entry: dict[str, Any] | None
+
+    def load(self, device: str = "cpu", threads: int | None = None) -> Predictor:
+        predictor = load_predictor(self.path, device=device, threads=threads)
+        log.info("loaded %s (%s) from %s on %s", self.name, self.variant, self.path, device)
+        return predictor
+
+
+def recommended_variant(run: RunDir) -> str:
+    """The report's recommendation, or onnx-fp32 when there is no report yet."""
+    path = run.report_dir / "report.json"
+    if not path.is_file():
+        return DEFAULT_VARIANT
+    try:
+        recommended = json.loads(path.read_text()).get("recommended")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise RunError(
+            f"{path} is unreadable ({exc}): re-run `make report RUN={run.root}` "
+            "or serve an explicit --variant"
+        ) from None
+    if not isinstance(recommended, str) or not recommended:
+        raise RunError(
+            f"{path} recommends no variant (no variant passed the accuracy gate?): "
+            "serve an explicit --variant"
+        )
+    return recommended
+
+
+def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
+    """The manifest entry of a lone file that lies inside a run directory, if any."""
+    resolved = path.resolve()
+    for root in (resolved.parent, resolved.parent.parent):
+        if not (root / "manifest.json").is_file():
+            continue
+        for entry in RunDir(root).manifest()["artifacts"].values():
+            if (
+                isinstance(entry, dict)
+                and (root / str(entry.get("file", ""))).resolve() == resolved
+            ):
+                return dict(entry)
+    return None
+
+
+def choose(settings: ServeSettings) -> ServedModel:
+    """Resolve `settings.run` + `settings.variant` to one artifact; RunError if unusable."""
+    target = settings.run
+    if target.is_file():
+        if target.suffix not in MODEL_SUFFIXES:
+            raise RunError(
+                f"{target}: cannot serve a {target.suffix or 'suffix-less'} file; give a run "
+                f"directory or a model file ({', '.join(MODEL_SUFFIXES)})"
+            )
+        if settings.variant != "auto":
+            log.warning("--variant %s ignored: serving the file %s", settings.variant, target)
+        entry = _manifest_entry_for(target)
+        name = settings.model_name or _safe_name(target.stem)
+        return ServedModel(name, "file", target, entry)
+    if not target.is_dir():
+        raise RunError(
+            f"{target} is neither a run directory nor a model file: "
+            f"run `make export RUN={target}` first, or pass --run"
+        )
+    run = RunDir(target)
+    variant = recommended_variant(run) if settings.variant == "auto" else settings.variant
+    artifacts = run.manifest()["artifacts"]
+    entry = artifacts.get(variant)
+    if entry is None:
+        have = ", ".join(sorted(artifacts)) or "none"
+        hint = "make quantize" if variant.startswith("onnx-int8") else "make export"
+        raise RunError(
+            f"{target} has no '{variant}' artifact (it has: {have}): "
+            f"run `{hint} RUN={target}` first, or choose another --variant"
+        )
+    path = run.root / str(entry["file"])
+    if not path.is_file():
+        raise RunError(f"{path} is in the manifest but missing: re-run `make export RUN={target}`")
+    name = settings.model_name or _safe_name(run.name)
+    return ServedModel(name, variant, path, dict(entry))
+
+
+def _safe_name(name: str) -> str:
+    if MODEL_NAME.match(name):
+        return name
+    raise ConfigError(
+        f"'{name}' cannot be a model name (letters, digits, '.', '_', '-'): pass --model-name"
+    )
+
+
+def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = None) -> None:
+    """The file is the one the manifest describes, and an int8 model suits this CPU."""
+    entry = model.entry
+    if entry is None:
+        return
+    expected = entry.get("sha256")
+    if expected and sha256_file(model.path) != expected:
+        raise RunError(
+            f"{model.path} differs from its manifest entry (sha256): the file changed after "
+            "it was recorded; re-run the stage that wrote it"
+        )
+    made_for = entry.get("target")
+    if not made_for:
+        return
+    problem = compatibility(str(made_for), cpu)
+    if problem is None:
+        return
+    if isa_check == "refuse":
+        raise RunError(f"{model.variant}: {problem} (or start with --isa-check warn to serve it)")
+    log.warning("%s: %s; serving it anyway (--isa-check warn)", model.variant, problem)

@@ -1,0 +1,218 @@
+"""OpenAPI descriptions of the raw-body routes (they parse bytes themselves, not pydantic models).
+
+Shapes, names and datatypes are the served model's, so /docs shows what to send and schemathesis
+generates requests that can succeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightship.serve import v2
+
+ERROR: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+
+
+def _pixels(dims: tuple[int, ...]) -> dict[str, Any]:
+    """Nested arrays of exactly `dims`, innermost integers 0..255."""
+    schema: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": 255}
+    for n in reversed(dims):
+        schema = {"type": "array", "minItems": n, "maxItems": n, "items": schema}
+    return schema
+
+
+def v1_request(chw: tuple[int, int, int], max_rows: int) -> dict[str, Any]:
+    image = _pixels(chw)
+    image["description"] = f"one image: [{chw[0]}][{chw[1]}][{chw[2]}] pixel values 0..255"
+    if chw[0] == 1:
+        image = {"anyOf": [image, _pixels(chw[1:])], "description": "[1][H][W] or [H][W]"}
+    return {
+        "type": "object",
+        "required": ["instances"],
+        "properties": {
+            "instances": {"type": "array", "minItems": 1, "maxItems": max_rows, "items": image},
+            "top_k": {"type": "integer", "minimum": 1, "description": "classes per image"},
+        },
+    }
+
+
+def v2_request(input_name: str) -> dict[str, Any]:
+    tensor = {
+        "type": "object",
+        "required": ["name", "shape", "datatype"],
+        "properties": {
+            "name": {"type": "string", "enum": [input_name]},
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "datatype": {"type": "string", "enum": list(v2.ALL_DATATYPES)},
+            "parameters": {
+                "type": "object",
+                "properties": {"binary_data_size": {"type": "integer", "minimum": 0}},
+            },
+            "data": {"type": "array", "description": "row-major values, flat or nested"},
+        },
+    }
+    output = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "enum": list(v2.OUTPUTS)},
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "binary_data": {"type": "boolean"},
+                    "classification": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "binary_data_output": {"type": "boolean"},
+                    "timeout": {"type": "integer", "minimum": 1, "description": "microseconds"},
+                },
+            },
+            "inputs": {"type": "array", "items": tensor},
+            "outputs": {"type": "array", "items": output},
+        },
+    }
+
+
+def body(schema: dict[str, Any], binary: bool = False) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body itself."""
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if binary:
+        content["application/octet-stream"] = {
+            "schema": {"type": "string", "format": "binary"},
+            "description": "binary tensor extension: a JSON header of "
+            f"{v2.HEADER_LENGTH} bytes, then the raw tensors",
+        }
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        s: {"description": "error", "content": {"application/json": {"schema": ERROR}}}
+        for s in statuses
+    }
+
+
+V1_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "predictions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "label": {"type": "string"},
+                    "index": {"type": "integer"},
+                    "score": {"type": "number"},
+                    "top_k": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "label": {"type": "string"},
+                                "index": {"type": "integer"},
+                                "probability": {"type": "number"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+V2_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "datatype": {"type": "string"},
+                    "shape": {"type": "array", "items": {"type": "integer"}},
+                    "data": {"type": "array"},
+                    "parameters": {"type": "object"},
+                },
+            },
+        },
+    },
+}
+
+
+def _path_param(name: str, value: str, description: str) -> dict[str, Any]:
+    # Documented as the one value served; others are answered 404 with a V2 error body.
+    schema = {"type": "string", "enum": [value]}
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": schema,
+        "description": description,
+    }
+
+
+def raw_paths(
+    model_name: str, input_name: str, chw: tuple[int, int, int], max_rows: int
+) -> dict[str, Any]:
+    """Path items of the routes that parse their own bodies (not visible to FastAPI)."""
+    name = _path_param("model_name", model_name, "the served model")
+    version = _path_param("version", v2.VERSION, "model version")
+    infer_responses = {
+        "200": {
+            "description": "outputs (binary ones after a JSON header, as in the request)",
+            "content": {
+                "application/json": {"schema": V2_RESPONSE},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        },
+        **errors(400, 404, 413, 415, 429, 503, 504),
+    }
+    infer = {
+        "tags": ["v2"],
+        "summary": "Run the model (JSON or binary tensors)",
+        "description": "KServe V2 inference. Shorten the deadline with x-request-timeout-ms "
+        "or parameters.timeout (µs).",
+        **body(v2_request(input_name), binary=True),
+        "responses": infer_responses,
+    }
+    return {
+        "/v2/models/{model_name}/infer": {
+            "post": {**infer, "operationId": "v2_infer", "parameters": [name]}
+        },
+        "/v2/models/{model_name}/versions/{version}/infer": {
+            "post": {**infer, "operationId": "v2_infer_version", "parameters": [name, version]}
+        },
+        "/v1/predict": {
+            "post": {
+                "tags": ["v1"],
+                "operationId": "v1_predict",
+                "summary": "Labels and top-k probabilities for images given as pixel arrays",
+                **body(v1_request(chw, max_rows)),
+                "responses": {
+                    "200": {
+                        "description": "one prediction per instance",
+                        "content": {"application/json": {"schema": V1_RESPONSE}},
+                    },
+                    **errors(400, 413, 415, 429, 503, 504),
+                },
+            }
+        },
+    }

@@ -1,0 +1,79 @@
+"""Server settings: CLI flags, else `LIGHTSHIP_*` environment variables, else these defaults."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# A model name goes into URL paths and metric labels: keep it to safe characters.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ServeSettings(BaseSettings):
+    """Everything `lightship serve` reads; each field is also `LIGHTSHIP_<FIELD>` in the env."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LIGHTSHIP_", extra="ignore", validate_default=True, frozen=True
+    )
+
+    run: Path = Field(Path("runs/default"), description="run directory, or one .onnx/.ts/.pt2 file")
+    variant: str = Field(
+        "auto",
+        description="manifest variant to serve; auto = the report's recommendation, else onnx-fp32",
+    )
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model_name: str | None = Field(
+        None, description="name in /v2/models/{name} (default: the run directory's name)"
+    )
+    max_batch_rows: int = Field(64, ge=1, description="a batch closes at this many rows")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="...or this long after its oldest request arrived"
+    )
+    max_queue_rows: int = Field(1024, ge=1, description="rows waiting beyond this are answered 429")
+    timeout_ms: float = Field(
+        10_000, gt=0, description="default request deadline (504 after); clients may shorten it"
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="larger request bodies are answered 413"
+    )
+    threads: int | None = Field(
+        None, ge=1, description="intra-op threads for the model (default: physical cores)"
+    )
+    isa_check: Literal["refuse", "warn"] = Field(
+        "refuse", description="an int8 model made for another CPU: refuse to start, or warn"
+    )
+    warmup_rows: int = Field(1, ge=1, description="rows in the warm-up batch run before ready")
+    top_k: int = Field(5, ge=1, description="default top-k of /v1/predict")
+    access_log: bool = False
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, value: str | None) -> str | None:
+        if value is not None and not MODEL_NAME.match(value):
+            raise ValueError(
+                f"model name {value!r} must be letters, digits, '.', '_' or '-' (at most 128)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> ServeSettings:
+        if self.max_queue_rows < self.max_batch_rows:
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_rows "
+                f"({self.max_batch_rows}): the queue has to hold one full batch"
+            )
+        return self

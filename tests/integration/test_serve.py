@@ -1,0 +1,523 @@
+"""`lightship serve` as a real uvicorn process, driven by the official tritonclient and httpx.
+
+Each server is started with `python -m lightship serve` on a free port and is ready when
+/v2/health/ready answers 200; it is stopped with SIGTERM and must exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from lightship.runtime import load_predictor
+from tests.conftest import ROOT, run_cli
+from tests.handmade import expected_logits, handmade_onnx
+
+X = np.array([[[[1, 2], [3, 4]]], [[[255, 255], [255, 255]]]], np.uint8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`lightship serve ARGS` in a subprocess; its log goes to a file (a pipe could fill up)."""
+
+    def __init__(self, *args: str, log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "LIGHTSHIP_PORT" not in (env or {}):
+            args = (*args, "--port", str(self.port))
+        else:
+            self.port = int(full_env["LIGHTSHIP_PORT"])
+            self.url = f"http://127.0.0.1:{self.port}"
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lightship", "serve", *args],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+            )
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 60) -> Server:
+        """Poll readiness (another process: there is no event to wait on)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/v2/health/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the whole process (all threads), from /proc."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def hand_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return handmade_onnx(tmp_path_factory.mktemp("hand") / "hand.onnx")
+
+
+@pytest.fixture(scope="module")
+def hand(hand_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "hand.log"
+    server = Server("--run", str(hand_model), "--max-wait-ms", "5", log=log).wait_ready()
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def client(server: Server) -> triton.InferenceServerClient:
+    return triton.InferenceServerClient(url=f"127.0.0.1:{server.port}")
+
+
+def test_tritonclient_reads_metadata_and_readiness(hand: Server) -> None:
+    c = client(hand)
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.is_model_ready("hand") and not c.is_model_ready("other")
+    assert c.get_server_metadata()["name"] == "lightship"
+    meta = c.get_model_metadata("hand")
+    assert meta["inputs"] == [{"name": "input", "datatype": "UINT8", "shape": [-1, 1, 2, 2]}]
+    assert [o["name"] for o in meta["outputs"]] == ["logits", "probabilities"]
+    assert c.get_model_metadata("hand", model_version="1")["name"] == "hand"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_tritonclient_gets_exact_predictions(hand: Server, binary: bool) -> None:
+    c = client(hand)
+    inp = triton.InferInput("input", list(X.shape), "UINT8")
+    inp.set_data_from_numpy(X, binary_data=binary)
+    outputs = [
+        triton.InferRequestedOutput("logits", binary_data=binary),
+        triton.InferRequestedOutput("probabilities", binary_data=binary, class_count=2),
+    ]
+    result = c.infer("hand", [inp], outputs=outputs, request_id="req-1")
+    np.testing.assert_array_equal(result.as_numpy("logits"), [[10, 90], [1020, -920]])
+    assert result.get_response()["id"] == "req-1"
+    top = [
+        [v.decode() if isinstance(v, bytes) else v for v in row]
+        for row in result.as_numpy("probabilities")
+    ]
+    assert len(top) == 2 and len(top[0]) == 2  # "score:index:label", best first
+    assert top[0][0].endswith(":1:dark") and top[0][1].endswith(":0:bright")
+    assert top[1][0].startswith("1.000000:0:bright")
+    # no outputs named: tritonclient asks for all of them in binary
+    result = c.infer("hand", [inp])
+    np.testing.assert_array_equal(result.as_numpy("logits"), expected_logits(X))
+    np.testing.assert_allclose(result.as_numpy("probabilities").sum(1), [1, 1], rtol=1e-6)
+
+
+def test_tritonclient_fp32_compressed_and_errors(hand: Server) -> None:
+    c = client(hand)
+    inp = triton.InferInput("input", list(X.shape), "FP32")
+    inp.set_data_from_numpy(X.astype(np.float32))
+    result = c.infer("hand", [inp], request_compression_algorithm="gzip", model_version="1")
+    np.testing.assert_array_equal(result.as_numpy("logits"), expected_logits(X))
+    with pytest.raises(InferenceServerException, match="unknown model 'nope'") as info:
+        c.infer("nope", [inp])
+    assert info.value.status() == "404"
+    bad = triton.InferInput("input", [1, 1, 3, 3], "UINT8")
+    bad.set_data_from_numpy(np.zeros((1, 1, 3, 3), np.uint8))
+    with pytest.raises(InferenceServerException, match=r"expected shape \[N, 1, 2, 2\]") as info:
+        c.infer("hand", [bad])
+    assert info.value.status() == "400"
+    nan = triton.InferInput("input", [1, 1, 2, 2], "FP32")
+    nan.set_data_from_numpy(np.full((1, 1, 2, 2), np.nan, np.float32))
+    with pytest.raises(InferenceServerException, match="NaN"):
+        c.infer("hand", [nan])
+
+
+def test_a_64_mb_body_is_refused_with_413_json(hand: Server) -> None:
+    body = b"0" * (64 * 1024 * 1024)
+    r = httpx.post(f"{hand.url}/v2/models/hand/infer", content=body, timeout=30)
+    assert r.status_code == 413
+    assert "limit of 16777216 bytes" in r.json()["error"]
+
+
+def test_corrupt_image_and_v1_against_the_real_server(hand: Server) -> None:
+    r = httpx.post(
+        f"{hand.url}/v1/predict/image", files={"files": ("x.png", b"not an image", "image/png")}
+    )
+    assert r.status_code == 400 and "x.png" in r.json()["error"]
+    r = httpx.post(f"{hand.url}/v1/predict", content=b'{"instances": [[[1, 2], [3, 4]]]')
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]
+    r = httpx.post(f"{hand.url}/v1/predict", json={"instances": X.tolist()})
+    assert [p["label"] for p in r.json()["predictions"]] == ["dark", "bright"]
+
+
+def test_idle_server_uses_under_one_percent_of_a_core(hand: Server) -> None:
+    httpx.post(f"{hand.url}/v1/predict", json={"instances": X.tolist()})  # after some work
+    before, t0 = hand.cpu_seconds(), time.monotonic()
+    time.sleep(10)  # measuring idleness, not waiting for anything
+    used = (hand.cpu_seconds() - before) / (time.monotonic() - t0)
+    assert used < 0.01, f"idle server used {used:.1%} of a core"
+
+
+def test_schemathesis_finds_no_server_errors(hand: Server, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "schemathesis.cli", "run", f"{hand.url}/openapi.json",
+            "--checks", "not_a_server_error", "--max-examples", "10", "--phases", "examples,coverage,fuzzing",
+            "--seed", "7", "--request-timeout", "10", "--report-dir", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert "No issues found" in proc.stdout or " passed" in proc.stdout, proc.stdout[-2000:]
+    assert hand.proc.poll() is None  # and the server is still up
+
+
+def test_sigterm_drains_queued_requests_and_exits_zero(hand_model: Path, tmp_path: Path) -> None:
+    # Batches wait up to a minute for company, so the requests are still queued at SIGTERM;
+    # draining must run them at once instead of waiting out max_wait.
+    server = Server(
+        "--run", str(hand_model), "--max-wait-ms", "60000", "--max-batch-rows", "64",
+        log=tmp_path / "log",
+    ).wait_ready()  # fmt: skip
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 256, (1, 1, 2, 2), dtype=np.uint8) for _ in range(24)]
+
+    def send(x: np.ndarray) -> httpx.Response:
+        doc = {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [1, 1, 2, 2],
+                    "datatype": "UINT8",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+        return httpx.post(f"{server.url}/v2/models/hand/infer", json=doc, timeout=30)
+
+    with ThreadPoolExecutor(len(rows)) as pool:
+        futures = [pool.submit(send, x) for x in rows]
+        deadline = time.monotonic() + 30
+        while server.metrics()["lightship_queue_rows"] < len(rows):  # all accepted and queued
+            assert time.monotonic() < deadline, "requests never reached the queue"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert time.monotonic() - t0 < 10  # drained at once, not after max_wait
+    for x, r in zip(rows, answers, strict=True):
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}["logits"]
+        np.testing.assert_array_equal(np.reshape(out["data"], (1, 2)), expected_logits(x))
+    assert server.stop() == 0, server.output()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/v2/health/live", timeout=2)  # no longer accepting
+
+
+def slow_model(path: Path, size: int = 192) -> Path:
+    """handmade_onnx's answers plus 0 x a (size x size) matmul per row: ~ms of compute a row."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(handmade_onnx(path, chw=(1, size, size))))
+    g = model.graph
+    w = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32) / size
+    g.initializer.extend(
+        [
+            onnx.numpy_helper.from_array(w, "w"),
+            helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+            helper.make_tensor("all", TensorProto.INT64, [3], [1, 2, 3]),
+        ]
+    )
+    logits = g.output[0].name
+    g.node[-1].output[0] = "fast"
+    g.node.extend(
+        [
+            helper.make_node("MatMul", ["xf", "w"], ["m1"]),
+            helper.make_node("MatMul", ["m1", "w"], ["m2"]),
+            helper.make_node("MatMul", ["m2", "w"], ["m3"]),
+            helper.make_node("ReduceSum", ["m3", "all"], ["r"], keepdims=0),
+            helper.make_node("Mul", ["r", "zero"], ["r0"]),
+            helper.make_node("Unsqueeze", ["r0", "one"], ["r1"]),
+            helper.make_node("Add", ["fast", "r1"], [logits]),
+        ]
+    )
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_overload_is_answered_with_200_429_or_504_and_memory_stays_flat(tmp_path: Path) -> None:
+    size = 192
+    model = slow_model(tmp_path / "slow.onnx", size)
+    server = Server(
+        "--run", str(model), "--max-batch-rows", "8", "--max-queue-rows", "16",
+        "--timeout-ms", "1500", "--threads", "1", log=tmp_path / "log",
+    ).wait_ready()  # fmt: skip
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (1, 1, size, size), dtype=np.uint8)
+    raw = x.tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "UINT8",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "outputs": [{"name": "logits", "parameters": {"binary_data": False}}],
+        }
+    ).encode()
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def hammer(n: int) -> None:
+        with httpx.Client(timeout=15) as c:  # a hang would raise here and fail the test
+            for _ in range(n):
+                r = c.post(
+                    f"{server.url}/v2/models/slow/infer",
+                    content=header + raw,
+                    headers={"Inference-Header-Content-Length": str(len(header))},
+                )
+                if r.status_code == 200:
+                    out = r.json()["outputs"][0]
+                    np.testing.assert_array_equal(
+                        np.reshape(out["data"], (1, 2)), expected_logits(x)
+                    )
+                else:
+                    assert r.status_code in (429, 504), r.text
+                    assert "error" in r.json()
+                    if r.status_code == 429:
+                        assert int(r.headers["retry-after"]) >= 1
+                with lock:
+                    statuses.append(r.status_code)
+
+    rss = []
+    for _ in range(3):  # waves of 48 clients against a queue of 16 rows
+        with ThreadPoolExecutor(48) as pool:
+            list(pool.map(hammer, [8] * 48))
+        rss.append(server.rss_mb())
+    counts = {s: statuses.count(s) for s in set(statuses)}
+    assert len(statuses) == 3 * 48 * 8
+    assert counts.get(200, 0) > 0 and counts.get(429, 0) > 0, counts
+    assert rss[2] - rss[0] < 15, f"RSS grew {rss} MB"
+    m = server.metrics()
+    assert m['lightship_rejections_total{reason="queue_full"}'] == counts[429]
+    assert m["lightship_queue_rows"] == 0
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("serve") / "tiny-digits"
+    shutil.copytree(tiny_run, run)
+    run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
+    return run
+
+
+def test_a_real_run_is_served_under_its_name_with_the_predictors_answers(
+    exported: Path, tmp_path: Path
+) -> None:
+    server = Server("--run", str(exported), log=tmp_path / "log").wait_ready()
+    c = client(server)
+    meta = c.get_model_metadata("tiny-digits")  # the run directory's name
+    assert meta["platform"] == "onnxruntime_onnx" and meta["inputs"][0]["shape"] == [-1, 1, 16, 16]
+    x = np.random.default_rng(3).integers(0, 256, (5, 1, 16, 16), dtype=np.uint8)
+    inp = triton.InferInput("input", list(x.shape), "UINT8")
+    inp.set_data_from_numpy(x)
+    served = c.infer("tiny-digits", [inp]).as_numpy("logits")
+    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    np.testing.assert_allclose(served, local, atol=1e-5)
+    assert server.stop() == 0, server.output()
+    assert "onnx-fp32" in server.output()  # auto without a report: the fp32 ONNX
+
+
+def test_torchscript_variant_is_served_too(exported: Path, tmp_path: Path) -> None:
+    server = Server(
+        "--run", str(exported), "--variant", "torchscript", "--model-name", "ts",
+        log=tmp_path / "log",
+    ).wait_ready(120)  # fmt: skip
+    x = np.random.default_rng(4).integers(0, 256, (3, 1, 16, 16), dtype=np.uint8)
+    r = httpx.post(f"{server.url}/v1/predict", json={"instances": x.tolist(), "top_k": 10})
+    assert r.status_code == 200, r.text
+    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    for pred, logits in zip(r.json()["predictions"], local, strict=True):
+        assert pred["index"] == int(logits.argmax())
+    meta = httpx.get(f"{server.url}/v2/models/ts").json()
+    assert meta["platform"] == "pytorch_libtorch"
+    assert server.stop() == 0, server.output()
+
+
+def test_serving_onnx_imports_neither_torch_nor_lightning(hand_model: Path) -> None:
+    # The `lightship serve` path up to a warmed-up, ready app, in a fresh interpreter.
+    code = f"""
+import asyncio, sys
+from lightship.cli import app  # the CLI module with every command registered
+from lightship.serve.app import create_app
+from lightship.serve.command import _settings
+from lightship.serve.model import choose, verify
+
+settings = _settings(run={str(hand_model)!r})
+served = choose(settings)
+verify(served, settings.isa_check)
+application = create_app(served.load(), served, settings)
+
+async def main():
+    async with application.router.lifespan_context(application):
+        await application.state.service.settled.wait()
+        assert application.state.service.ready
+asyncio.run(main())
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "pytorch_lightning", "lightning")))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_cli_errors_are_one_line_with_the_fix(tmp_path: Path, hand_model: Path) -> None:
+    r = run_cli("serve", "--run", str(tmp_path / "missing"))
+    assert r.returncode == 4 and "error: " in r.stderr and "neither a run directory" in r.stderr
+    r = run_cli("serve", "--run", str(hand_model), env={"LIGHTSHIP_MAX_BATCH_ROWS": "0"})
+    assert r.returncode == 2 and "max_batch_rows" in r.stderr
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    shutil.copy(hand_model, run / "export" / "model.onnx")
+    (run / "manifest.json").write_text(json.dumps({"schema": 1, "artifacts": {}}))
+    r = run_cli("serve", "--run", str(run), "--variant", "onnx-int8-static")
+    assert r.returncode == 4 and "make quantize" in r.stderr
+
+
+def test_int8_made_for_another_cpu_is_refused_unless_told_to_warn(
+    hand_model: Path, tmp_path: Path
+) -> None:
+    from lightship.runs import RunDir, sha256_file
+
+    run = tmp_path / "int8run"
+    (run / "quantize").mkdir(parents=True)
+    shutil.copy(hand_model, run / "quantize" / "model.int8-static.onnx")
+    RunDir(run).record(
+        "onnx-int8-static",
+        {
+            "file": "quantize/model.int8-static.onnx",
+            "format": "onnx",
+            "sha256": sha256_file(run / "quantize" / "model.int8-static.onnx"),
+            "target": "tensorrt",  # S8S8 for TensorRT: wrong on any CPU
+        },
+    )
+    r = run_cli("serve", "--run", str(run), "--variant", "onnx-int8-static")
+    assert r.returncode == 4 and "quantized for TensorRT" in r.stderr
+    server = Server(
+        "--run", str(run), "--variant", "onnx-int8-static", log=tmp_path / "log",
+        env={"LIGHTSHIP_ISA_CHECK": "warn"},
+    ).wait_ready()  # fmt: skip
+    assert "serving it anyway" in server.output()
+    assert server.stop() == 0
+
+
+def test_settings_from_the_environment(hand_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    server = Server(
+        log=tmp_path / "log",
+        env={
+            "LIGHTSHIP_RUN": str(hand_model),
+            "LIGHTSHIP_PORT": str(port),
+            "LIGHTSHIP_MODEL_NAME": "from-env",
+            "LIGHTSHIP_MAX_BATCH_ROWS": "3",
+        },
+    ).wait_ready()
+    assert server.port == port
+    assert httpx.get(f"{server.url}/v2/models/from-env").status_code == 200
+    four = {"instances": np.zeros((4, 1, 2, 2), np.uint8).tolist()}
+    r = httpx.post(f"{server.url}/v1/predict", json=four)
+    assert r.status_code == 413 and "at most 3" in r.json()["error"]
+    assert server.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" not in onnxruntime.get_available_providers(),
+    reason="needs onnxruntime-gpu and a CUDA device",
+)
+def test_onnx_on_cuda(hand_model: Path, tmp_path: Path) -> None:
+    server = Server("--run", str(hand_model), "--device", "cuda", log=tmp_path / "log").wait_ready(
+        300
+    )
+    inp = triton.InferInput("input", list(X.shape), "UINT8")
+    inp.set_data_from_numpy(X)
+    np.testing.assert_array_equal(
+        client(server).infer("hand", [inp]).as_numpy("logits"), expected_logits(X)
+    )
+    assert 'device="cuda"' in httpx.get(f"{server.url}/metrics").text
+    assert server.stop() == 0
+
+
+@pytest.mark.gpu
+def test_torchscript_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    exported: Path = request.getfixturevalue("exported")  # only now: export takes seconds
+    server = Server(
+        "--run", str(exported), "--variant", "torchscript", "--device", "cuda",
+        log=tmp_path / "log",
+    ).wait_ready(300)  # fmt: skip
+    x = np.random.default_rng(5).integers(0, 256, (4, 1, 16, 16), dtype=np.uint8)
+    inp = triton.InferInput("input", list(x.shape), "UINT8")
+    inp.set_data_from_numpy(x)
+    served = client(server).infer("tiny-digits", [inp]).as_numpy("logits")
+    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    np.testing.assert_allclose(served, local, atol=1e-3)
+    assert server.stop() == 0

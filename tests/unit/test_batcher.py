@@ -1,0 +1,329 @@
+"""The dynamic batcher on its own: exact values, batch boundaries, drops, back-pressure, drain.
+
+The model is `rows -> row sums`, so every answer can be written down; a gate (threading.Event)
+holds the inference thread where a test needs the queue to fill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightship.serve.batcher import (
+    Batcher,
+    Closed,
+    DeadlineExceeded,
+    InferenceFailed,
+    QueueFull,
+    TooManyRows,
+)
+
+
+class SumModel:
+    """y = sum of each row's pixels; records every batch it ran."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.batches: list[np.ndarray] = []
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10), "test never opened the gate"
+        self.batches.append(x.copy())
+        return x.reshape(len(x), -1).sum(1, keepdims=True).astype(np.float32)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(b) for b in self.batches]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rejections: list[str] = []
+        self.batch_rows: list[int] = []
+        self.waits: list[float] = []
+        self.depths: list[int] = []
+
+    def queue_depth(self, rows: int) -> None:
+        self.depths.append(rows)
+
+    def batch(self, rows: int, waits: Any, compute_s: float) -> None:
+        self.batch_rows.append(rows)
+        self.waits.extend(waits)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.append(reason)
+
+
+def rows(*values: int) -> np.ndarray:
+    """One [1, 1, 1] image per value."""
+    return np.array(values, np.int64).reshape(-1, 1, 1, 1)
+
+
+def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(coro_fn())
+
+
+async def started(model: Callable[[np.ndarray], np.ndarray], **kwargs: Any) -> Batcher:
+    b = Batcher(model, **kwargs)
+    b.start()
+    return b
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> list[np.ndarray]:
+        b = await started(
+            model, max_batch_rows=8, max_wait_ms=5000, max_queue_rows=64, observer=rec
+        )
+        # A full first batch runs at once and blocks in the model at the gate; ten requests
+        # (15 rows) queue behind it. A request is never split, so they come out as 7 + 8 rows.
+        first = b.submit(rows(*range(8)), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        tickets = [b.submit(rows(i, 100 + i) if i % 2 else rows(i), 10) for i in range(10)]
+        gate.set()
+        out = [await t.future for t in [first, *tickets]]
+        await b.aclose()
+        return out
+
+    out = run(main)
+    np.testing.assert_array_equal(out[0].ravel(), range(8))
+    for i, y in enumerate(out[1:]):
+        expected = [[i], [100 + i]] if i % 2 else [[i]]
+        np.testing.assert_array_equal(y, expected)
+    assert model.sizes == [8, 7, 8]
+    assert rec.batch_rows == model.sizes and len(rec.waits) == 11
+    # every row computed once, in arrival order
+    assert np.concatenate(model.batches).ravel().tolist()[8:] == [
+        v for i in range(10) for v in ((i, 100 + i) if i % 2 else (i,))
+    ]
+
+
+def test_a_batch_closes_max_wait_after_its_oldest_request() -> None:
+    model = SumModel()
+
+    async def main() -> float:
+        b = await started(model, max_batch_rows=64, max_wait_ms=80)
+        t0 = time.monotonic()
+        first = b.submit(rows(3), 10)
+        await asyncio.sleep(0.03)  # a second request arrives later: it must not restart the wait
+        second = b.submit(rows(4), 10)
+        a, c = await first.future, await second.future
+        elapsed = time.monotonic() - t0
+        assert a[0, 0] == 3 and c[0, 0] == 4
+        await b.aclose()
+        return elapsed
+
+    elapsed = run(main)
+    assert model.sizes == [2]
+    assert 0.075 <= elapsed < 0.5, elapsed  # waited for the oldest's 80 ms, not 30 + 80
+
+
+def test_a_full_batch_runs_without_waiting() -> None:
+    model = SumModel()
+
+    async def main() -> float:
+        b = await started(model, max_batch_rows=4, max_wait_ms=10_000)
+        t0 = time.monotonic()
+        out = await b.infer(rows(1, 2, 3, 4), 10)
+        elapsed = time.monotonic() - t0
+        np.testing.assert_array_equal(out.ravel(), [1, 2, 3, 4])
+        await b.aclose()
+        return elapsed
+
+    assert run(main) < 1.0  # a 10 s max_wait would show
+    assert model.sizes == [4]
+
+
+def test_idle_worker_sleeps_without_polling() -> None:
+    async def main() -> tuple[int, int]:
+        b = await started(SumModel(), max_batch_rows=4, max_wait_ms=1)
+        await b.infer(rows(1), 10)
+        before = b.wakeups
+        await asyncio.sleep(0.3)  # idle: a polling worker would wake every few ms
+        after = b.wakeups
+        await b.aclose()
+        return before, after
+
+    before, after = run(main)
+    assert after == before
+
+
+def test_queue_is_bounded_in_rows_and_full_means_queue_full() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=4, max_wait_ms=0, max_queue_rows=6, observer=rec)
+        busy = b.submit(rows(1), 10)  # taken by the worker, which blocks in the model
+        await asyncio.to_thread(model.entered.wait, 10)
+        queued = [b.submit(rows(1, 1, 1), 10), b.submit(rows(2, 2), 10)]  # 5 of 6 rows
+        with pytest.raises(QueueFull) as info:
+            b.submit(rows(5, 5), 10)  # 7 > 6
+        assert info.value.retry_after_s >= 1
+        assert b.queued_rows == 5
+        b.submit(rows(9), 10)  # exactly full is fine
+        with pytest.raises(TooManyRows):
+            b.submit(rows(*range(5)), 10)  # more than one batch may hold
+        gate.set()
+        await busy.future
+        assert [float(y.sum()) for y in [await t.future for t in queued]] == [3.0, 4.0]
+        await b.aclose()
+
+    run(main)
+    assert rec.rejections == ["queue_full"]
+
+
+def test_deadline_passed_in_the_queue_is_dropped_before_compute() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=0, observer=rec)
+        busy = b.submit(rows(1), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        late = b.submit(rows(7), 0.05)
+        keep = b.submit(rows(8), 10)
+        with pytest.raises(DeadlineExceeded):
+            await late.future  # answered at its deadline, while the model is still busy
+        gate.set()
+        await busy.future
+        assert (await keep.future)[0, 0] == 8
+        await b.aclose()
+        assert b.dropped_rows == 1
+
+    run(main)
+    ran = np.concatenate(model.batches).ravel().tolist()
+    assert 7 not in ran and ran == [1, 8]
+    assert rec.rejections == ["deadline"]
+
+
+def test_abandoned_request_is_not_computed_and_others_are() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=0, observer=rec)
+        busy = b.submit(rows(1), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        gone = b.submit(rows(5), 10)
+        stays = b.submit(rows(6), 10)
+        gone.abandon()  # the client disconnected while queued
+        gate.set()
+        await busy.future
+        assert (await stays.future)[0, 0] == 6
+        assert gone.future.done()
+        await b.aclose()
+
+    run(main)
+    assert np.concatenate(model.batches).ravel().tolist() == [1, 6]
+    assert rec.rejections == ["disconnected"]
+
+
+def test_results_go_only_to_futures_still_waiting() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    errors: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        b = await started(model, max_batch_rows=8, max_wait_ms=0)
+        a = b.submit(rows(1), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        a.abandon()  # left while its batch was computing: the result must not be set on it
+        gate.set()
+        c = await b.infer(rows(2), 10)
+        assert c[0, 0] == 2
+        await b.aclose()
+
+    run(main)
+    assert model.sizes == [1, 1]  # it was already running: computed, then discarded
+    assert errors == []  # no InvalidStateError from set_result on a done future
+
+
+def test_model_failure_answers_its_batch_and_the_worker_lives_on() -> None:
+    calls = []
+
+    def flaky(x: np.ndarray) -> np.ndarray:
+        calls.append(len(x))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return x.reshape(len(x), -1).sum(1, keepdims=True)
+
+    async def main() -> None:
+        b = await started(flaky, max_batch_rows=8, max_wait_ms=0)
+        with pytest.raises(InferenceFailed, match="RuntimeError: boom"):
+            await b.infer(rows(1), 10)
+        assert (await b.infer(rows(4), 10))[0, 0] == 4
+        await b.aclose()
+
+    run(main)
+
+
+def test_drain_runs_the_queue_at_once_and_close_refuses_new_work() -> None:
+    model = SumModel()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=64, max_wait_ms=60_000)
+        queued = [b.submit(rows(i), 100) for i in range(5)]
+        t0 = time.monotonic()
+        b.drain()  # SIGTERM: nothing new is coming, do not wait the minute for stragglers
+        out = [await t.future for t in queued]
+        assert time.monotonic() - t0 < 5
+        assert [int(y[0, 0]) for y in out] == [0, 1, 2, 3, 4]
+        await b.aclose()
+        with pytest.raises(Closed):
+            b.submit(rows(1), 10)
+
+    run(main)
+    assert model.sizes == [5]
+
+
+def test_close_finishes_queued_requests() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=2, max_wait_ms=60_000)
+        queued = [b.submit(rows(i), 100) for i in range(5)]
+        closing = asyncio.ensure_future(b.aclose())
+        gate.set()
+        out = [await t.future for t in queued]
+        await closing
+        assert [int(y[0, 0]) for y in out] == [0, 1, 2, 3, 4]
+
+    run(main)
+    assert model.sizes == [2, 2, 1]
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_queue_rows"):
+        Batcher(SumModel(), max_batch_rows=8, max_queue_rows=4)
+
+
+def test_a_request_that_must_not_wait_closes_its_batch_at_once() -> None:
+    model = SumModel()
+
+    async def main() -> float:
+        b = await started(model, max_batch_rows=64, max_wait_ms=60_000)
+        t0 = time.monotonic()
+        y = await b.infer(rows(5), 10, wait=False)  # the warm-up: a minute's wait would show
+        assert y[0, 0] == 5
+        await b.aclose()
+        return time.monotonic() - t0
+
+    assert run(main) < 5

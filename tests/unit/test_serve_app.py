@@ -1,0 +1,507 @@
+"""The app in-process (httpx over ASGI, lifespan run by hand) on a model with known answers.
+
+`tests.handmade`: logits = [sum(pixels), 100 - sum(pixels)], labels bright/dark, input 1x2x2.
+A gate can hold the inference thread, so queue-full, deadline and disconnect cases are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import io
+import json
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from PIL import Image
+
+from lightship.runtime import load_predictor
+from lightship.serve.app import Service, create_app
+from lightship.serve.model import ServedModel
+from lightship.serve.settings import ServeSettings
+from tests.handmade import expected_logits, handmade_onnx
+
+INFER = "/v2/models/hand/infer"
+
+
+class Gate:
+    """Wraps a predictor's hot path; while closed, the inference thread waits in it."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.entered.set()
+        assert self.open.wait(10), "test never opened the gate"
+        self.rows.append(x.copy())
+        return np.asarray(self.run(x))
+
+
+def make_app(tmp_path: Path, gate: bool = False, **settings: Any) -> tuple[FastAPI, Gate | None]:
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    g = None
+    if gate:
+        g = Gate(predictor._run)
+        predictor._run = g  # type: ignore[method-assign]
+    defaults: dict[str, Any] = {"run": path, "max_wait_ms": 1}
+    app = create_app(
+        predictor, ServedModel("hand", "file", path, None), ServeSettings(**(defaults | settings))
+    )
+    return app, g
+
+
+@asynccontextmanager
+async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        if wait_ready:
+            await asyncio.wait_for(service(app).settled.wait(), 10)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+
+
+def service(app: FastAPI) -> Service:
+    s = app.state.service
+    assert isinstance(s, Service)
+    return s
+
+
+def v2_json(x: np.ndarray, datatype: str = "UINT8", **extra: Any) -> dict[str, Any]:
+    doc = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": list(x.shape),
+                "datatype": datatype,
+                "data": x.ravel().tolist(),
+            }
+        ]
+    }
+    return doc | extra
+
+
+def v2_binary(x: np.ndarray, datatype: str = "UINT8") -> tuple[bytes, dict[str, str]]:
+    raw = x.tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": datatype,
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return header + raw, {"Inference-Header-Content-Length": str(len(header))}
+
+
+def logits_of(response: httpx.Response) -> np.ndarray:
+    header_length = response.headers.get("inference-header-content-length")
+    if header_length is None:
+        out = {o["name"]: o for o in response.json()["outputs"]}["logits"]
+        return np.array(out["data"], np.float32).reshape(out["shape"])
+    n = int(header_length)
+    (out,) = json.loads(response.content[:n])["outputs"]
+    return np.frombuffer(response.content[n:], np.float32).reshape(out["shape"])
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+X = np.array([[[[1, 2], [3, 4]]], [[[255, 255], [255, 255]]]], np.uint8)
+
+
+def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            r = await client.post(INFER, json=v2_json(X, id="req-7"))
+            assert r.status_code == 200 and r.json()["id"] == "req-7"
+            np.testing.assert_array_equal(logits_of(r), [[10, 90], [1020, -920]])
+            probs = {o["name"]: o for o in r.json()["outputs"]}["probabilities"]["data"]
+            assert probs[1] == pytest.approx(1.0) and probs[2] == pytest.approx(1.0)
+            body, headers = v2_binary(X)
+            r = await client.post(INFER, content=body, headers=headers)
+            assert r.status_code == 200
+            assert r.headers["content-type"] == "application/octet-stream"
+            np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+            # float pixels are accepted and rounded; gzip bodies are decompressed
+            r = await client.post(
+                "/v2/models/hand/versions/1/infer",
+                content=gzip.compress(
+                    json.dumps(v2_json(X.astype(np.float32) - 0.2, "FP32")).encode()
+                ),
+                headers={"Content-Encoding": "gzip"},
+            )
+            np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+
+    run(main())
+
+
+def test_v1_predict_labels_scores_and_top_k(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            r = await client.post("/v1/predict", json={"instances": X.tolist(), "top_k": 1})
+            assert r.status_code == 200
+            dark, bright = r.json()["predictions"]
+            assert dark["label"] == "dark" and dark["score"] == pytest.approx(1.0)  # 10 vs 90
+            assert bright["label"] == "bright" and bright["index"] == 0
+            assert len(dark["top_k"]) == 1
+            even = np.full((1, 2, 2), 12, np.uint8)  # sum 48 vs 52: close call, both classes
+            r = await client.post("/v1/predict", json={"instances": even.tolist()})
+            (pred,) = r.json()["predictions"]
+            p = 1 / (1 + np.exp(-4))
+            assert [t["label"] for t in pred["top_k"]] == ["dark", "bright"]
+            assert pred["top_k"][0]["probability"] == pytest.approx(p)
+
+    run(main())
+
+
+def png(pixels: np.ndarray | Image.Image, fmt: str = "PNG") -> bytes:
+    image = pixels if isinstance(pixels, Image.Image) else Image.fromarray(pixels)
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+    bright = png(np.full((2, 2), 250, np.uint8))
+    dark = png(Image.new("RGB", (8, 8), (0, 0, 0)), "JPEG")  # converted to gray, resized to 2x2
+
+    async def main() -> None:
+        async with serving(app) as client:
+            files = [
+                ("files", ("b.png", bright, "image/png")),
+                ("files", ("d.jpg", dark, "image/jpeg")),
+            ]
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.status_code == 200, r.text
+            b, d = r.json()["predictions"]
+            assert (b["file"], b["label"]) == ("b.png", "bright")
+            assert (d["file"], d["label"]) == ("d.jpg", "dark")
+            assert b["top_k"][0]["probability"] == pytest.approx(1.0)
+            r = await client.post(
+                "/v1/predict/image", files=[("files", ("x.png", b"\x89PNG broken", "image/png"))]
+            )
+            assert r.status_code == 400 and "x.png: not a readable PNG or JPEG" in r.json()["error"]
+            r = await client.post("/v1/predict/image", data={"nothing": "here"})
+            assert r.status_code == 422 and "files" in r.json()["error"]
+
+    run(main())
+
+
+BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
+    ("malformed JSON", {"content": b'{"inputs": [', "headers": {}}, 400, "malformed JSON"),
+    (
+        "wrong shape",
+        {"json": v2_json(np.zeros((1, 1, 3, 3), np.uint8))},
+        400,
+        r"expected shape [N, 1, 2, 2], got [1, 1, 3, 3]",
+    ),
+    (
+        "data/shape mismatch",
+        {
+            "json": {
+                "inputs": [
+                    {"name": "input", "shape": [1, 1, 2, 2], "datatype": "UINT8", "data": [1, 2, 3]}
+                ]
+            }
+        },
+        400,
+        "holds 4 values but data has 3",
+    ),
+    ("wrong datatype", {"json": v2_json(X, "BYTES")}, 400, "'BYTES' is not supported"),
+    ("out of range", {"json": v2_json(np.full((1, 1, 2, 2), 300), "INT32")}, 400, "0..255"),
+    ("empty batch", {"json": v2_json(np.zeros((0, 1, 2, 2), np.uint8))}, 400, "empty batch"),
+    (
+        "unknown output",
+        {"json": v2_json(X, outputs=[{"name": "embedding"}])},
+        400,
+        "unknown output",
+    ),
+    (
+        "bad timeout header",
+        {"json": v2_json(X), "headers": {"X-Request-Timeout-Ms": "soon"}},
+        400,
+        "x-request-timeout-ms",
+    ),
+    (
+        "unknown encoding",
+        {"content": b"{}", "headers": {"Content-Encoding": "br"}},
+        415,
+        "Content-Encoding br",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "request_kwargs", "status", "message"), BAD_V2, ids=[c[0] for c in BAD_V2]
+)
+def test_bad_v2_requests_get_4xx_json(
+    tmp_path: Path, case: str, request_kwargs: dict[str, Any], status: int, message: str
+) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            return await client.post(INFER, **request_kwargs)
+
+    r = run(main())
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert message in r.json()["error"]
+
+
+def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, max_body_bytes=4096, max_batch_rows=4)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            nan = np.full((1, 1, 2, 2), np.nan, np.float32)
+            body, headers = v2_binary(nan, "FP32")
+            r = await client.post(INFER, content=body, headers=headers)
+            assert r.status_code == 400 and "NaN" in r.json()["error"]
+            r = await client.post("/v2/models/other/infer", json=v2_json(X))
+            assert r.status_code == 404 and "unknown model 'other'" in r.json()["error"]
+            r = await client.get("/v2/models/other")
+            assert r.status_code == 404 and "serves 'hand'" in r.json()["error"]
+            r = await client.get("/v2/models/hand/versions/2")
+            assert r.status_code == 404 and "version" in r.json()["error"]
+            r = await client.post(INFER, content=b"x" * 5000)
+            assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]
+
+            async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+                for _ in range(5):
+                    yield b" " * 1000
+
+            r = await client.post(INFER, content=chunks())
+            assert r.status_code == 413
+            r = await client.post(INFER, json=v2_json(np.zeros((5, 1, 2, 2), np.uint8)))
+            assert r.status_code == 413 and "at most 4 per request" in r.json()["error"]
+            r = await client.get("/v2/nowhere")
+            assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+            text = (await client.get("/metrics")).text
+            assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 2
+            assert (
+                metric(
+                    text,
+                    'lightship_requests_total{route="/v2/models/{model_name}/infer",status="404"}',
+                )
+                == 1
+            )
+
+    run(main())
+
+
+def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, max_wait_ms=50, max_batch_rows=64)
+    rng = np.random.default_rng(0)
+    requests = [
+        rng.integers(0, 256, (int(n), 1, 2, 2), dtype=np.uint8) for n in rng.integers(1, 4, 40)
+    ]
+
+    async def main() -> tuple[list[np.ndarray], list[np.ndarray], str]:
+        async with serving(app) as client:
+            together = await asyncio.gather(
+                *(client.post(INFER, json=v2_json(x)) for x in requests)
+            )
+            text = (await client.get("/metrics")).text
+            # each alone waits max_wait_ms for company: a few are enough to compare
+            alone = [logits_of(await client.post(INFER, json=v2_json(x))) for x in requests[:6]]
+            return [logits_of(r) for r in together], alone, text
+
+    together, alone, text = run(main())
+    for x, a in zip(requests, together, strict=True):
+        np.testing.assert_array_equal(a, expected_logits(x))  # the answer written down
+    for a, b in zip(together, alone, strict=False):
+        np.testing.assert_array_equal(a, b)  # and the answer to the same rows sent alone
+    rows = sum(len(x) for x in requests)
+    batches = metric(text, "lightship_batch_rows_count") - 1  # minus the warm-up batch
+    assert metric(text, "lightship_batch_rows_sum") - 1 == rows
+    assert batches < len(requests) / 2, f"{batches} batches for {len(requests)} requests"
+    assert metric(text, 'lightship_batch_rows_bucket{le="1.0"}') <= 1  # only the warm-up
+
+
+def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path) -> None:
+    app, gate = make_app(tmp_path, gate=True, max_batch_rows=2, max_queue_rows=3, max_wait_ms=0)
+    assert gate is not None
+
+    async def main() -> None:
+        async with serving(app, wait_ready=False) as client:
+            await asyncio.to_thread(gate.entered.wait, 10)  # the warm-up batch holds the thread
+            queued = [asyncio.ensure_future(client.post(INFER, json=v2_json(X))) for _ in range(1)]
+            while service(app).batcher.queued_rows < 2:
+                await asyncio.sleep(0)  # let the request reach the queue
+            r = await client.post(INFER, json=v2_json(X))  # 2 + 2 rows > 3
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert "server busy" in r.json()["error"]
+            one = np.zeros((1, 1, 2, 2), np.uint8)
+            r = await client.post(INFER, json=v2_json(one), headers={"X-Request-Timeout-Ms": "30"})
+            assert r.status_code == 504 and "deadline" in r.json()["error"]
+            gate.open.set()
+            (ok,) = await asyncio.gather(*queued)
+            np.testing.assert_array_equal(logits_of(ok), expected_logits(X))
+            text = (await client.get("/metrics")).text
+            assert metric(text, 'lightship_rejections_total{reason="queue_full"}') == 1
+            assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
+
+    run(main())
+    computed = np.concatenate(gate.rows[1:]) if len(gate.rows) > 1 else np.zeros((0, 1, 2, 2))
+    assert len(computed) == 2  # the 504 row was dropped before compute
+
+
+def test_disconnected_client_is_dropped_before_compute(tmp_path: Path) -> None:
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    marked = np.full((1, 1, 2, 2), 77, np.uint8)
+    body = json.dumps(v2_json(marked)).encode()
+
+    async def main() -> list[dict[str, Any]]:
+        async with serving(app, wait_ready=False) as client:
+            await asyncio.to_thread(gate.entered.wait, 10)  # warm-up holds the inference thread
+            left = asyncio.Event()
+            sent: list[dict[str, Any]] = []
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await left.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                "scheme": "http", "path": INFER, "raw_path": INFER.encode(), "query_string": b"",
+                "root_path": "", "headers": [(b"content-length", str(len(body)).encode())],
+                "client": ("test", 1), "server": ("test", 80),
+            }  # fmt: skip
+            call = asyncio.ensure_future(app(scope, receive, send))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0)
+            left.set()  # the client goes away while its request waits for the model
+            await call
+            gate.open.set()
+            r = await client.post(INFER, json=v2_json(X))  # the server carries on
+            np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+            text = (await client.get("/metrics")).text
+            assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+            return sent
+
+    sent = run(main())
+    assert sent[0]["status"] == 499
+    assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
+
+
+def test_ready_only_after_the_warm_up_batch(tmp_path: Path) -> None:
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+
+    async def main() -> None:
+        async with serving(app, wait_ready=False) as client:
+            await asyncio.to_thread(gate.entered.wait, 10)
+            assert (await client.get("/v2/health/live")).status_code == 200
+            r = await client.get("/v2/health/ready")
+            assert r.status_code == 503 and r.json() == {"error": "not ready"}
+            assert (await client.get("/v2/models/hand/ready")).status_code == 503
+            gate.open.set()
+            await service(app).settled.wait()
+            assert (await client.get("/v2/health/ready")).json() == {"ready": True}
+            assert (await client.get("/v2/models/hand/ready")).status_code == 200
+            service(app).begin_shutdown()  # what SIGTERM does
+            assert (await client.get("/v2/health/ready")).status_code == 503
+
+    run(main())
+
+
+def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    predictor.labels = ["only-one"]  # the model answers two classes: warm-up must catch it
+    app = create_app(predictor, ServedModel("hand", "file", path, None), ServeSettings(run=path))
+
+    async def main() -> None:
+        async with serving(app) as client:
+            r = await client.get("/v2/health/ready")
+            assert r.status_code == 503 and "warm-up" in r.json()["error"]
+            assert (await client.get("/v2/health/live")).status_code == 503
+            r = await client.post(INFER, json=v2_json(X))
+            assert r.status_code == 503 and "warm-up" in r.json()["error"]
+
+    run(main())
+
+
+def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            assert (await client.get("/v2")).json()["extensions"] == [
+                "binary_tensor_data",
+                "classification",
+            ]
+            meta = (await client.get("/v2/models/hand")).json()
+            assert meta["inputs"] == [
+                {"name": "input", "datatype": "UINT8", "shape": [-1, 1, 2, 2]}
+            ]
+            assert meta["parameters"]["labels"] == ["bright", "dark"]
+            await client.post(INFER, json=v2_json(X))
+            text = (await client.get("/metrics")).text
+            for name in (
+                "lightship_request_duration_seconds_bucket",
+                "lightship_queue_wait_seconds_count",
+                "lightship_compute_seconds_count",
+                "lightship_queue_rows",
+            ):
+                assert name in text
+            assert (
+                metric(
+                    text,
+                    'lightship_requests_total{route="/v2/models/{model_name}/infer",status="200"}',
+                )
+                == 1
+            )
+            assert metric(text, "lightship_queue_wait_seconds_count") == 2  # warm-up, request
+            assert (
+                'lightship_model_info{backend="onnxruntime",device="cpu",name="hand",variant="file"} 1.0'
+                in text
+            )
+            assert (await client.get("/docs")).status_code == 200
+            paths = (await client.get("/openapi.json")).json()["paths"]
+            for route in (
+                "/v1/predict",
+                "/v1/predict/image",
+                "/v2/models/{model_name}/infer",
+                "/v2/health/ready",
+            ):
+                assert route in paths
+
+    run(main())

@@ -1,0 +1,140 @@
+"""Settings from env and flags; which artifact `serve` picks; the sha256 and CPU ISA checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from lightship.errors import ConfigError, RunError
+from lightship.quantize.isa import CpuInfo
+from lightship.runs import RunDir, sha256_file
+from lightship.serve.command import _settings
+from lightship.serve.model import choose, verify
+from lightship.serve.settings import ServeSettings
+from tests.handmade import handmade_onnx
+
+AVX2 = CpuInfo("test AVX2 CPU", "x86_64", frozenset({"avx2"}))
+VNNI = CpuInfo("test VNNI CPU", "x86_64", frozenset({"avx2", "avx512_vnni"}))
+
+
+def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTSHIP_RUN", "/models/x")
+    monkeypatch.setenv("LIGHTSHIP_PORT", "9000")
+    monkeypatch.setenv("LIGHTSHIP_MAX_BATCH_ROWS", "8")
+    monkeypatch.setenv("LIGHTSHIP_MODEL_NAME", "from-env")
+    monkeypatch.setenv("LIGHTSHIP_TRT_CACHE", "/tmp/x")  # another component's variable: ignored
+    s = _settings(port=None, model_name="from-flag", host="0.0.0.0")
+    assert s.run == Path("/models/x") and s.port == 9000 and s.max_batch_rows == 8
+    assert s.model_name == "from-flag" and s.host == "0.0.0.0"
+    assert s.variant == "auto" and s.device == "cpu" and s.isa_check == "refuse"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"max_batch_rows": 0}, "max_batch_rows"),
+        ({"max_batch_rows": 64, "max_queue_rows": 8}, "one full batch"),
+        ({"device": "gpu"}, "cpu, cuda or cuda:N"),
+        ({"model_name": "a/b"}, "model name"),
+        ({"isa_check": "maybe"}, "isa_check"),
+    ],
+)
+def test_bad_settings_are_a_config_error(given: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _settings(**given)
+    with pytest.raises(ValidationError):
+        ServeSettings(**given)  # type: ignore[arg-type]
+
+
+def make_run(tmp_path: Path, variants: dict[str, dict[str, str]]) -> Path:
+    """A run directory whose manifest lists handmade ONNX files under the given variants."""
+    run = tmp_path / "my-run"
+    (run / "export").mkdir(parents=True)
+    for variant, extra in variants.items():
+        path = handmade_onnx(run / "export" / f"{variant}.onnx", bias=float(len(variant)))
+        RunDir(run).record(
+            variant,
+            {
+                "file": f"export/{variant}.onnx",
+                "format": "onnx",
+                "sha256": sha256_file(path),
+                **extra,
+            },
+        )
+    return run
+
+
+def test_auto_takes_the_report_recommendation_else_fp32(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {"onnx-fp32": {}, "onnx-int8-static": {"target": "avx2"}})
+    chosen = choose(ServeSettings(run=run))
+    assert (chosen.variant, chosen.name, chosen.path) == (
+        "onnx-fp32",
+        "my-run",
+        run / "export/onnx-fp32.onnx",
+    )
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text(
+        json.dumps({"recommended": "onnx-int8-static", "variants": []})
+    )
+    chosen = choose(ServeSettings(run=run, model_name="digits"))
+    assert (chosen.variant, chosen.name) == ("onnx-int8-static", "digits")
+    assert chosen.entry is not None and chosen.entry["target"] == "avx2"
+    assert choose(ServeSettings(run=run, variant="onnx-fp32")).variant == "onnx-fp32"
+
+
+def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {"onnx-fp32": {}})
+    with pytest.raises(
+        RunError, match=r"no 'onnx-int8-static' artifact \(it has: onnx-fp32\).*make quantize"
+    ):
+        choose(ServeSettings(run=run, variant="onnx-int8-static"))
+    with pytest.raises(RunError, match="neither a run directory nor a model file"):
+        choose(ServeSettings(run=tmp_path / "nothing"))
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text("{oops")
+    with pytest.raises(RunError, match="report.json is unreadable"):
+        choose(ServeSettings(run=run))
+    (run / "report" / "report.json").write_text(json.dumps({"recommended": "torchscript"}))
+    with pytest.raises(RunError, match="no 'torchscript' artifact"):
+        choose(ServeSettings(run=run))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(RunError, match="cannot serve a .txt file"):
+        choose(ServeSettings(run=tmp_path / "notes.txt"))
+
+
+def test_a_lone_file_is_served_under_its_stem_and_finds_its_manifest_entry(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {"onnx-int8-static": {"target": "vnni"}})
+    inside = choose(ServeSettings(run=run / "export" / "onnx-int8-static.onnx"))
+    assert inside.name == "onnx-int8-static" and inside.variant == "file"
+    assert inside.entry is not None and inside.entry["target"] == "vnni"  # the ISA check applies
+    alone = tmp_path / "alone.onnx"
+    shutil.copy(run / "export" / "onnx-int8-static.onnx", alone)
+    assert choose(ServeSettings(run=alone)).entry is None
+
+
+def test_int8_for_another_cpu_is_refused_or_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = make_run(
+        tmp_path, {"onnx-int8-static": {"target": "vnni"}, "onnx-int8-qat": {"target": "avx2"}}
+    )
+    vnni_model = choose(ServeSettings(run=run, variant="onnx-int8-static"))
+    with pytest.raises(RunError, match="no VNNI.*--target avx2.*--isa-check warn"):
+        verify(vnni_model, "refuse", cpu=AVX2)
+    verify(vnni_model, "warn", cpu=AVX2)
+    assert "serving it anyway" in caplog.text
+    verify(vnni_model, "refuse", cpu=VNNI)  # made for this CPU
+    verify(
+        choose(ServeSettings(run=run, variant="onnx-int8-qat")), "refuse", cpu=VNNI
+    )  # 7-bit: anywhere
+
+
+def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {"onnx-fp32": {}})
+    handmade_onnx(run / "export" / "onnx-fp32.onnx", bias=5.0)  # rewritten behind the manifest
+    with pytest.raises(RunError, match="differs from its manifest entry"):
+        verify(choose(ServeSettings(run=run)))

@@ -1,0 +1,238 @@
+"""The V2 protocol and the simple v1 format on their own: bytes in, arrays out, and back."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lightship.serve import v1, v2
+from lightship.serve.v2 import ProtocolError, RequestedOutput
+
+X = np.arange(8, dtype=np.uint8).reshape(2, 1, 2, 2)
+
+
+def json_request(data: object, shape: list[int], datatype: str = "UINT8", **extra: object) -> bytes:
+    doc = {"inputs": [{"name": "input", "shape": shape, "datatype": datatype, "data": data}]}
+    doc.update(extra)
+    return json.dumps(doc).encode()
+
+
+def binary_request(x: np.ndarray, datatype: str = "UINT8", **extra: object) -> tuple[bytes, str]:
+    raw = x.tobytes()
+    doc = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": list(x.shape),
+                "datatype": datatype,
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        ]
+    }
+    doc.update(extra)
+    header = json.dumps(doc).encode()
+    return header + raw, str(len(header))
+
+
+def test_json_flat_and_nested_data_decode_to_the_same_array() -> None:
+    flat = v2.decode_request(json_request(X.ravel().tolist(), [2, 1, 2, 2]), None, "input")
+    nested = v2.decode_request(json_request(X.tolist(), [2, 1, 2, 2]), None, "input")
+    np.testing.assert_array_equal(flat.x, X)
+    np.testing.assert_array_equal(nested.x, X)
+    assert flat.id is None and flat.timeout_s is None
+    assert [o.name for o in flat.outputs] == ["logits", "probabilities"]
+    assert not any(o.binary for o in flat.outputs)
+
+
+def test_binary_tensor_decodes_without_copy_semantics_changing_values() -> None:
+    body, length = binary_request(X, id="r1", parameters={"binary_data_output": True})
+    req = v2.decode_request(body, length, "input")
+    np.testing.assert_array_equal(req.x, X)
+    assert req.x.dtype == np.uint8 and req.id == "r1"
+    assert all(o.binary for o in req.outputs)  # what tritonclient asks when it names no output
+
+
+def test_fp32_binary_and_timeout_parameter() -> None:
+    body, length = binary_request(X.astype(np.float32), "FP32", parameters={"timeout": 250_000})
+    req = v2.decode_request(body, length, "input")
+    assert req.x.dtype == np.float32 and req.timeout_s == 0.25
+
+
+@pytest.mark.parametrize(
+    ("body", "length", "message"),
+    [
+        (b"{not json", None, "malformed JSON"),
+        (b"[1, 2]", None, "must be a JSON object"),
+        (b'{"inputs": []}', None, "exactly one input"),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2]).replace(b'"input"', b'"pixels"'),
+            None,
+            "unknown input 'pixels'",
+        ),
+        (json_request([1, 2, 3], [1, 1, 2, 2]), None, r"holds 4 values but data has 3"),
+        (json_request([[1, 2], [3]], [1, 1, 2, 2]), None, "ragged"),
+        (
+            json_request([1.5, 2, 3, 4], [1, 1, 2, 2]),
+            None,
+            "fractional numbers but its datatype is UINT8",
+        ),
+        (json_request(["a", "b", "c", "d"], [1, 1, 2, 2], "FP32"), None, "not numbers"),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], "BYTES"),
+            None,
+            "'BYTES' is not supported for pixels",
+        ),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], "FLOAT"),
+            None,
+            "'FLOAT' is not a known datatype",
+        ),
+        (json_request([1, 2, 3, 4], [1, -1, 2, 2]), None, "non-negative integers"),
+        (json_request(5, [1, 1, 2, 2]), None, "must be a list of numbers"),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], outputs=[{"name": "embedding"}]),
+            None,
+            "unknown output 'embedding'",
+        ),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], parameters={"timeout": -5}),
+            None,
+            "positive microseconds",
+        ),
+        (json_request([1, 2, 3, 4], [1, 1, 2, 2], id=7), None, "id must be a string"),
+        (
+            b'{"inputs": [{"name": "input", "shape": [1, 1, 2, 2], "datatype": "UINT8"}]}',
+            None,
+            "neither data nor",
+        ),
+        (
+            b'{"inputs": [{"name": "input", "shape": [1,1,2,2], "datatype": "UINT8", "parameters": {"shared_memory_region": "r"}}]}',
+            None,
+            "shared memory",
+        ),
+        (binary_request(X)[0], "nine", "must be an integer"),
+        (binary_request(X)[0], "100000", "but the body has"),
+        (binary_request(X)[0][:-1], binary_request(X)[1], "needs 8 bytes"),
+        (binary_request(X)[0] + b"\0", binary_request(X)[1], "needs 8 bytes"),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2]) + b"\0\0",
+            str(len(json_request([1, 2, 3, 4], [1, 1, 2, 2]))),
+            "no input has binary_data_size",
+        ),
+    ],
+)
+def test_bad_requests_say_what_is_wrong(body: bytes, length: str | None, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as info:
+        v2.decode_request(body, length, "input")
+    assert info.value.status == 400
+
+
+def test_json_response_carries_id_values_and_probabilities() -> None:
+    logits = np.array([[10.0, 90.0], [0.0, 0.0]], np.float32)
+    outputs = [RequestedOutput("logits", False), RequestedOutput("probabilities", False)]
+    body, headers = v2.encode_response(logits, outputs, ["bright", "dark"], "m", "abc")
+    assert headers == {"content-type": "application/json"}
+    doc = json.loads(body)
+    assert doc["id"] == "abc" and doc["model_name"] == "m" and doc["model_version"] == "1"
+    out = {o["name"]: o for o in doc["outputs"]}
+    assert out["logits"] == {
+        "name": "logits",
+        "datatype": "FP32",
+        "shape": [2, 2],
+        "data": [10.0, 90.0, 0.0, 0.0],
+    }
+    np.testing.assert_allclose(
+        out["probabilities"]["data"], [1.8048514e-35, 1.0, 0.5, 0.5], rtol=1e-6
+    )
+
+
+def test_binary_response_layout_and_classification_strings() -> None:
+    logits = np.array([[3.0, 1.0, 2.0]], np.float32)
+    outputs = [RequestedOutput("logits", True), RequestedOutput("logits", True, classification=2)]
+    body, headers = v2.encode_response(logits, outputs, ["a", "b", "c"], "m", None)
+    n = int(headers["inference-header-content-length"])
+    header = json.loads(body[:n])
+    assert "id" not in header
+    sizes = [o["parameters"]["binary_data_size"] for o in header["outputs"]]
+    raw = body[n:]
+    assert len(raw) == sum(sizes) and sizes[0] == 12
+    np.testing.assert_array_equal(np.frombuffer(raw[:12], "<f4"), [3.0, 1.0, 2.0])
+    strings, rest = [], raw[12:]
+    while rest:
+        (size,) = struct.unpack("<I", rest[:4])
+        strings.append(rest[4 : 4 + size].decode())
+        rest = rest[4 + size :]
+    assert strings == ["3.000000:0:a", "2.000000:2:c"]  # best first, Triton's format
+    assert header["outputs"][1]["datatype"] == "BYTES" and header["outputs"][1]["shape"] == [1, 2]
+
+
+def test_model_metadata_shape_has_a_dynamic_batch() -> None:
+    meta = v2.model_metadata("m", "onnxruntime_onnx", "input", (1, 28, 28), ["x", "y"])
+    assert meta["inputs"] == [{"name": "input", "datatype": "UINT8", "shape": [-1, 1, 28, 28]}]
+    assert meta["outputs"][0] == {"name": "logits", "datatype": "FP32", "shape": [-1, 2]}
+
+
+def test_v1_instances_and_predictions() -> None:
+    x, k = v1.decode_instances(b'{"instances": [[[1, 2], [3, 4]]], "top_k": 1}', (1, 2, 2), 5)
+    assert x.shape == (1, 1, 2, 2) and k == 1  # [H][W] is fine for one channel
+    body = v1.encode_predictions(np.array([[0.0, 2.0]], np.float32), ["a", "b"], 5, "m")
+    (pred,) = json.loads(body)["predictions"]
+    assert pred["label"] == "b" and pred["index"] == 1
+    assert pred["score"] == pytest.approx(1 / (1 + np.exp(-2)))
+    assert [p["label"] for p in pred["top_k"]] == ["b", "a"]  # k clipped to the classes
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"instances": [}', "malformed JSON"),
+        (b'{"images": []}', "instances"),
+        (b'{"instances": []}', "empty batch"),
+        (b'{"instances": [[[1, 2], [3]]]}', "ragged"),
+        (b'{"instances": [[["a", "b"], ["c", "d"]]]}', "numbers"),
+        (b'{"instances": [[1, 2, 3, 4]]}', r"must be \[1, 2, 2\]"),
+        (b'{"instances": [[[1, 2], [3, 4]]], "top_k": 0}', "top_k"),
+    ],
+)
+def test_v1_bad_requests(body: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        v1.decode_instances(body, (1, 2, 2), 5)
+
+
+def encode(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_images_are_converted_to_the_input_spec() -> None:
+    gray = Image.fromarray(np.array([[0, 50], [100, 250]], np.uint8), "L")
+    np.testing.assert_array_equal(
+        v1.decode_image(encode(gray, "PNG"), (1, 2, 2)), [[[0, 50], [100, 250]]]
+    )
+    rgb = Image.new("RGB", (2, 2), (255, 0, 0))  # red -> luma 76 (ITU-R 601-2, as Pillow does)
+    np.testing.assert_array_equal(
+        v1.decode_image(encode(rgb, "PNG"), (1, 2, 2)), np.full((1, 2, 2), 76)
+    )
+    big = Image.new("L", (64, 48), 200)
+    assert v1.decode_image(encode(big, "JPEG"), (3, 8, 8)).shape == (3, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "message"),
+    [
+        (b"\x89PNG\r\n\x1a\n garbage", 400, "not a readable"),
+        (b"", 400, "not a readable"),
+        (encode(Image.new("L", (2, 2)), "GIF"), 415, "GIF images are not accepted"),
+        (encode(Image.new("L", (2, 2)), "PNG")[:40], 400, "not a readable"),
+    ],
+)
+def test_bad_images(data: bytes, status: int, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as info:
+        v1.decode_image(data, (1, 2, 2), "x.png")
+    assert info.value.status == status
