@@ -14,9 +14,12 @@ ARGS   ?=
 EXPORT_ARGS ?=
 QUANTIZE_ARGS ?=
 REPORT_ARGS ?=
+SERVE_ARGS ?=
 TORCH  := torch==2.13.0
+IMAGE  ?= lightship-serve
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup train export quantize report test test-slow check bench-train clean
+.PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-smoke bench-train clean
 
 help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
@@ -57,19 +60,33 @@ quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT b
 report: $(STAMP) ## measure every variant in RUN: report/report.md, report.json, pareto.png
 	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
 
+serve: $(STAMP) ## serve RUN over HTTP (report's recommended variant; SERVE_ARGS='--port 9000')
+	$(BIN)/lightship serve --run $(RUN) $(SERVE_ARGS)
+
 test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests deploy
+	$(BIN)/ruff format --check src tests deploy
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile Dockerfile.gpu
 	$(BIN)/pytest -m "not slow"
 
 test-slow: $(STAMP) ## run only the tests marked slow
 	$(BIN)/pytest -m slow
 
-check: $(STAMP) ## ruff (lint + format check) and mypy
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+check: $(STAMP) ## ruff (lint + format check), mypy and hadolint
+	$(BIN)/ruff check src tests deploy
+	$(BIN)/ruff format --check src tests deploy
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile Dockerfile.gpu
+
+docker: ## build the CPU serving image IMAGE:VERSION (needs Docker; mount a run at /model)
+	docker build -t $(IMAGE):$(VERSION) .
+
+docker-gpu: ## build the GPU serving image IMAGE:VERSION-gpu (CUDA 13, onnxruntime-gpu, TensorRT)
+	docker build -f Dockerfile.gpu -t $(IMAGE):$(VERSION)-gpu .
+
+docker-smoke: $(STAMP) ## replay the CPU image's install in a fresh venv, serve a model, check it
+	$(PY) deploy/smoke.py
 
 bench-train: $(STAMP) ## measure training steps/s for the data-loading choices
 	$(BIN)/lightship bench train --config $(CONFIG) $(ARGS)

