@@ -19,7 +19,7 @@ TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-smoke bench-train clean
+.PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-smoke bench-train bench-serve clean
 
 help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
@@ -90,6 +90,10 @@ docker-smoke: $(STAMP) ## replay the CPU image's install in a fresh venv, serve 
 
 bench-train: $(STAMP) ## measure training steps/s for the data-loading choices
 	$(BIN)/lightship bench train --config $(CONFIG) $(ARGS)
+
+bench-serve: $(STAMP) ## wrk against a real server (digits + ResNet-18) beside no-model and in-process ceilings
+	@command -v wrk >/dev/null || { echo "bench-serve needs wrk: sudo apt-get install -y wrk (Debian/Ubuntu) or brew install wrk"; exit 1; }
+	$(BIN)/lightship bench serve $(ARGS)
 
 clean: ## remove runs/ and caches (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

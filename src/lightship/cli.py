@@ -202,9 +202,10 @@ def bench_train(
     bench_training(load_config(config, overrides), steps=steps, out=out)
 
 
-from lightship.serve.command import serve  # noqa: E402  (commands first, then main)
+from lightship.serve.command import bench_serve, serve  # noqa: E402  (commands first, then main)
 
 app.command()(serve)
+bench_app.command("serve")(bench_serve)
 
 
 def main() -> None:

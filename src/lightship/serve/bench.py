@@ -1,0 +1,381 @@
+"""`lightship bench serve`: requests/s and latency of a real server under wrk, beside two ceilings.
+
+For each model (digits, a ResNet-18) the server runs as a separate process (`lightship serve`),
+and wrk drives one-image V2 infer requests, JSON and binary, at each concurrency. Measured in the
+same run, on the same machine:
+
+- **in-process ceiling**: the served Predictor called directly, rows/s at its best batch size —
+  what the model can do with no HTTP at all;
+- **no-model ceiling**: a FastAPI route that parses the same request and answers a response of
+  the same shape without a model (`lightship.serve.ceiling`), under the same wrk load — what
+  HTTP and the protocol cost alone.
+
+wrk and the server share the machine's cores: on a 2-core box the figures are a floor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightship.errors import LightshipError, RunError
+from lightship.runs import RunDir, atomic_write_text
+
+WRK_HINT = "install wrk: `sudo apt-get install -y wrk` (Debian/Ubuntu) or `brew install wrk`"
+# Prints one JSON line at the end of a wrk run: requests, errors, latency percentiles (µs).
+WRK_LUA = """
+local f = assert(io.open(os.getenv("BENCH_BODY"), "rb"))
+wrk.method = "POST"
+wrk.body = f:read("*a")
+f:close()
+wrk.headers["Content-Type"] = "application/octet-stream"
+local hlen = os.getenv("BENCH_HEADER_LENGTH")
+if hlen and hlen ~= "" then wrk.headers["Inference-Header-Content-Length"] = hlen end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'BENCH {"requests": %d, "duration_us": %d, "non2xx": %d, "socket_errors": %d, '
+    .. '"p50_us": %d, "p90_us": %d, "p99_us": %d}\\n',
+    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99)))
+end
+"""
+
+
+@dataclass
+class LoadResult:
+    model: str
+    endpoint: str  # "server" or "no-model ceiling"
+    protocol: str  # "json" or "binary"
+    concurrency: int
+    requests: int
+    req_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    non2xx: int
+    socket_errors: int
+    mean_batch_rows: float | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lightship(*args: str) -> None:
+    cmd = [sys.executable, "-m", "lightship", *args]
+    print("+ lightship " + " ".join(args), file=sys.stderr, flush=True)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise RunError(f"`lightship {' '.join(args)}` failed (see above)")
+
+
+def ensure_run(run: Path, config: str, *overrides: str) -> RunDir:
+    """A run directory with an fp32 ONNX export: made here (train + export) when missing."""
+    if not (run / "best.ckpt").is_file():
+        sets = [a for o in overrides for a in ("--set", o)]
+        _lightship("train", "--run", str(run), "--config", config, *sets)
+    rd = RunDir(run)
+    if "onnx-fp32" not in rd.manifest()["artifacts"]:
+        _lightship("export", "--run", str(run), "--formats", "onnx")
+    return rd
+
+
+def request_bodies(chw: tuple[int, int, int], input_name: str) -> dict[str, tuple[bytes, int]]:
+    """One-image V2 infer bodies: JSON, and binary (JSON header + raw pixels)."""
+    x = np.random.default_rng(0).integers(0, 256, (1, *chw), dtype=np.uint8)
+    shape = list(x.shape)
+    json_body = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": input_name,
+                    "shape": shape,
+                    "datatype": "UINT8",
+                    "data": x.ravel().tolist(),
+                }
+            ],
+            "outputs": [{"name": "logits"}],
+        }
+    ).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": input_name,
+                    "shape": shape,
+                    "datatype": "UINT8",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return {"json": (json_body, 0), "binary": (header + x.tobytes(), len(header))}
+
+
+class _Process:
+    """A server process on a free port, ready when `ready_path` answers 200; SIGTERM to stop."""
+
+    def __init__(self, cmd: list[str], log: Path, ready_path: str = "/v2/health/ready") -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT
+            )
+        self._wait(ready_path)
+
+    def _wait(self, path: str, timeout: float = 120) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RunError(f"server exited {self.proc.returncode}; its log: {self.log}")
+            try:
+                if httpx.get(self.url + path, timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RunError(f"server not ready after {timeout:.0f} s; its log: {self.log}")
+
+    def get(self, path: str) -> str:
+        import httpx
+
+        return httpx.get(self.url + path, timeout=5).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _wrk(
+    url: str, body: Path, header_length: int, concurrency: int, duration: float
+) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_LUA)
+    env = {**os.environ, "BENCH_BODY": str(body), "BENCH_HEADER_LENGTH": str(header_length or "")}
+    threads = max(1, min(concurrency, os.cpu_count() or 1))
+    cmd = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{duration:g}s"]
+    cmd += ["--timeout", "10s", "-s", script.name, url]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    finally:
+        os.unlink(script.name)
+    match = re.search(r"^BENCH (\{.*\})$", out.stdout, re.M)
+    if out.returncode != 0 or match is None:
+        raise LightshipError(f"wrk failed ({out.returncode}): {out.stderr.strip() or out.stdout}")
+    return dict(json.loads(match.group(1)))
+
+
+def _batch_rows(metrics_text: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    values = {}
+    for name in ("lightship_batch_rows_sum", "lightship_batch_rows_count"):
+        m = re.search(rf"^{name} (\S+)$", metrics_text, re.M)
+        values[name] = float(m.group(1)) if m else 0.0
+    return values["lightship_batch_rows_sum"], values["lightship_batch_rows_count"]
+
+
+def in_process_ceiling(model_path: Path, threads: int | None) -> dict[str, Any]:
+    """Rows/s of the Predictor called directly, at each batch size; the best is the ceiling."""
+    from lightship.runtime import load_predictor
+
+    predictor = load_predictor(model_path, threads=threads)
+    rng = np.random.default_rng(0)
+    per_batch: dict[int, float] = {}
+    for batch in (1, 8, 32, 64, 128):
+        x = rng.integers(0, 256, (batch, *predictor.chw), dtype=np.uint8)
+        for _ in range(3):
+            predictor.predict(x)
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < 1.0 or calls < 5:
+            predictor.predict(x)
+            calls += 1
+        per_batch[batch] = calls * batch / elapsed
+    best = max(per_batch, key=lambda b: per_batch[b])
+    return {
+        "rows_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()},
+        "best_batch": best,
+        "rows_per_s": round(per_batch[best], 1),
+    }
+
+
+def bench_model(
+    label: str,
+    run: RunDir,
+    variant: str,
+    concurrency: list[int],
+    duration: float,
+    work: Path,
+    threads: int | None,
+) -> dict[str, Any]:
+    from rich.console import Console
+
+    from lightship.serve.model import choose
+    from lightship.serve.settings import ServeSettings
+
+    console = Console(stderr=True)
+    served = choose(ServeSettings(run=run.root, variant=variant))
+    spec = (served.entry or {})["input_spec"]
+    c, h, w = (int(d) for d in spec["shape"][1:])
+    chw = (c, h, w)
+    labels = (served.entry or {}).get("labels") or []
+    console.print(f"[bold]{label}[/]: {served.variant} ({served.path}), input {list(chw)}")
+    ceiling = in_process_ceiling(served.path, threads)
+    console.print(
+        f"  in-process ceiling: {ceiling['rows_per_s']:.0f} rows/s at batch {ceiling['best_batch']}"
+    )
+    bodies = {}
+    for protocol, (body, hlen) in request_bodies(chw, spec.get("name", "input")).items():
+        path = work / f"{label}-{protocol}.body"
+        path.write_bytes(body)
+        bodies[protocol] = (path, hlen)
+
+    results: list[LoadResult] = []
+    serve_cmd = [sys.executable, "-m", "lightship", "serve", "--run", str(run.root)]
+    serve_cmd += ["--variant", served.variant, "--model-name", label]
+    if threads:
+        serve_cmd += ["--threads", str(threads)]
+    ceiling_cmd = [sys.executable, "-m", "lightship.serve.ceiling"]
+    ceiling_cmd += ["--input-name", spec.get("name", "input"), "--classes", str(len(labels))]
+    for endpoint, cmd in (("server", serve_cmd), ("no-model ceiling", ceiling_cmd)):
+        proc = _Process(cmd, work / f"{label}-{endpoint.replace(' ', '-')}.log")
+        try:
+            url = f"{proc.url}/v2/models/{label}/infer"
+            for protocol, (body_path, hlen) in bodies.items():
+                _wrk(url, body_path, hlen, 4, min(duration, 1.0))  # warm-up
+                for c in concurrency:
+                    before = _batch_rows(proc.get("/metrics")) if endpoint == "server" else None
+                    r = _wrk(url, body_path, hlen, c, duration)
+                    mean_rows = None
+                    if before is not None:
+                        after = _batch_rows(proc.get("/metrics"))
+                        batches = after[1] - before[1]
+                        mean_rows = round((after[0] - before[0]) / batches, 2) if batches else None
+                    row = LoadResult(
+                        label,
+                        endpoint,
+                        protocol,
+                        c,
+                        r["requests"],
+                        round(r["requests"] / (r["duration_us"] / 1e6), 1),
+                        r["p50_us"] / 1000,
+                        r["p90_us"] / 1000,
+                        r["p99_us"] / 1000,
+                        r["non2xx"],
+                        r["socket_errors"],
+                        mean_rows,
+                    )
+                    results.append(row)
+                    console.print(
+                        f"  {endpoint:16} {protocol:6} c={c:<3} {row.req_per_s:8.0f} req/s  "
+                        f"p50 {row.p50_ms:7.2f} ms  p99 {row.p99_ms:7.2f} ms"
+                        + (f"  mean batch {mean_rows}" if mean_rows else "")
+                    )
+        finally:
+            proc.stop()
+    return {
+        "model": label,
+        "variant": served.variant,
+        "file": str(served.path),
+        "input_shape": list(chw),
+        "in_process_ceiling": ceiling,
+        "load": [asdict(r) for r in results],
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"CPU: {results['cpu']}, {results['cores']} cores; wrk {results['duration_s']:g} s per "
+        "cell, one image per request; req/s, p50 / p99 ms.",
+        "",
+        "| model | protocol | conc. | server req/s | p50 | p99 | mean batch | no-model req/s "
+        "| no-model p99 | in-process ceiling |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in results["models"]:
+        ceiling = m["in_process_ceiling"]
+        by_key = {(r["endpoint"], r["protocol"], r["concurrency"]): r for r in m["load"]}
+        for (endpoint, protocol, c), r in by_key.items():
+            if endpoint != "server":
+                continue
+            nm = by_key.get(("no-model ceiling", protocol, c), {})
+            lines.append(
+                f"| {m['model']} ({m['variant']}) | {protocol} | {c} | {r['req_per_s']:.0f} "
+                f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
+                f"| {nm.get('req_per_s', math.nan):.0f} | {nm.get('p99_ms', math.nan):.2f} "
+                f"| {ceiling['rows_per_s']:.0f} rows/s (batch {ceiling['best_batch']}) |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def bench(
+    digits_run: Path,
+    resnet_run: Path,
+    duration: float,
+    concurrency: list[int],
+    out: Path,
+    variant: str = "auto",
+    threads: int | None = None,
+) -> dict[str, Any]:
+    if shutil.which("wrk") is None:
+        raise LightshipError(f"wrk not found: {WRK_HINT}")
+    if not concurrency or min(concurrency) < 1:
+        raise LightshipError("--concurrency must list positive connection counts, e.g. 1,16,64")
+    from lightship.quantize.isa import host_cpu
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll
+
+    cpu = host_cpu()
+    runs = {
+        "digits": ensure_run(digits_run, "configs/digits.yaml"),
+        "resnet18": ensure_run(resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1"),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lightship-bench-") as tmp:
+        models = [
+            bench_model(label, rd, variant, concurrency, duration, Path(tmp), threads)
+            for label, rd in runs.items()
+        ]
+    results = {
+        "cpu": cpu.model,
+        "cpu_flags": sorted(cpu.flags & {"avx2", "avx512_vnni", "avx_vnni", "amx_int8"}),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "duration_s": duration,
+        "concurrency": concurrency,
+        "models": models,
+    }
+    atomic_write_text(out, json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    atomic_write_text(out.with_suffix(".md"), table)
+    print(table)
+    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
+    return results
