@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from lightship.errors import QuantizeError
-from lightship.quantize import isa
+from lightship.quantize import isa, ptq
 from lightship.quantize.core import parse_methods
 from lightship.report.render import pareto_front
 
@@ -54,3 +58,34 @@ def test_pareto_front() -> None:
     # (latency, accuracy): (2.0, 98.0) is slower and less accurate than (1.0, 99.0)
     points = [(1.0, 99.0), (2.0, 98.0), (0.5, 97.0), (3.0, 99.5)]
     assert pareto_front(points) == [2, 0, 3]
+
+
+def _conv_net(path: Path, first_in_channels: int) -> Path:
+    """input -> Cast -> Conv(k=3) -> Relu -> MaxPool -> Conv -> output, as ONNX."""
+    c = first_in_channels
+    w1 = helper.make_tensor("w1", TensorProto.FLOAT, [4, c, 3, 3], [0.1] * (4 * c * 9))
+    w2 = helper.make_tensor("w2", TensorProto.FLOAT, [4, 4, 3, 3], [0.1] * (4 * 4 * 9))
+    nodes = [
+        helper.make_node("Cast", ["input"], ["xf"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("Conv", ["xf", "w1"], ["c1"], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool1", kernel_shape=[2, 2]),
+        helper.make_node("Conv", ["p1", "w2"], ["logits"], name="conv2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.UINT8, [1, c, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [w1, w2],
+    )
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_a_thin_first_conv_is_offered_to_fp32_with_its_input_chain_relu_and_pool(
+    tmp_path: Path,
+) -> None:
+    thin = ptq.thin_first_conv(_conv_net(tmp_path / "thin.onnx", 1))
+    assert sorted(thin) == ["cast", "conv1", "pool1", "relu1"]
+    assert ptq.thin_first_conv(_conv_net(tmp_path / "wide.onnx", 16)) == []

@@ -26,6 +26,7 @@ from lightship.errors import LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
 from lightship.runs import RunDir, atomic_path, sha256_file
 from lightship.runtime import load_predictor
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, create_session, session_options
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
         so.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
         so.intra_op_num_threads = threads or 1
         so.log_severity_level = 3
-        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        create_session(path, so)
         import onnx
 
         ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
@@ -133,6 +134,32 @@ def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
 def _accuracy(path: Path, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     logits = load_predictor(path).predict(x)
     return float(np.mean(logits.argmax(1) == y)), logits
+
+
+def _throughputs(
+    paths: Sequence[Path], x: np.ndarray, rounds: int = 3, seconds: float = 0.3
+) -> list[float]:
+    """Images/s of each model on `x`, interleaved over `rounds`, median (as the report does)."""
+    sessions = [
+        ort.InferenceSession(
+            str(p),
+            session_options(),
+            providers=["CPUExecutionProvider"],
+            disabled_optimizers=["QDQPropagationTransformer"],
+        )
+        for p in paths
+    ]
+    name = sessions[0].get_inputs()[0].name
+    rates: list[list[float]] = [[] for _ in sessions]
+    for _ in range(rounds):
+        for sess, rate in zip(sessions, rates, strict=True):
+            sess.run(None, {name: x})
+            calls, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds:
+                sess.run(None, {name: x})
+                calls += 1
+            rate.append(calls * len(x) / elapsed)
+    return [float(np.median(r)) for r in rates]
 
 
 class Quantizer:
@@ -240,8 +267,15 @@ class Quantizer:
                 log.info("gate failed: keeping %s in fp32 (%s)", island, worst.as_dict())
                 exclude.extend(n for n in island if n not in exclude)
                 fallback_nodes.append({**worst.as_dict(), "island": island, "accuracy_before": acc})
+            speed = self._first_conv_in_fp32(tmp, exclude, acc)
+            if speed is not None and speed["kept"]:
+                exclude.extend(speed["island"])
+                acc = speed["accuracy"]
             chosen = self._scheme_error(tmp)
-            ptq.copy_metadata(self.fp32, tmp, self._meta("static"))
+            meta = self._meta("static")
+            if exclude:
+                meta[DISABLED_OPTIMIZERS] = "QDQPropagationTransformer"
+            ptq.copy_metadata(self.fp32, tmp, meta)
             scales = ptq.scales_digest(tmp)
             share = int8_share(tmp)
             seconds = time.perf_counter() - t0
@@ -250,6 +284,7 @@ class Quantizer:
             "per_channel": s.per_channel,
             "calibration": {**self.calibration, "scales_sha256": scales},
             "nodes_fp32_by_fallback": fallback_nodes,
+            "first_conv_fp32": speed,
             "int8_ops": share,
             "scheme_check": {"chosen": {"target": self.target, **chosen}},
             "quantize_seconds": round(seconds, 2),
@@ -261,6 +296,41 @@ class Quantizer:
             entry["scheme_check"]["alternative"] = {"target": alt, **self._scheme_error(alt_path)}
         self.run.record("onnx-int8-static", entry)
         return Variant("static", final, acc, self._gate(acc), entry)
+
+    def _first_conv_in_fp32(
+        self, current: Path, exclude: list[str], acc: float
+    ) -> dict[str, Any] | None:
+        """Keep a thin first conv in fp32 if that measures faster here (and passes the gate).
+
+        Replaces `current` with that model when it is kept; None when the model has no thin
+        first conv (`ptq.thin_first_conv`).
+        """
+        island = [n for n in ptq.thin_first_conv(self.pre) if n not in exclude]
+        if not island:
+            return None
+        candidate = self.work / "first-conv-fp32.onnx"
+        self._static(candidate, self.scheme, [*exclude, *island])
+        cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
+        x = np.resize(self.splits.test_x, (64, *self.splits.test_x.shape[1:]))
+        all_int8, first_fp32 = _throughputs([current, candidate], x)
+        kept = self._gate(cand_acc) and cand_acc >= acc and first_fp32 > 1.05 * all_int8
+        if kept:
+            os.replace(candidate, current)
+        else:
+            candidate.unlink()
+        log.info(
+            "first conv in fp32: %.0f img/s against %.0f all-int8 at batch 64: %s",
+            first_fp32,
+            all_int8,
+            "kept" if kept else "not kept",
+        )
+        return {
+            "island": island,
+            "batch": len(x),
+            "img_per_s": {"all_int8": round(all_int8, 1), "first_conv_fp32": round(first_fp32, 1)},
+            "accuracy": cand_acc,
+            "kept": kept,
+        }
 
     def dynamic(self) -> Variant:
         t0 = time.perf_counter()
