@@ -58,7 +58,7 @@ def serve(
     ] = None,
     max_wait_ms: Annotated[
         float | None,
-        typer.Option(help=f"...or this long after its oldest request ({ENV}MAX_WAIT_MS; 2)"),
+        typer.Option(help=f"...or this long after its oldest request ({ENV}MAX_WAIT_MS; 0)"),
     ] = None,
     max_queue_rows: Annotated[
         int | None, typer.Option(help=f"queue bound; beyond it 429 ({ENV}MAX_QUEUE_ROWS; 1024)")

@@ -32,8 +32,12 @@ class ServeSettings(BaseSettings):
         None, description="name in /v2/models/{name} (default: the run directory's name)"
     )
     max_batch_rows: int = Field(64, ge=1, description="a batch closes at this many rows")
+    # 0 as in Triton: a batch takes whatever queued while the model ran the previous one. Under
+    # load that still makes batches (mean 13-31 rows at 16-64 connections, digits); alone, a
+    # request does not wait for company (digits at 1 connection: 0.66 ms p50 against 2.9 ms
+    # with 2 ms). A wait raises mean batch size at high concurrency, for latency.
     max_wait_ms: float = Field(
-        2.0, ge=0, description="...or this long after its oldest request arrived"
+        0.0, ge=0, description="...or this long after its oldest request arrived"
     )
     max_queue_rows: int = Field(1024, ge=1, description="rows waiting beyond this are answered 429")
     timeout_ms: float = Field(
