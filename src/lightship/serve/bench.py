@@ -98,9 +98,14 @@ def ensure_run(run: Path, config: str, *overrides: str) -> RunDir:
     return rd
 
 
+def bench_image(chw: tuple[int, int, int]) -> np.ndarray:
+    """The one image every benchmark request carries: `[1, C, H, W]` uint8, fixed seed."""
+    return np.random.default_rng(0).integers(0, 256, (1, *chw), dtype=np.uint8)
+
+
 def request_bodies(chw: tuple[int, int, int], input_name: str) -> dict[str, tuple[bytes, int]]:
     """One-image V2 infer bodies: JSON, and binary (JSON header + raw pixels)."""
-    x = np.random.default_rng(0).integers(0, 256, (1, *chw), dtype=np.uint8)
+    x = bench_image(chw)
     shape = list(x.shape)
     json_body = json.dumps(
         {
@@ -138,6 +143,7 @@ class _Process:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.spawned = time.monotonic()
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 [*cmd, "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT
@@ -156,7 +162,7 @@ class _Process:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.02)
         self.stop()
         raise RunError(f"server not ready after {timeout:.0f} s; its log: {self.log}")
 
@@ -192,6 +198,20 @@ def _wrk(
     if out.returncode != 0 or match is None:
         raise LightshipError(f"wrk failed ({out.returncode}): {out.stderr.strip() or out.stdout}")
     return dict(json.loads(match.group(1)))
+
+
+def _first_answer(proc: _Process, url: str, body: bytes, expected: np.ndarray) -> dict[str, Any]:
+    """Seconds from spawning the server to its first answer, and whether the answer is right."""
+    import httpx
+
+    response = httpx.post(url, content=body, timeout=30)
+    seconds = time.monotonic() - proc.spawned
+    correct = False
+    if response.status_code == 200:
+        out = {o["name"]: o for o in response.json()["outputs"]}
+        logits = np.asarray(out["logits"]["data"], np.float32)
+        correct = bool(np.allclose(logits, expected, atol=1e-4))
+    return {"seconds": round(seconds, 3), "status": response.status_code, "correct": correct}
 
 
 def _batch_rows(metrics_text: str) -> tuple[float, float]:
@@ -249,6 +269,7 @@ def bench_model(
     labels = (served.entry or {}).get("labels") or []
     console.print(f"[bold]{label}[/]: {served.variant} ({served.path}), input {list(chw)}")
     ceiling = in_process_ceiling(served.path, threads)
+    expected = served.load(threads=threads).predict(bench_image(chw))[0]
     console.print(
         f"  in-process ceiling: {ceiling['rows_per_s']:.0f} rows/s at batch {ceiling['best_batch']}"
     )
@@ -269,6 +290,12 @@ def bench_model(
         proc = _Process(cmd, work / f"{label}-{endpoint.replace(' ', '-')}.log")
         try:
             url = f"{proc.url}/v2/models/{label}/infer"
+            if endpoint == "server":
+                startup = _first_answer(proc, url, bodies["json"][0].read_bytes(), expected)
+                console.print(
+                    f"  first answer {startup['seconds']:.2f} s after start, "
+                    f"{'correct' if startup['correct'] else 'WRONG'}"
+                )
             for protocol, (body_path, hlen) in bodies.items():
                 _wrk(url, body_path, hlen, 4, min(duration, 1.0))  # warm-up
                 for c in concurrency:
@@ -307,6 +334,7 @@ def bench_model(
         "file": str(served.path),
         "input_shape": list(chw),
         "in_process_ceiling": ceiling,
+        "startup": startup,
         "load": [asdict(r) for r in results],
     }
 
@@ -332,6 +360,14 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
                 f"| {nm.get('req_per_s', math.nan):.0f} | {nm.get('p99_ms', math.nan):.2f} "
                 f"| {ceiling['rows_per_s']:.0f} rows/s (batch {ceiling['best_batch']}) |"
+            )
+    lines.append("")
+    for m in results["models"]:
+        if start := m.get("startup"):
+            verdict = "correct" if start["correct"] else "WRONG"
+            lines.append(
+                f"- {m['model']}: first answer {start['seconds']:.2f} s after the server process "
+                f"was started ({verdict})"
             )
     return "\n".join(lines) + "\n"
 
