@@ -62,9 +62,15 @@ class ImageReader(CalibrationDataReader):
 
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """ORT's calibrators print() progress lines; keep our output readable."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
+    """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        root.setLevel(level)
 
 
 def preprocess(fp32: Path, out: Path) -> Path:
