@@ -365,7 +365,13 @@ class Quantizer:
         s = self.settings
         final = self.run.quantize_dir / FILENAMES["qat"]
         info = quantize_aware_train(
-            self.run, self.scheme, final, epochs=s.qat_epochs, lr=s.qat_lr, seed=s.seed
+            self.run,
+            self.scheme,
+            final,
+            epochs=s.qat_epochs,
+            lr=s.qat_lr,
+            seed=s.seed,
+            per_channel=s.per_channel,
         )
         acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
         entry = {**self._entry(final, "qat", acc), **info, "int8_ops": int8_share(final)}

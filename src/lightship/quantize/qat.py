@@ -1,0 +1,407 @@
+"""`quantize_aware_train(run, scheme, out)`: fine-tune best.ckpt with fake quantization and
+export a real int8 ONNX model (DESIGN.md §4, the PT2E recipe for torch 2.13 + torchao 0.18).
+
+`torch.export` -> `prepare_qat_pt2e` (X86InductorQuantizer, weights in the target's range) ->
+a few Lightning epochs at a small learning rate, observers and batch-norm statistics frozen for
+the last -> `convert_pt2e` -> ONNX (QDQ) -> checked: ORT runs it as int8 and agrees with torch.
+Imports no training code: the shared Lightning pieces live in `lightship.callbacks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import Callback, EarlyStopping
+from torchao.quantization.pt2e import (
+    FusedMovingAvgObsFakeQuantize,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    disable_observer,
+    enable_observer,
+    move_exported_model_to_eval,
+    move_exported_model_to_train,
+)
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+from torchao.quantization.pt2e.quantizer import QuantizationConfig, QuantizationSpec
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
+
+from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
+from lightship.config import DataConfig
+from lightship.data import DataSpec
+from lightship.data.module import ImageDataModule
+from lightship.errors import QuantizeError
+from lightship.export import onnx as onnx_export
+from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
+from lightship.quantize import isa, ptq
+from lightship.quantize.core import int8_share
+from lightship.runs import RunDir, atomic_path
+from lightship.runtime import load_predictor
+
+log = logging.getLogger(__name__)
+
+PARITY_MIN_AGREEMENT = 0.995
+EPS = 2**-12  # smallest scale an observer may choose (as torchao's x86 defaults)
+ADVICE = "quantize this model with `--methods static,dynamic` instead"
+
+
+def weight_range(scheme: isa.Scheme) -> tuple[int, int]:
+    """7-bit weights where u8 x s8 pair sums saturate in int16 (AVX2 without VNNI)."""
+    return (-64, 63) if scheme.reduce_range else (-128, 127)
+
+
+def qat_config(scheme: isa.Scheme, per_channel: bool = True) -> QuantizationConfig:
+    """Fake-quant config: uint8 affine activations, symmetric int8 weights in the target's range.
+
+    torchao's `get_default_x86_inductor_quantization_config(reduce_range=True)` narrows the
+    *activations* to 7 bits (fbgemm's old fix); ORT's AVX2 kernels need 7-bit *weights*.
+    """
+    fq = FusedMovingAvgObsFakeQuantize
+    act = QuantizationSpec(
+        dtype=torch.uint8,
+        quant_min=0,
+        quant_max=255,
+        qscheme=torch.per_tensor_affine,
+        is_dynamic=False,
+        observer_or_fake_quant_ctr=fq.with_args(observer=MovingAverageMinMaxObserver, eps=EPS),
+    )
+    wmin, wmax = weight_range(scheme)
+    observer = MovingAveragePerChannelMinMaxObserver if per_channel else MovingAverageMinMaxObserver
+    weight = QuantizationSpec(
+        dtype=torch.int8,
+        quant_min=wmin,
+        quant_max=wmax,
+        qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
+        ch_axis=0 if per_channel else None,
+        is_dynamic=False,
+        observer_or_fake_quant_ctr=fq.with_args(observer=observer, eps=EPS),
+    )
+    return QuantizationConfig(act, act, weight, None, is_qat=True)
+
+
+class _Quantizer(X86InductorQuantizer):
+    """X86InductorQuantizer that also quantizes each Linear's output.
+
+    Inductor fuses a Linear with a float output; ORT only forms QLinearMatMul/QGemm when a
+    QuantizeLinear follows, so without this the classifier head stays fp32 in ORT.
+    """
+
+    def __init__(self, config: QuantizationConfig) -> None:
+        super().__init__()
+        self.set_global(config)
+        self.config = config
+        self.annotated = 0
+
+    def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        model = super().annotate(model)
+        for node in model.graph.nodes:
+            a = node.meta.get("quantization_annotation")
+            if a is None:
+                continue
+            self.annotated += 1
+            if node.target == torch.ops.aten.linear.default and a.output_qspec is None:
+                a.output_qspec = self.config.output_activation
+        return model
+
+
+class ExportedNet(torch.nn.Module):
+    """An exported (prepared or converted) GraphModule that Lightning may call .train()/.eval()
+    on: `GraphModule.train()` raises, and only rewriting the graph switches dropout and batch
+    norm (`move_exported_model_to_train/eval`).
+
+    Observers learn ranges from training batches only. After `freeze()` (observers off,
+    batch-norm statistics fixed) training runs the eval form of the graph: batch norm normalises
+    with its running statistics, as the converted model will, while its weights still learn.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+        self.frozen = False
+
+    def train(self, mode: bool = True) -> ExportedNet:
+        self.training = mode
+        if mode and not self.frozen:
+            move_exported_model_to_train(self.gm)
+            self.gm.apply(enable_observer)
+        else:
+            move_exported_model_to_eval(self.gm)
+            self.gm.apply(disable_observer)
+        return self
+
+    def freeze(self) -> None:
+        self.frozen = True
+        self.train(self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gm(x)
+
+
+class LitQAT(pl.LightningModule):
+    """Fine-tunes an `ExportedNet`; hyper-parameters are plain types (weights_only checkpoints)
+    and carry the source checkpoint's specs, so `qat.ckpt` says what it was made from."""
+
+    def __init__(self, net: ExportedNet, source: dict[str, Any], qat: dict[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"])
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["qat"]["lr"], weight_decay=0)
+
+
+class FreezeLate(Callback):
+    """From epoch `at` on: observers off and batch-norm statistics frozen, so the last epoch
+    fine-tunes the weights against the scales and statistics the int8 model will use."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        net = pl_module.net
+        if trainer.current_epoch >= self.at and isinstance(net, ExportedNet) and not net.frozen:
+            log.info("QAT epoch %d: observers off, batch-norm statistics frozen", self.at)
+            net.freeze()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:200] if text else "") or type(exc).__name__
+
+
+def prepare(
+    loaded: LoadedCheckpoint, example: torch.Tensor, scheme: isa.Scheme, per_channel: bool
+) -> torch.fx.GraphModule:
+    """The model as a fake-quantized GraphModule (dynamic batch), or QuantizeError."""
+    name = loaded.model_spec["name"]
+    model = loaded.model.train()  # QAT folds batch norm into conv from the training graph
+    try:
+        ep = torch.export.export(
+            model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},)
+        )
+    except Exception as exc:  # torch.export raises many types (UserError, guard errors, ...)
+        raise QuantizeError(
+            f"QAT cannot trace model '{name}' with torch.export ({_one_line(exc)}); {ADVICE}"
+        ) from None
+    quantizer = _Quantizer(qat_config(scheme, per_channel))
+    try:
+        prepared = prepare_qat_pt2e(ep.module(), quantizer)
+    except Exception as exc:
+        raise QuantizeError(
+            f"QAT cannot prepare model '{name}' ({_one_line(exc)}); {ADVICE}"
+        ) from None
+    if quantizer.annotated == 0:
+        raise QuantizeError(
+            f"QAT found nothing to quantize in model '{name}' (no conv or linear the x86 "
+            f"quantizer supports); {ADVICE}"
+        )
+    return prepared
+
+
+def _data_module(spec: DataSpec) -> ImageDataModule:
+    """Training's data module over the checkpoint's split (same data, same held-out test)."""
+    return ImageDataModule(
+        DataConfig(
+            source=spec.source,
+            path=Path(spec.path) if spec.path else None,
+            image_size=spec.image_size,
+            channels=spec.channels,
+            val_fraction=spec.val_fraction,
+            test_fraction=spec.test_fraction,
+            split_seed=spec.split_seed,
+        )
+    )
+
+
+def fine_tune(
+    lit: LitQAT, dm: ImageDataModule, workdir: Path, epochs: int
+) -> tuple[pl.Trainer, Path]:
+    """Lightning fit with atomic checkpoints; returns the trainer and the best checkpoint."""
+    checkpoint = LatestBestCheckpoint(
+        dirpath=workdir,
+        filename="qat-{epoch:02d}",
+        monitor="val_acc",
+        mode="max",
+        save_top_k=1,
+    )
+    early = EarlyStopping(monitor="val_acc", mode="max", patience=2)
+    # With one epoch there is no "late": freezing would leave the observers nothing to see.
+    freeze = [FreezeLate(epochs - 1)] if epochs > 1 else []
+    show_bar, bars = progress("auto")
+    trainer = pl.Trainer(
+        default_root_dir=workdir,
+        max_epochs=epochs,
+        accelerator="cpu",  # the graph was exported on CPU tensors and targets a CPU runtime
+        devices=1,
+        logger=False,
+        callbacks=[checkpoint, early, *freeze, *bars],
+        enable_progress_bar=show_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,  # observers have seen no batch yet: the scales are meaningless
+        plugins=[AtomicCheckpointIO()],
+    )
+    trainer.fit(lit, datamodule=dm)
+    if not checkpoint.best_model_path:
+        raise QuantizeError(f"QAT fine-tuning wrote no checkpoint in {workdir}")
+    return trainer, Path(checkpoint.best_model_path)
+
+
+def quantize_aware_train(
+    run: RunDir,
+    scheme: isa.Scheme,
+    out_path: Path,
+    *,
+    epochs: int,
+    lr: float,
+    seed: int,
+    per_channel: bool = True,
+) -> dict[str, Any]:
+    """Write `out_path` (int8 ONNX) and RUN/quantize/qat.ckpt; return their manifest fields.
+
+    Raises QuantizeError, leaving no file behind, when the model cannot be exported or
+    quantized, when ORT would not run the result in int8, or when ORT and torch disagree.
+    """
+    if epochs < 1:
+        raise QuantizeError(f"QAT needs at least one epoch (--qat-epochs {epochs})")
+    t_start = time.perf_counter()
+    pl.seed_everything(seed, workers=True, verbose=False)
+    loaded = load_checkpoint(run.require_checkpoint())
+    dm = _data_module(DataSpec.from_dict(loaded.data_spec))
+    splits = dm.splits
+    example = torch.from_numpy(np.ascontiguousarray(splits.train_x[:2]))  # batch >= 2 stays free
+    prepared = prepare(loaded, example, scheme, per_channel)
+
+    net = ExportedNet(prepared)
+    settings = {
+        "epochs": epochs,
+        "lr": lr,
+        "seed": seed,
+        "per_channel": per_channel,
+        "target": scheme.target,
+        "weight_range": list(weight_range(scheme)),
+    }
+    source = {k: loaded.hparams[k] for k in ("model_spec", "labels", "input_spec", "data_spec")}
+    lit = LitQAT(net, source, settings)
+    ckpt_final = run.quantize_dir / "qat.ckpt"
+    with tempfile.TemporaryDirectory(prefix=".qat.", dir=run.root) as tmpdir:
+        t0 = time.perf_counter()
+        trainer, best = fine_tune(lit, dm, Path(tmpdir), epochs)
+        fine_tune_seconds = time.perf_counter() - t0
+        best_ckpt = read_checkpoint(best)  # weights_only: the file we publish must load so
+        lit.load_state_dict(best_ckpt["state_dict"])
+        net.frozen = True
+        net.eval()
+        fq_acc = evaluate(net, splits.test_x, splits.test_y)
+        try:
+            converted = ExportedNet(convert_pt2e(prepared)).eval()
+        except Exception as exc:
+            raise QuantizeError(f"QAT convert_pt2e failed ({_one_line(exc)}); {ADVICE}") from None
+        with atomic_path(out_path) as tmp_onnx, atomic_path(ckpt_final) as tmp_ckpt:
+            try:
+                exported = onnx_export.write(converted, example, tmp_onnx, {})
+            except Exception as exc:
+                raise QuantizeError(
+                    f"QAT model could not be exported to ONNX ({_one_line(exc)}); {ADVICE}"
+                ) from None
+            ptq.copy_metadata(
+                run.export_dir / "model.onnx",
+                tmp_onnx,
+                {
+                    "lightship.quantization": "qat",
+                    "lightship.target": scheme.target,
+                    "lightship.reduce_range": str(scheme.reduce_range).lower(),
+                },
+            )
+            share = int8_share(tmp_onnx)
+            if share["int8_nodes"] == 0:
+                raise QuantizeError(
+                    f"QAT model runs no int8 kernel in ONNX Runtime ({share['float_nodes']} "
+                    f"float Conv/MatMul nodes after optimisation); {ADVICE}"
+                )
+            parity = _parity(converted, tmp_onnx, splits.test_x)
+            tmp_ckpt.write_bytes(best.read_bytes())
+    log.info(
+        "QAT: %d epochs in %.1f s, fake-quant accuracy %.4f, parity %s",
+        trainer.current_epoch,
+        fine_tune_seconds,
+        fq_acc,
+        parity,
+    )
+    return {
+        "file_ckpt": run.relative(ckpt_final),
+        "epochs": trainer.current_epoch,
+        "max_epochs": epochs,
+        "freeze_epoch": epochs - 1 if epochs > 1 else None,
+        "lr": lr,
+        "seed": seed,
+        "per_channel": per_channel,
+        "scheme": {
+            **scheme.as_dict(),
+            "weight_range": list(weight_range(scheme)),
+            "weights": "int8 symmetric " + ("per-channel" if per_channel else "per-tensor"),
+            "activations": "uint8 affine per-tensor",
+        },
+        "best_val_acc": _best_score(best_ckpt),
+        "fake_quant_accuracy": fq_acc,
+        "fine_tune_seconds": round(fine_tune_seconds, 2),
+        "parity": parity,
+        **exported,
+        "quantize_seconds": round(time.perf_counter() - t_start, 2),
+    }
+
+
+def _best_score(ckpt: dict[str, Any]) -> float:
+    for key, state in ckpt.get("callbacks", {}).items():
+        if key.startswith("LatestBestCheckpoint") and state.get("best_model_score") is not None:
+            return float(state["best_model_score"])
+    return float("nan")
+
+
+def _parity(converted: torch.nn.Module, onnx_path: Path, x: np.ndarray) -> dict[str, Any]:
+    """The converted torch model and the ORT session on the test split, or QuantizeError."""
+    with torch.inference_mode():
+        ref = np.concatenate(
+            [converted(torch.from_numpy(x[i : i + 256])).numpy() for i in range(0, len(x), 256)]
+        )
+    got = load_predictor(onnx_path).predict(x)
+    # Logits leave the int8 head quantized, so two classes can tie exactly in torch; ORT's
+    # rounding may then pick the other one. A pick that ties torch's top logit agrees.
+    picked = ref[np.arange(len(ref)), got.argmax(1)]
+    agreement = float(np.mean(picked >= ref.max(1) - 1e-6))
+    strict = float(np.mean(ref.argmax(1) == got.argmax(1)))
+    max_diff = float(np.abs(ref - got).max())
+    if agreement < PARITY_MIN_AGREEMENT:
+        raise QuantizeError(
+            f"QAT ONNX model disagrees with torch: argmax agreement {agreement:.2%} "
+            f"< {PARITY_MIN_AGREEMENT:.1%}, max |Δlogit| {max_diff:.3g} on {len(x)} test images"
+        )
+    return {
+        "argmax_agreement": agreement,
+        "argmax_agreement_strict": strict,
+        "max_abs_logit_diff": max_diff,
+        "samples": len(x),
+    }

@@ -1,0 +1,171 @@
+"""Quantization-aware training (PT2E) on the tiny run: the variant, where it matters, and
+models it cannot handle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from lightship.data import DataSpec, load_splits
+from lightship.errors import LightshipError, QuantizeError
+from lightship.export.core import export
+from lightship.quantize import isa
+from lightship.quantize.core import QuantizeSettings, quantize
+from lightship.quantize.qat import qat_config, quantize_aware_train
+from lightship.runs import RunDir
+from lightship.runtime import load_predictor
+from tests.conftest import CONFIGS, run_cli
+from tests.qat_models import outlier_channel
+
+
+def entries(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["artifacts"]
+
+
+def no_leftovers(run: Path) -> None:
+    assert not list(run.glob(".qat.*")) and not list(run.glob(".quantize.*"))
+    assert not list((run / "quantize").glob(".*"))
+
+
+def int8_weights(path: Path) -> list[np.ndarray]:
+    """The int8 tensors DequantizeLinear reads from initializers (the quantized weights)."""
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    return [
+        numpy_helper.to_array(inits[n.input[0]])
+        for n in graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input[0] in inits
+        and inits[n.input[0]].data_type == onnx.TensorProto.INT8
+    ]
+
+
+@pytest.fixture(scope="module")
+def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("qat") / "tiny"
+    shutil.copytree(tiny_run, run)
+    export(RunDir(run), "onnx")
+    return run
+
+
+def test_qat_config_follows_the_target() -> None:
+    avx2 = qat_config(isa.SCHEMES["avx2"]).weight
+    vnni = qat_config(isa.SCHEMES["vnni"], per_channel=False).weight
+    assert avx2 is not None and vnni is not None
+    assert (avx2.quant_min, avx2.quant_max, avx2.qscheme) == (-64, 63, torch.per_channel_symmetric)
+    assert (vnni.quant_min, vnni.quant_max, vnni.qscheme) == (-128, 127, torch.per_tensor_symmetric)
+
+
+def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "tiny"
+    shutil.copytree(exported_run, run)
+    proc = run_cli(
+        "quantize", "--run", str(run), "--methods", "qat", "--target", "avx2", check=True
+    )
+    assert "int8-qat" in proc.stdout
+    e = entries(run)
+    v, fp32 = e["onnx-int8-qat"], e["onnx-fp32"]
+    path = run / v["file"]
+    assert v["file"] == "quantize/model.int8-qat.onnx" and path.is_file()
+    assert v["quantization"] == "qat" and v["target"] == "avx2"
+    # ORT runs it in int8: every conv and the classifier head after graph optimisation
+    assert "QLinearConv" in v["int8_ops"]["int8_op_types"] and v["int8_ops"]["float_nodes"] == 0
+    # 7-bit weights for AVX2 (u8 x s8 pair sums must not saturate in int16)
+    weights = int8_weights(path)
+    assert weights and all(w.min() >= -64 and w.max() <= 63 for w in weights)
+    assert v["scheme"]["weight_range"] == [-64, 63] and v["per_channel"] is True
+    parity = v["parity"]
+    assert parity["argmax_agreement"] >= 0.995 and 0 <= parity["max_abs_logit_diff"] < 1.0
+    assert parity["samples"] == len(
+        load_splits(DataSpec.from_dict(e["checkpoint"]["data_spec"])).test_y
+    )
+    assert 1 <= v["epochs"] <= 3 and v["lr"] == 1e-4 and v["fine_tune_seconds"] > 0
+    assert v["accuracy"] >= 0.99 * v["fp32_accuracy"] and v["gate"]["passed"]
+    assert abs(v["fake_quant_accuracy"] - v["accuracy"]) <= 0.02
+    # a lone file serves: labels, input spec and the scheme travel in its metadata
+    p = load_predictor(path)
+    assert p.labels == fp32["labels"] and p.chw == (1, 16, 16)
+    meta = {m.key: m.value for m in onnx.load(str(path)).metadata_props}
+    assert meta["lightship.quantization"] == "qat" and meta["lightship.reduce_range"] == "true"
+    ckpt = torch.load(run / v["file_ckpt"], weights_only=True)
+    assert ckpt["hyper_parameters"]["source"]["labels"] == fp32["labels"]
+    assert ckpt["hyper_parameters"]["qat"]["weight_range"] == [-64, 63]
+    no_leftovers(run)
+
+
+def test_qat_recovers_where_static_per_tensor_fails(exported_run: Path, tmp_path: Path) -> None:
+    """A dead filter with exploded weights: harmless in fp32, but one per-tensor weight scale
+    must span it and the live filters, which then round to a few levels. Static int8 fails
+    the gate; QAT with the same per-tensor scheme fine-tunes the live filters around it."""
+    run = tmp_path / "outlier"
+    shutil.copytree(exported_run, run)
+    outlier_channel(run / "best.ckpt", factor=64, channel=0, block=2)
+    export(RunDir(run), "onnx")
+    per_tensor = QuantizeSettings(per_channel=False, fallback_budget=0)
+    (static,) = quantize(RunDir(run), "static", target="avx2", settings=per_tensor)
+    fp32 = static.entry["fp32_accuracy"]
+    assert not static.gate_passed, (static.accuracy, fp32)
+    (per_channel,) = quantize(
+        RunDir(run), "static", target="avx2", settings=QuantizeSettings(fallback_budget=0)
+    )
+    assert per_channel.gate_passed  # per-channel scales isolate the outlier filter
+    out = run / "quantize" / "model.int8-qat.onnx"
+    # 1e-3, not the default 1e-4: the live filters must move by a few coarse weight steps
+    info = quantize_aware_train(
+        RunDir(run), isa.SCHEMES["avx2"], out, epochs=3, lr=1e-3, seed=0, per_channel=False
+    )
+    x, y = held_out(run)
+    acc = float(np.mean(load_predictor(out).predict(x).argmax(1) == y))
+    print(
+        f"fp32 {fp32:.4f}, static per-tensor {static.accuracy:.4f}, per-channel "
+        f"{per_channel.accuracy:.4f}, QAT per-tensor {acc:.4f}"
+    )
+    assert acc >= 0.99 * fp32 and acc > static.accuracy + 0.03, (acc, fp32, static.accuracy)
+    assert info["per_channel"] is False and info["parity"]["argmax_agreement"] >= 0.995
+
+
+def held_out(run: Path) -> tuple[np.ndarray, np.ndarray]:
+    s = load_splits(DataSpec.from_dict(entries(run)["checkpoint"]["data_spec"]))
+    return s.test_x, s.test_y
+
+
+def test_a_model_qat_cannot_export(tmp_path: Path) -> None:
+    run = tmp_path / "guarded"
+    run_cli(
+        "train",
+        "--run",
+        str(run),
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--set",
+        "model.name=tests.qat_models:Guarded",
+        "--set",
+        "model.kwargs={}",
+        "--set",
+        "trainer.max_epochs=1",
+        check=True,
+    )
+    export(RunDir(run), "onnx")
+    errors: dict[str, LightshipError] = {}
+    variants = quantize(
+        RunDir(run),
+        "static,dynamic,qat",
+        settings=QuantizeSettings(calibration_samples=64),
+        on_error=errors.__setitem__,
+    )
+    assert [v.method for v in variants] == ["static", "dynamic"]
+    assert all(v.path.is_file() for v in variants)
+    message = str(errors["qat"])
+    assert isinstance(errors["qat"], QuantizeError) and "\n" not in message
+    assert "torch.export" in message and "--methods static,dynamic" in message
+    assert "onnx-int8-qat" not in entries(run)
+    assert not (run / "quantize" / "model.int8-qat.onnx").exists()
+    assert not (run / "quantize" / "qat.ckpt").exists()
+    no_leftovers(run)
