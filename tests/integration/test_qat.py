@@ -75,8 +75,11 @@ def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None
     path = run / v["file"]
     assert v["file"] == "quantize/model.int8-qat.onnx" and path.is_file()
     assert v["quantization"] == "qat" and v["target"] == "avx2"
-    # ORT runs it in int8: every conv and the classifier head after graph optimisation
-    assert "QLinearConv" in v["int8_ops"]["int8_op_types"] and v["int8_ops"]["float_nodes"] == 0
+    # ORT runs it in int8: every conv and the classifier head after graph optimisation, but
+    # the thin 1-channel first conv, which stays float (its batch norm folded) as in static PTQ
+    assert v["first_conv_fp32"] is True
+    assert set(v["int8_ops"]["int8_op_types"]) == {"QLinearConv", "QGemm"}
+    assert v["int8_ops"]["float_nodes"] == 1
     # 7-bit weights for AVX2 (u8 x s8 pair sums must not saturate in int16)
     weights = int8_weights(path)
     assert weights and all(w.min() >= -64 and w.max() <= 63 for w in weights)
@@ -94,6 +97,7 @@ def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None
     assert p.labels == fp32["labels"] and p.chw == (1, 16, 16)
     meta = {m.key: m.value for m in onnx.load(str(path)).metadata_props}
     assert meta["lightship.quantization"] == "qat" and meta["lightship.reduce_range"] == "true"
+    assert meta["lightship.ort.disabled_optimizers"] == "QDQPropagationTransformer"
     ckpt = torch.load(run / v["file_ckpt"], weights_only=True)
     assert ckpt["hyper_parameters"]["source"]["labels"] == fp32["labels"]
     assert ckpt["hyper_parameters"]["qat"]["weight_range"] == [-64, 63]
@@ -169,3 +173,22 @@ def test_a_model_qat_cannot_export(tmp_path: Path) -> None:
     assert not (run / "quantize" / "model.int8-qat.onnx").exists()
     assert not (run / "quantize" / "qat.ckpt").exists()
     no_leftovers(run)
+
+
+def test_folding_a_thin_first_conv_keeps_the_function_and_skips_wide_ones() -> None:
+    from lightship.models import zoo
+    from lightship.quantize.qat import fold_thin_first_conv
+
+    torch.manual_seed(0)
+    thin = zoo.DigitsCNN(stages=((8,), (16,))).eval()
+    for m in thin.modules():  # non-trivial batch-norm statistics
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    x = torch.randn(4, 1, 28, 28)
+    before = thin(x)
+    assert fold_thin_first_conv(thin) is True
+    assert isinstance(thin[0][1], torch.nn.Identity)  # its batch norm is gone ...
+    torch.testing.assert_close(thin(x), before, rtol=1e-4, atol=1e-4)  # ... into the conv
+    wide = zoo.DigitsCNN(in_channels=4, stages=((8,), (16,)))
+    assert fold_thin_first_conv(wide) is False  # 4x3x3 = 36 inputs per output: not thin

@@ -44,6 +44,7 @@ from lightship.quantize import isa, ptq
 from lightship.quantize.core import int8_share
 from lightship.runs import RunDir, atomic_path
 from lightship.runtime import load_predictor
+from lightship.runtime.ort import DISABLED_OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,17 @@ class _Quantizer(X86InductorQuantizer):
     QuantizeLinear follows, so without this the classifier head stays fp32 in ORT.
     """
 
-    def __init__(self, config: QuantizationConfig) -> None:
+    def __init__(self, config: QuantizationConfig, float_first_conv: bool = False) -> None:
         super().__init__()
         self.set_global(config)
         self.config = config
+        self.float_first_conv = float_first_conv
         self.annotated = 0
 
     def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
         model = super().annotate(model)
+        if self.float_first_conv:
+            _unannotate_first_conv(model)
         for node in model.graph.nodes:
             a = node.meta.get("quantization_annotation")
             if a is None:
@@ -109,6 +113,50 @@ class _Quantizer(X86InductorQuantizer):
             if node.target == torch.ops.aten.linear.default and a.output_qspec is None:
                 a.output_qspec = self.config.output_activation
         return model
+
+
+CONV_OPS = (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default)
+
+
+def _unannotate_first_conv(model: torch.fx.GraphModule) -> None:
+    """Leave the first conv and its single-use ReLU/pool chain in float: quantization starts
+    at the next conv's input (as static PTQ's thin-first-conv island, `ptq.thin_first_conv`)."""
+    node = next((n for n in model.graph.nodes if n.target in CONV_OPS), None)
+    while node is not None:
+        node.meta.pop("quantization_annotation", None)
+        users = list(node.users)
+        if len(users) != 1 or users[0].target in CONV_OPS:
+            break
+        node = users[0]
+
+
+def fold_thin_first_conv(model: torch.nn.Module) -> bool:
+    """Fold the batch norm of a thin first conv (`ptq.THIN_CONV_K`) into it, in place.
+
+    A thin first conv runs faster as fp32 than as int8 on x86 (see `ptq.thin_first_conv`), so
+    QAT leaves it unquantized; but PT2E only folds batch norm back into *quantized* convs, and an
+    unfolded conv -> div -> batch-norm chain costs more than int8 saves. Folded here, with the
+    checkpoint's running statistics, the conv fine-tunes as a plain conv. Handles a conv followed
+    by its BatchNorm2d in the same nn.Sequential (digits_cnn); returns False for other layouts.
+    """
+    for parent in model.modules():
+        if not isinstance(parent, torch.nn.Sequential):
+            continue
+        children = list(parent.children())
+        for i, child in enumerate(children[:-1]):
+            if isinstance(child, torch.nn.Conv2d):
+                first_conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+                bn = children[i + 1]
+                k = child.in_channels * child.kernel_size[0] * child.kernel_size[1]
+                if child is not first_conv or not isinstance(bn, torch.nn.BatchNorm2d):
+                    return False
+                if k > ptq.THIN_CONV_K:
+                    return False
+                fused = torch.nn.utils.fusion.fuse_conv_bn_eval(child.eval(), bn.eval())
+                parent[i] = fused
+                parent[i + 1] = torch.nn.Identity()
+                return True
+    return False
 
 
 class ExportedNet(torch.nn.Module):
@@ -198,6 +246,7 @@ def prepare(
 ) -> torch.fx.GraphModule:
     """The model as a fake-quantized GraphModule (dynamic batch), or QuantizeError."""
     name = loaded.model_spec["name"]
+    float_first_conv = fold_thin_first_conv(loaded.model)
     model = loaded.model.train()  # QAT folds batch norm into conv from the training graph
     try:
         ep = torch.export.export(
@@ -207,7 +256,7 @@ def prepare(
         raise QuantizeError(
             f"QAT cannot trace model '{name}' with torch.export ({_one_line(exc)}); {ADVICE}"
         ) from None
-    quantizer = _Quantizer(qat_config(scheme, per_channel))
+    quantizer = _Quantizer(qat_config(scheme, per_channel), float_first_conv)
     try:
         prepared = prepare_qat_pt2e(ep.module(), quantizer)
     except Exception as exc:
@@ -219,6 +268,7 @@ def prepare(
             f"QAT found nothing to quantize in model '{name}' (no conv or linear the x86 "
             f"quantizer supports); {ADVICE}"
         )
+    prepared.meta["float_first_conv"] = float_first_conv
     return prepared
 
 
@@ -294,6 +344,7 @@ def quantize_aware_train(
     splits = dm.splits
     example = torch.from_numpy(np.ascontiguousarray(splits.train_x[:2]))  # batch >= 2 stays free
     prepared = prepare(loaded, example, scheme, per_channel)
+    float_first = bool(prepared.meta.get("float_first_conv"))
 
     net = ExportedNet(prepared)
     settings = {
@@ -334,6 +385,8 @@ def quantize_aware_train(
                     "lightship.quantization": "qat",
                     "lightship.target": scheme.target,
                     "lightship.reduce_range": str(scheme.reduce_range).lower(),
+                    # keep ORT from moving the Quantize in front of the float max-pool
+                    **({DISABLED_OPTIMIZERS: "QDQPropagationTransformer"} if float_first else {}),
                 },
             )
             share = int8_share(tmp_onnx)
@@ -359,6 +412,7 @@ def quantize_aware_train(
         "lr": lr,
         "seed": seed,
         "per_channel": per_channel,
+        "first_conv_fp32": float_first,
         "scheme": {
             **scheme.as_dict(),
             "weight_range": list(weight_range(scheme)),
