@@ -95,20 +95,40 @@ def pareto(r: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     variants = r["variants"]
     points = [(v["latency_ms"]["p50"], 100 * v["accuracy"]) for v in variants]
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for v, (lat, acc) in zip(variants, points, strict=True):
+    # Variants often tie in accuracy and sit close in latency: put their labels on three
+    # rows, in order of latency.
+    row = {
+        i: rank % 3 for rank, i in enumerate(sorted(range(len(points)), key=lambda i: points[i]))
+    }
+    for i, (v, (lat, acc)) in enumerate(zip(variants, points, strict=True)):
         color = "tab:green" if v["gate_passed"] else "tab:red"
         marker = "*" if v["recommended"] else "o"
         ax.scatter(lat, acc, s=160 if v["recommended"] else 50, c=color, marker=marker, zorder=3)
-        ax.annotate(v["name"], (lat, acc), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.annotate(
+            v["name"],
+            (lat, acc),
+            textcoords="offset points",
+            xytext=(4, 6 + 12 * row[i]),
+            fontsize=8,
+            arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5} if row[i] else None,
+        )
     fx = [points[i][0] for i in front]
     fy = [points[i][1] for i in front]
-    ax.step(fx, fy, where="post", color="tab:blue", alpha=0.6, label="Pareto front")
-    ax.set_xlabel("latency p50 at batch 1 (ms, lower is better)")
+    ax.step(fx, fy, where="post", color="tab:blue", alpha=0.6)
+    ax.scatter(fx, fy, s=260, facecolors="none", edgecolors="tab:blue", label="Pareto front")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ScalarFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    accs = [a for _, a in points]
+    ax.set_ylim(min(accs) - 1.0, min(max(accs) + 1.0, 100.5))
+    ax.set_xlabel("latency p50 at batch 1 (ms, log scale, lower is better)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"{r['cpu']['model']}, {r['threads']} threads", fontsize=9)
     ax.grid(alpha=0.3)
