@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -49,6 +50,17 @@ def _root(
     if not verbose:  # the ONNX exporter narrates every optimisation pass at INFO
         for name in ("onnxscript", "onnx_ir", "torch.onnx"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # Noise that says nothing about the user's run: torchao's optional CUDA/Triton kernels
+        # (absent on CPU), the exporter skipping torchvision ops, Lightning's accelerator and
+        # marketing lines, pytree deprecations inside the libraries.
+        for name in (
+            "torchao",
+            "torch.onnx._internal.exporter._registration",
+            "torch.utils._pytree",
+        ):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger("pytorch_lightning.utilities.rank_zero").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
 
 
 @app.command()
