@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,19 @@ def spec_from_config(cfg: DataConfig) -> DataSpec:
         val_fraction=cfg.val_fraction,
         test_fraction=cfg.test_fraction,
         split_seed=cfg.split_seed,
+    )
+
+
+def config_from_spec(spec: DataSpec) -> DataConfig:
+    """The data section that reproduces a recorded spec (same source, size and split)."""
+    return DataConfig(
+        source=spec.source,
+        path=Path(spec.path) if spec.path else None,
+        image_size=spec.image_size,
+        channels=spec.channels,
+        val_fraction=spec.val_fraction,
+        test_fraction=spec.test_fraction,
+        split_seed=spec.split_seed,
     )
 
 

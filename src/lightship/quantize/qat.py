@@ -34,9 +34,8 @@ from torchao.quantization.pt2e.quantizer import QuantizationConfig, Quantization
 from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
 
 from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
-from lightship.config import DataConfig
 from lightship.data import DataSpec
-from lightship.data.module import ImageDataModule
+from lightship.data.module import ImageDataModule, config_from_spec
 from lightship.errors import QuantizeError
 from lightship.export import onnx as onnx_export
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
@@ -274,17 +273,7 @@ def prepare(
 
 def _data_module(spec: DataSpec) -> ImageDataModule:
     """Training's data module over the checkpoint's split (same data, same held-out test)."""
-    return ImageDataModule(
-        DataConfig(
-            source=spec.source,
-            path=Path(spec.path) if spec.path else None,
-            image_size=spec.image_size,
-            channels=spec.channels,
-            val_fraction=spec.val_fraction,
-            test_fraction=spec.test_fraction,
-            split_seed=spec.split_seed,
-        )
-    )
+    return ImageDataModule(config_from_spec(spec))
 
 
 def fine_tune(
