@@ -192,3 +192,26 @@ def test_folding_a_thin_first_conv_keeps_the_function_and_skips_wide_ones() -> N
     torch.testing.assert_close(thin(x), before, rtol=1e-4, atol=1e-4)  # ... into the conv
     wide = zoo.DigitsCNN(in_channels=4, stages=((8,), (16,)))
     assert fold_thin_first_conv(wide) is False  # 4x3x3 = 36 inputs per output: not thin
+
+
+def test_qat_prepares_a_resnet_with_residual_blocks() -> None:
+    """A ReLU module called twice in a block made PT2E refuse ResNet ("Input partition has
+    more than one output node"); each block now has its own two."""
+    from types import SimpleNamespace
+
+    from lightship import models
+    from lightship.quantize.qat import prepare
+
+    torch.manual_seed(0)
+    spec = {"name": "resnet", "kwargs": {"width": 8, "blocks": [1, 1]}, "in_channels": 3}
+    spec |= {"num_classes": 10, "image_size": 16, "mean": [0.0] * 3, "std": [1.0] * 3}
+    net = models.create(spec)
+    loaded = SimpleNamespace(model_spec={"name": "resnet"}, model=net)
+    x = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    prepared = prepare(loaded, x, isa.SCHEMES["avx2"], per_channel=True)  # type: ignore[arg-type]
+    fake_quants = [
+        n
+        for n in prepared.graph.nodes
+        if n.op == "call_module" and str(n.target).startswith("activation_post_process")
+    ]
+    assert len(fake_quants) >= 6  # weights and activations of every conv are fake-quantized
