@@ -215,3 +215,23 @@ def test_qat_prepares_a_resnet_with_residual_blocks() -> None:
         if n.op == "call_module" and str(n.target).startswith("activation_post_process")
     ]
     assert len(fake_quants) >= 6  # weights and activations of every conv are fake-quantized
+
+
+def test_a_library_error_inside_qat_costs_only_the_qat_variant(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightship.quantize.qat as qat_module
+
+    def broken(*args: object, **kwargs: object) -> dict:
+        raise RuntimeError("expected scalar type Float but found Long\nat some deep frame")
+
+    monkeypatch.setattr(qat_module, "quantize_aware_train", broken)
+    run = tmp_path / "broken"
+    shutil.copytree(exported_run, run)
+    errors: dict[str, LightshipError] = {}
+    variants = quantize(RunDir(run), "dynamic,qat", on_error=errors.__setitem__)
+    assert [v.method for v in variants] == ["dynamic"] and variants[0].path.is_file()
+    message = str(errors["qat"])
+    assert isinstance(errors["qat"], QuantizeError) and "\n" not in message
+    assert "RuntimeError: expected scalar type Float" in message
+    assert "--methods static,dynamic" in message

@@ -364,15 +364,25 @@ class Quantizer:
 
         s = self.settings
         final = self.run.quantize_dir / FILENAMES["qat"]
-        info = quantize_aware_train(
-            self.run,
-            self.scheme,
-            final,
-            epochs=s.qat_epochs,
-            lr=s.qat_lr,
-            seed=s.seed,
-            per_channel=s.per_channel,
-        )
+        try:
+            info = quantize_aware_train(
+                self.run,
+                self.scheme,
+                final,
+                epochs=s.qat_epochs,
+                lr=s.qat_lr,
+                seed=s.seed,
+                per_channel=s.per_channel,
+            )
+        except (QuantizeError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a library failure inside QAT must not cost the other variants
+            log.debug("QAT failed", exc_info=True)
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            raise QuantizeError(
+                f"QAT failed ({type(exc).__name__}: {first}; `--verbose` shows where); quantize "
+                "this model with `--methods static,dynamic` instead"
+            ) from None
         acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
         entry = {**self._entry(final, "qat", acc), **info, "int8_ops": int8_share(final)}
         self.run.record("onnx-int8-qat", entry)
