@@ -6,13 +6,14 @@ forbids unknown keys, so a typo fails loudly with the list of keys that are allo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lightship.errors import ConfigError
+from lightship.errors import ConfigError, LightshipError
 
 
 class Section(BaseModel):
@@ -174,3 +175,21 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_choices(
+    value: Sequence[str] | str | None,
+    allowed: Sequence[str],
+    what: str,
+    error: type[LightshipError],
+) -> list[str]:
+    """A comma-separated list (or sequence) of names from `allowed`, in order, without repeats;
+    None means all of them. Anything else raises `error` naming `what` and the choices."""
+    if value is None:
+        return list(allowed)
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [i.strip() for i in items if i.strip()]
+    unknown = [i for i in items if i not in allowed]
+    if unknown or not items:
+        raise error(f"unknown {what} {unknown or items!r}: choose from {','.join(allowed)}")
+    return list(dict.fromkeys(items))

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from lightship import __version__
+from lightship.config import parse_choices
 from lightship.data import DataSpec, load_splits
 from lightship.errors import DataError, RunError
 from lightship.export import onnx as onnx_export
@@ -40,16 +41,7 @@ class Artifact:
 
 
 def parse_formats(formats: Sequence[str] | str | None) -> list[str]:
-    if formats is None:
-        return list(FORMATS)
-    items = formats.split(",") if isinstance(formats, str) else list(formats)
-    items = [f.strip() for f in items if f.strip()]
-    unknown = [f for f in items if f not in FORMATS]
-    if unknown or not items:
-        raise RunError(
-            f"unknown export format {unknown or items!r}: choose from {','.join(FORMATS)}"
-        )
-    return list(dict.fromkeys(items))
+    return parse_choices(formats, FORMATS, "export format", RunError)
 
 
 def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:

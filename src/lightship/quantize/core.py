@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from lightship import __version__
+from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
@@ -67,16 +68,7 @@ class Variant:
 
 
 def parse_methods(methods: Sequence[str] | str | None) -> list[str]:
-    if methods is None:
-        return list(METHODS)
-    items = methods.split(",") if isinstance(methods, str) else list(methods)
-    items = [m.strip() for m in items if m.strip()]
-    unknown = [m for m in items if m not in METHODS]
-    if unknown or not items:
-        raise QuantizeError(
-            f"unknown quantization method {unknown or items!r}: choose from {','.join(METHODS)}"
-        )
-    return list(dict.fromkeys(items))
+    return parse_choices(methods, METHODS, "quantization method", QuantizeError)
 
 
 def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
