@@ -25,9 +25,10 @@ from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
+from lightship.report.measure import measure
 from lightship.runs import RunDir, atomic_path, sha256_file
 from lightship.runtime import load_predictor
-from lightship.runtime.ort import DISABLED_OPTIMIZERS, create_session, session_options
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, create_session
 
 log = logging.getLogger(__name__)
 
@@ -126,32 +127,6 @@ def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
 def _accuracy(path: Path, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     logits = load_predictor(path).predict(x)
     return float(np.mean(logits.argmax(1) == y)), logits
-
-
-def _throughputs(
-    paths: Sequence[Path], x: np.ndarray, rounds: int = 3, seconds: float = 0.3
-) -> list[float]:
-    """Images/s of each model on `x`, interleaved over `rounds`, median (as the report does)."""
-    sessions = [
-        ort.InferenceSession(
-            str(p),
-            session_options(),
-            providers=["CPUExecutionProvider"],
-            disabled_optimizers=["QDQPropagationTransformer"],
-        )
-        for p in paths
-    ]
-    name = sessions[0].get_inputs()[0].name
-    rates: list[list[float]] = [[] for _ in sessions]
-    for _ in range(rounds):
-        for sess, rate in zip(sessions, rates, strict=True):
-            sess.run(None, {name: x})
-            calls, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds:
-                sess.run(None, {name: x})
-                calls += 1
-            rate.append(calls * len(x) / elapsed)
-    return [float(np.median(r)) for r in rates]
 
 
 class Quantizer:
@@ -302,9 +277,19 @@ class Quantizer:
             return None
         candidate = self.work / "first-conv-fp32.onnx"
         self._static(candidate, self.scheme, [*exclude, *island])
+        # timed as it would be served: with the metadata that keeps its fp32 pool fast
+        ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
         cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
-        x = np.resize(self.splits.test_x, (64, *self.splits.test_x.shape[1:]))
-        all_int8, first_fp32 = _throughputs([current, candidate], x)
+        batch = 64
+        timings = measure(
+            {"all_int8": load_predictor(current), "first_conv_fp32": load_predictor(candidate)},
+            self.splits.test_x,
+            batch=batch,
+            seconds=0.3,
+            warmup=1,
+            latency=False,
+        )
+        all_int8, first_fp32 = (t.throughput_per_s for t in timings.values())
         kept = self._gate(cand_acc) and cand_acc >= acc and first_fp32 > 1.05 * all_int8
         if kept:
             os.replace(candidate, current)
@@ -318,7 +303,7 @@ class Quantizer:
         )
         return {
             "island": island,
-            "batch": len(x),
+            "batch": batch,
             "img_per_s": {"all_int8": round(all_int8, 1), "first_conv_fp32": round(first_fp32, 1)},
             "accuracy": cand_acc,
             "kept": kept,

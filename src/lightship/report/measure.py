@@ -51,8 +51,10 @@ def measure(
     seconds: float = 0.5,
     warmup: int = 3,
     on_step: Callable[[str, int], None] | None = None,
+    latency: bool = True,
 ) -> dict[str, Timing]:
-    """Batch-1 latency and batch-`batch` throughput of each predictor (the hot path, no checks)."""
+    """Batch-1 latency (unless `latency` is False) and batch-`batch` throughput of each
+    predictor (the hot path, no checks)."""
     one = np.ascontiguousarray(images[:1])
     big = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])))
     timings = {name: Timing() for name in predictors}
@@ -62,8 +64,9 @@ def measure(
             p._run(big)
     for r in range(rounds):
         for name, p in predictors.items():
-            lat = _time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
-            timings[name].latency_ms.extend(1000 * t for t in lat)
+            if latency:
+                lat = _time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
+                timings[name].latency_ms.extend(1000 * t for t in lat)
             big_calls = _time_calls(lambda p=p: p._run(big), seconds, 2)  # type: ignore[misc]
             timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
             if on_step is not None:
