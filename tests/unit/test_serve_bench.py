@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from lightship.serve import bench, v2
+from tests.handmade import handmade_onnx
 
 
 def test_benchmark_bodies_are_valid_v2_requests_for_the_same_image() -> None:
@@ -29,37 +32,94 @@ def test_batch_rows_are_read_from_the_metrics_exposition() -> None:
     assert bench._batch_rows("") == (0.0, 0.0)
 
 
-def test_markdown_pairs_each_server_row_with_the_no_model_row_of_the_same_load() -> None:
-    def row(endpoint: str, protocol: str, c: int, rps: float, batch: float | None) -> dict:
-        return {
-            "endpoint": endpoint,
-            "protocol": protocol,
-            "concurrency": c,
-            "req_per_s": rps,
-            "p50_ms": 1.0,
-            "p99_ms": 2.5,
-            "mean_batch_rows": batch,
-        }
+def _cell(endpoint: str, protocol: str, c: int, r: int, rps: float) -> bench.LoadResult:
+    batch = 12.0 + r if endpoint == "server" else None
+    return bench.LoadResult(
+        "digits", endpoint, protocol, c, r, int(rps * 4), rps, 1.0 + r, 2.0, 2.5 + r, 0, 0, batch
+    )
 
+
+def test_ratios_are_taken_within_each_round_then_the_median() -> None:
+    # Round 1 is a slow patch for everything; in round 2 only the no-model cell is slow.
+    server_json, no_model_json = [900.0, 450.0, 900.0], [1000.0, 900.0, 500.0]
+    cells = []
+    for r in range(3):
+        k = 0.5 if r == 1 else 1.0
+        cells += [
+            _cell("server", "json", 16, r, server_json[r]),
+            _cell("no-model ceiling", "json", 16, r, no_model_json[r]),
+            _cell("server", "binary", 16, r, 1200 * k),
+            _cell("no-model ceiling", "binary", 16, r, 1500 * k),
+        ]
+    in_process = [1000.0, 500.0, 1000.0]
+    load, ratios = bench.summarise(cells, in_process, [16])
+    # Per round 0.9, 0.5, 1.8: the median is 0.9 (a ratio of the medians would say 1.0).
+    assert ratios["server_vs_no_model"] == {"json": {"16": 0.9}, "binary": {"16": 0.8}}
+    assert ratios["server_vs_in_process"] == {"json": {"16": 0.9}, "binary": {"16": 1.2}}
+    assert ratios["binary_vs_json"]["server"] == {"16": 1.333}
+    assert ratios["binary_vs_json"]["no-model ceiling"] == {"16": 1.5}
+    # Each cell reports its median over the rounds and keeps every round's figure.
+    server_json = next(x for x in load if x["endpoint"] == "server" and x["protocol"] == "json")
+    assert server_json["req_per_s"] == 900.0
+    assert server_json["req_per_s_by_round"] == [900.0, 450.0, 900.0]
+    assert server_json["rounds"] == 3
+    assert server_json["p50_ms"] == 2.0  # median of 1, 2, 3
+    assert server_json["p99_ms_max"] == 4.5
+    assert server_json["mean_batch_rows"] == 13.0
+    assert server_json["requests"] == 4 * (900 + 450 + 900)
+
+
+def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:
+    cells = [
+        _cell("server", "json", 1, 0, 500.0),
+        _cell("no-model ceiling", "json", 1, 0, 1000.0),
+        _cell("server", "json", 1, 1, 600.0),
+        _cell("no-model ceiling", "json", 1, 1, 0.0),  # wrk got nothing through
+    ]
+    _, ratios = bench.summarise(cells, [1000.0, 1000.0], [1])
+    assert ratios["server_vs_no_model"]["json"]["1"] == 0.5
+    assert ratios["server_vs_in_process"]["json"]["1"] == 0.55
+
+
+def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -> None:
+    from lightship.runtime import load_predictor
+
+    predictor = load_predictor(handmade_onnx(tmp_path / "m.onnx"), threads=1)
+    sweep = bench.in_process_sweep(predictor, max_batch_rows=20, seconds=0.05)
+    assert sorted(sweep) == [1, 8, 16, 20]
+    assert all(v > 0 for v in sweep.values())
+
+
+def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios() -> None:
+    cells = [
+        _cell("server", "binary", 16, 0, 1500.0),
+        _cell("no-model ceiling", "binary", 16, 0, 4000.0),
+        _cell("server", "json", 16, 0, 1200.0),
+        _cell("no-model ceiling", "json", 16, 0, 3000.0),
+    ]
+    load, ratios = bench.summarise(cells, [9000.0], [16])
     results = {
         "cpu": "Test CPU",
         "cores": 2,
         "duration_s": 5.0,
+        "rounds": 1,
         "models": [
             {
                 "model": "digits",
                 "variant": "onnx-int8-static",
                 "in_process_ceiling": {"rows_per_s": 9000.0, "best_batch": 64},
-                "load": [
-                    row("server", "binary", 16, 1500.0, 12.5),
-                    row("no-model ceiling", "binary", 16, 4000.0, None),
-                ],
+                "load": load,
+                "ratios": ratios,
+                "startup": {"seconds": 0.81, "correct": True},
             }
         ],
     }
     table = bench.markdown(results)
     assert "Test CPU" in table
     assert (
-        "| digits (onnx-int8-static) | binary | 16 | 1500 | 1.00 | 2.50 | 12.5 | 4000 | 2.50 "
-        "| 9000 rows/s (batch 64) |" in table
+        "| digits (onnx-int8-static) | binary | 16 | 1500 | 1.00 | 2.50 | 12.0 | 4000 | 0.38 "
+        "| 0.17 |" in table
     )
+    assert "9000 rows/s at batch 64" in table
+    assert "c=16: 1.25 (no-model 1.33)" in table
+    assert "first answer 0.81 s" in table

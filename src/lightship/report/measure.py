@@ -33,7 +33,7 @@ class Timing:
         return float(np.median(self.throughput))
 
 
-def _time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list[float]:
+def time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list[float]:
     out: list[float] = []
     start = time.perf_counter()
     while len(out) < min_calls or time.perf_counter() - start < seconds:
@@ -65,9 +65,9 @@ def measure(
     for r in range(rounds):
         for name, p in predictors.items():
             if latency:
-                lat = _time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
+                lat = time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
                 timings[name].latency_ms.extend(1000 * t for t in lat)
-            big_calls = _time_calls(lambda p=p: p._run(big), seconds, 2)  # type: ignore[misc]
+            big_calls = time_calls(lambda p=p: p._run(big), seconds, 2)  # type: ignore[misc]
             timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
             if on_step is not None:
                 on_step(name, r)

@@ -28,14 +28,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from lightship.config import parse_choices
 from lightship.errors import LightshipError, RunError
+from lightship.report.measure import time_calls
 from lightship.runs import RunDir, atomic_write_text
+from lightship.runtime import Predictor
 
 WRK_HINT = "install wrk: `sudo apt-get install -y wrk` (Debian/Ubuntu) or `brew install wrk`"
 # Prints one JSON line at the end of a wrk run: requests, errors, latency percentiles (µs).
@@ -64,6 +67,7 @@ class LoadResult:
     endpoint: str  # "server" or "no-model ceiling"
     protocol: str  # "json" or "binary"
     concurrency: int
+    round: int
     requests: int
     req_per_s: float
     p50_ms: float
@@ -88,13 +92,19 @@ def _lightship(*args: str) -> None:
 
 
 def ensure_run(run: Path, config: str, *overrides: str) -> RunDir:
-    """A run directory with an fp32 ONNX export: made here (train + export) when missing."""
+    """A run directory with a report, so `auto` serves its recommended variant: what it lacks
+    (training, the ONNX export, static int8 and the report) is made here."""
     if not (run / "best.ckpt").is_file():
         sets = [a for o in overrides for a in ("--set", o)]
         _lightship("train", "--run", str(run), "--config", config, *sets)
     rd = RunDir(run)
-    if "onnx-fp32" not in rd.manifest()["artifacts"]:
+    artifacts = rd.manifest()["artifacts"]
+    if "onnx-fp32" not in artifacts:
         _lightship("export", "--run", str(run), "--formats", "onnx")
+    if not (rd.report_dir / "report.json").is_file():
+        if "onnx-int8-static" not in rd.manifest()["artifacts"]:
+            _lightship("quantize", "--run", str(run), "--methods", "static")
+        _lightship("report", "--run", str(run))
     return rd
 
 
@@ -223,28 +233,97 @@ def _batch_rows(metrics_text: str) -> tuple[float, float]:
     return values["lightship_batch_rows_sum"], values["lightship_batch_rows_count"]
 
 
-def in_process_ceiling(model_path: Path, threads: int | None) -> dict[str, Any]:
-    """Rows/s of the Predictor called directly, at each batch size; the best is the ceiling."""
-    from lightship.runtime import load_predictor
+def _rows_per_s(predictor: Predictor, x: np.ndarray, seconds: float) -> float:
+    """Rows/s of the predictor's hot path (`_run`, what the server's batcher calls)."""
+    calls = time_calls(lambda: predictor._run(x), seconds, 5)
+    return len(x) * len(calls) / sum(calls)
 
-    predictor = load_predictor(model_path, threads=threads)
+
+def in_process_sweep(
+    predictor: Predictor, max_batch_rows: int, seconds: float = 1.0
+) -> dict[int, float]:
+    """Rows/s of the Predictor called directly at each batch size the server may run (up to
+    its `max_batch_rows`): the best is the in-process ceiling."""
     rng = np.random.default_rng(0)
     per_batch: dict[int, float] = {}
-    for batch in (1, 8, 32, 64, 128):
+    sizes = sorted({b for b in (1, 8, 16, 32, 64, 128, 256) if b < max_batch_rows})
+    for batch in [*sizes, max_batch_rows]:
         x = rng.integers(0, 256, (batch, *predictor.chw), dtype=np.uint8)
         for _ in range(3):
-            predictor.predict(x)
-        calls, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < 1.0 or calls < 5:
-            predictor.predict(x)
-            calls += 1
-        per_batch[batch] = calls * batch / elapsed
-    best = max(per_batch, key=lambda b: per_batch[b])
-    return {
-        "rows_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()},
-        "best_batch": best,
-        "rows_per_s": round(per_batch[best], 1),
+            predictor._run(x)
+        per_batch[batch] = _rows_per_s(predictor, x, seconds)
+    return per_batch
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else math.nan
+
+
+def summarise(
+    cells: list[LoadResult], in_process: list[float], concurrency: list[int]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Median of each (endpoint, protocol, concurrency) cell over the rounds, and the ratios.
+
+    A ratio is taken within each round (the server beside the no-model endpoint, the
+    in-process ceiling and the other protocol measured minutes apart at most), then the median
+    over rounds: on a noisy machine that is steadier than a ratio of medians.
+    """
+    by_key: dict[tuple[str, str, int], list[LoadResult]] = {}
+    for cell in cells:
+        by_key.setdefault((cell.endpoint, cell.protocol, cell.concurrency), []).append(cell)
+    load = []
+    for (endpoint, protocol, c), runs in by_key.items():
+        batches = [r.mean_batch_rows for r in runs if r.mean_batch_rows is not None]
+        load.append(
+            {
+                "model": runs[0].model,
+                "endpoint": endpoint,
+                "protocol": protocol,
+                "concurrency": c,
+                "rounds": len(runs),
+                "requests": sum(r.requests for r in runs),
+                "req_per_s": round(_median([r.req_per_s for r in runs]), 1),
+                "req_per_s_by_round": [r.req_per_s for r in runs],
+                "p50_ms": round(_median([r.p50_ms for r in runs]), 3),
+                "p90_ms": round(_median([r.p90_ms for r in runs]), 3),
+                "p99_ms": round(_median([r.p99_ms for r in runs]), 3),
+                "p99_ms_max": max(r.p99_ms for r in runs),
+                "non2xx": sum(r.non2xx for r in runs),
+                "socket_errors": sum(r.socket_errors for r in runs),
+                "mean_batch_rows": round(_median(batches), 2) if batches else None,
+            }
+        )
+
+    rounds = sorted({cell.round for cell in cells})
+    series: dict[Any, list[float]] = {"in-process": [in_process[r] for r in rounds]}
+    for key, runs in by_key.items():
+        per_round = {x.round: x.req_per_s for x in runs}
+        series[key] = [per_round.get(r, math.nan) for r in rounds]
+
+    def ratio(num: Any, den: Any) -> float:
+        pairs = zip(series.get(num, []), series.get(den, []), strict=False)
+        values = [n / d for n, d in pairs if d > 0 and math.isfinite(n / d)]
+        return round(_median(values), 3)
+
+    ratios: dict[str, dict[str, dict[str, float]]] = {
+        "server_vs_in_process": {},
+        "server_vs_no_model": {},
+        "binary_vs_json": {},
     }
+    for c in concurrency:
+        for protocol in ("json", "binary"):
+            server = ("server", protocol, c)
+            ratios["server_vs_in_process"].setdefault(protocol, {})[str(c)] = ratio(
+                server, "in-process"
+            )
+            ratios["server_vs_no_model"].setdefault(protocol, {})[str(c)] = ratio(
+                server, ("no-model ceiling", protocol, c)
+            )
+        for endpoint in ("server", "no-model ceiling"):
+            ratios["binary_vs_json"].setdefault(endpoint, {})[str(c)] = ratio(
+                (endpoint, "binary", c), (endpoint, "json", c)
+            )
+    return load, ratios
 
 
 def bench_model(
@@ -253,104 +332,164 @@ def bench_model(
     variant: str,
     concurrency: list[int],
     duration: float,
+    rounds: int,
     work: Path,
     threads: int | None,
 ) -> dict[str, Any]:
+    """One model: both endpoints up side by side, every cell measured once per round."""
     from rich.console import Console
 
     from lightship.serve.model import choose
     from lightship.serve.settings import ServeSettings
 
-    console = Console(stderr=True)
-    served = choose(ServeSettings(run=run.root, variant=variant))
+    console = Console(stderr=True, soft_wrap=True)
+    settings = ServeSettings(run=run.root, variant=variant)
+    served = choose(settings)
     spec = (served.entry or {})["input_spec"]
     c, h, w = (int(d) for d in spec["shape"][1:])
     chw = (c, h, w)
     labels = (served.entry or {}).get("labels") or []
     console.print(f"[bold]{label}[/]: {served.variant} ({served.path}), input {list(chw)}")
-    ceiling = in_process_ceiling(served.path, threads)
-    expected = served.load(threads=threads).predict(bench_image(chw))[0]
-    console.print(
-        f"  in-process ceiling: {ceiling['rows_per_s']:.0f} rows/s at batch {ceiling['best_batch']}"
-    )
+    predictor = served.load(threads=threads)
+    expected = predictor.predict(bench_image(chw))[0]
+    sweep = in_process_sweep(predictor, settings.max_batch_rows)
+    best = max(sweep, key=lambda b: sweep[b])
+    best_x = np.resize(bench_image(chw), (best, *chw))
+    console.print(f"  in-process: best batch {best} ({sweep[best]:.0f} rows/s)")
     bodies = {}
     for protocol, (body, hlen) in request_bodies(chw, spec.get("name", "input")).items():
         path = work / f"{label}-{protocol}.body"
         path.write_bytes(body)
         bodies[protocol] = (path, hlen)
 
-    results: list[LoadResult] = []
     serve_cmd = [sys.executable, "-m", "lightship", "serve", "--run", str(run.root)]
     serve_cmd += ["--variant", served.variant, "--model-name", label]
     if threads:
         serve_cmd += ["--threads", str(threads)]
     ceiling_cmd = [sys.executable, "-m", "lightship.serve.ceiling"]
     ceiling_cmd += ["--input-name", spec.get("name", "input"), "--classes", str(len(labels))]
-    for endpoint, cmd in (("server", serve_cmd), ("no-model ceiling", ceiling_cmd)):
-        proc = _Process(cmd, work / f"{label}-{endpoint.replace(' ', '-')}.log")
-        try:
-            url = f"{proc.url}/v2/models/{label}/infer"
-            if endpoint == "server":
-                startup = _first_answer(proc, url, bodies["json"][0].read_bytes(), expected)
-                console.print(
-                    f"  first answer {startup['seconds']:.2f} s after start, "
-                    f"{'correct' if startup['correct'] else 'WRONG'}"
-                )
+    procs: dict[str, _Process] = {}
+    cells: list[LoadResult] = []
+    in_process: list[float] = []
+    try:
+        # Both endpoints stay up for the whole model (an idle one costs nothing) and each
+        # round measures every cell of both, alternating which goes first: a slow patch of
+        # the machine then touches the server and its ceilings alike.
+        procs["server"] = _Process(serve_cmd, work / f"{label}-server.log")
+        url = {"server": f"{procs['server'].url}/v2/models/{label}/infer"}
+        startup = _first_answer(
+            procs["server"], url["server"], bodies["json"][0].read_bytes(), expected
+        )
+        console.print(
+            f"  first answer {startup['seconds']:.2f} s after start, "
+            f"{'correct' if startup['correct'] else 'WRONG'}"
+        )
+        procs["no-model ceiling"] = _Process(ceiling_cmd, work / f"{label}-no-model.log")
+        url["no-model ceiling"] = f"{procs['no-model ceiling'].url}/v2/models/{label}/infer"
+        for endpoint in procs:
+            for body_path, hlen in bodies.values():
+                _wrk(url[endpoint], body_path, hlen, 4, min(duration, 1.0))  # warm-up
+        for r in range(rounds):
+            in_process.append(_rows_per_s(predictor, best_x, 1.0))
+            console.print(f"  round {r + 1}/{rounds}: in-process {in_process[-1]:.0f} rows/s")
+            order = list(procs) if r % 2 == 0 else list(reversed(procs))
             for protocol, (body_path, hlen) in bodies.items():
-                _wrk(url, body_path, hlen, 4, min(duration, 1.0))  # warm-up
-                for c in concurrency:
-                    before = _batch_rows(proc.get("/metrics")) if endpoint == "server" else None
-                    r = _wrk(url, body_path, hlen, c, duration)
-                    mean_rows = None
-                    if before is not None:
-                        after = _batch_rows(proc.get("/metrics"))
-                        batches = after[1] - before[1]
-                        mean_rows = round((after[0] - before[0]) / batches, 2) if batches else None
-                    row = LoadResult(
-                        label,
-                        endpoint,
-                        protocol,
-                        c,
-                        r["requests"],
-                        round(r["requests"] / (r["duration_us"] / 1e6), 1),
-                        r["p50_us"] / 1000,
-                        r["p90_us"] / 1000,
-                        r["p99_us"] / 1000,
-                        r["non2xx"],
-                        r["socket_errors"],
-                        mean_rows,
-                    )
-                    results.append(row)
-                    console.print(
-                        f"  {endpoint:16} {protocol:6} c={c:<3} {row.req_per_s:8.0f} req/s  "
-                        f"p50 {row.p50_ms:7.2f} ms  p99 {row.p99_ms:7.2f} ms"
-                        + (f"  mean batch {mean_rows}" if mean_rows else "")
-                    )
-        finally:
+                for conc in concurrency:
+                    for endpoint in order:
+                        cell = _cell(
+                            label,
+                            endpoint,
+                            protocol,
+                            conc,
+                            r,
+                            procs[endpoint],
+                            url[endpoint],
+                            body_path,
+                            hlen,
+                            duration,
+                        )
+                        cells.append(cell)
+                        console.print(
+                            f"    {endpoint:16} {protocol:6} c={conc:<3} {cell.req_per_s:8.0f} "
+                            f"req/s  p50 {cell.p50_ms:7.2f} ms  p99 {cell.p99_ms:7.2f} ms"
+                            + (
+                                f"  mean batch {cell.mean_batch_rows}"
+                                if cell.mean_batch_rows
+                                else ""
+                            )
+                        )
+    finally:
+        for proc in procs.values():
             proc.stop()
+    load, ratios = summarise(cells, in_process, concurrency)
     return {
         "model": label,
         "variant": served.variant,
         "file": str(served.path),
         "input_shape": list(chw),
-        "in_process_ceiling": ceiling,
+        "in_process_ceiling": {
+            "rows_per_s_by_batch": {str(b): round(v, 1) for b, v in sweep.items()},
+            "best_batch": best,
+            "rows_per_s_by_round": [round(v, 1) for v in in_process],
+            "rows_per_s": round(_median(in_process), 1),
+        },
         "startup": startup,
-        "load": [asdict(r) for r in results],
+        "load": load,
+        "ratios": ratios,
     }
+
+
+def _cell(
+    label: str,
+    endpoint: str,
+    protocol: str,
+    concurrency: int,
+    round_: int,
+    proc: _Process,
+    url: str,
+    body: Path,
+    header_length: int,
+    duration: float,
+) -> LoadResult:
+    """One wrk run against one endpoint; the server's mean batch from its metrics."""
+    server = endpoint == "server"
+    before = _batch_rows(proc.get("/metrics")) if server else None
+    r = _wrk(url, body, header_length, concurrency, duration)
+    mean_rows = None
+    if before is not None:
+        after = _batch_rows(proc.get("/metrics"))
+        batches = after[1] - before[1]
+        mean_rows = round((after[0] - before[0]) / batches, 2) if batches else None
+    return LoadResult(
+        label,
+        endpoint,
+        protocol,
+        concurrency,
+        round_,
+        r["requests"],
+        round(r["requests"] / (r["duration_us"] / 1e6), 1),
+        r["p50_us"] / 1000,
+        r["p90_us"] / 1000,
+        r["p99_us"] / 1000,
+        r["non2xx"],
+        r["socket_errors"],
+        mean_rows,
+    )
 
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        f"CPU: {results['cpu']}, {results['cores']} cores; wrk {results['duration_s']:g} s per "
-        "cell, one image per request; req/s, p50 / p99 ms.",
+        f"CPU: {results['cpu']}, {results['cores']} cores; one image per request; wrk "
+        f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds, medians; "
+        "ratios taken within each round, then the median.",
         "",
-        "| model | protocol | conc. | server req/s | p50 | p99 | mean batch | no-model req/s "
-        "| no-model p99 | in-process ceiling |",
+        "| model | protocol | conc. | server req/s | p50 ms | p99 ms | mean batch "
+        "| no-model req/s | × no-model | × in-process |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in results["models"]:
-        ceiling = m["in_process_ceiling"]
         by_key = {(r["endpoint"], r["protocol"], r["concurrency"]): r for r in m["load"]}
+        ratios = m["ratios"]
         for (endpoint, protocol, c), r in by_key.items():
             if endpoint != "server":
                 continue
@@ -358,11 +497,22 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {m['model']} ({m['variant']}) | {protocol} | {c} | {r['req_per_s']:.0f} "
                 f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
-                f"| {nm.get('req_per_s', math.nan):.0f} | {nm.get('p99_ms', math.nan):.2f} "
-                f"| {ceiling['rows_per_s']:.0f} rows/s (batch {ceiling['best_batch']}) |"
+                f"| {nm.get('req_per_s', math.nan):.0f} "
+                f"| {ratios['server_vs_no_model'][protocol][str(c)]:.2f} "
+                f"| {ratios['server_vs_in_process'][protocol][str(c)]:.2f} |"
             )
     lines.append("")
     for m in results["models"]:
+        ceiling = m["in_process_ceiling"]
+        binary = m["ratios"]["binary_vs_json"]
+        per_c = ", ".join(
+            f"c={c}: {binary['server'][c]:.2f} (no-model {binary['no-model ceiling'][c]:.2f})"
+            for c in binary["server"]
+        )
+        lines.append(
+            f"- {m['model']}: in-process ceiling {ceiling['rows_per_s']:.0f} rows/s at batch "
+            f"{ceiling['best_batch']}; binary V2 / JSON req/s {per_c}"
+        )
         if start := m.get("startup"):
             verdict = "correct" if start["correct"] else "WRONG"
             lines.append(
@@ -372,12 +522,17 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MODELS = ("digits", "resnet18")
+
+
 def bench(
     digits_run: Path,
     resnet_run: Path,
     duration: float,
     concurrency: list[int],
     out: Path,
+    rounds: int = 3,
+    models: str | None = None,
     variant: str = "auto",
     threads: int | None = None,
 ) -> dict[str, Any]:
@@ -385,19 +540,23 @@ def bench(
         raise LightshipError(f"wrk not found: {WRK_HINT}")
     if not concurrency or min(concurrency) < 1:
         raise LightshipError("--concurrency must list positive connection counts, e.g. 1,16,64")
+    if rounds < 1 or duration <= 0:
+        raise LightshipError("--rounds must be at least 1 and --duration positive, e.g. 3 and 4")
+    labels = parse_choices(models, MODELS, "--models", LightshipError)
     from lightship.quantize.isa import host_cpu
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll
 
     cpu = host_cpu()
-    runs = {
-        "digits": ensure_run(digits_run, "configs/digits.yaml"),
-        "resnet18": ensure_run(resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1"),
+    made = {
+        "digits": lambda: ensure_run(digits_run, "configs/digits.yaml"),
+        "resnet18": lambda: ensure_run(resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1"),
     }
+    runs = {label: made[label]() for label in labels}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lightship-bench-") as tmp:
-        models = [
-            bench_model(label, rd, variant, concurrency, duration, Path(tmp), threads)
+        measured = [
+            bench_model(label, rd, variant, concurrency, duration, rounds, Path(tmp), threads)
             for label, rd in runs.items()
         ]
     results = {
@@ -406,8 +565,9 @@ def bench(
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "duration_s": duration,
+        "rounds": rounds,
         "concurrency": concurrency,
-        "models": models,
+        "models": measured,
     }
     atomic_write_text(out, json.dumps(results, indent=2) + "\n")
     table = markdown(results)

@@ -116,13 +116,26 @@ def bench_serve(
     resnet_run: Annotated[
         Path, typer.Option(help="ResNet-18 run (1 epoch, exported here when missing)")
     ] = Path("runs/bench/resnet"),
-    duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 5.0,
+    duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 4.0,
+    rounds: Annotated[
+        int, typer.Option(help="interleaved rounds over every cell; medians are reported")
+    ] = 3,
     concurrency: Annotated[str, typer.Option(help="comma-separated connection counts")] = "1,16,64",
+    models: Annotated[
+        str, typer.Option(help="comma-separated: digits,resnet18")
+    ] = "digits,resnet18",
+    threads: Annotated[
+        int | None, typer.Option(help="model threads (default: physical cores)")
+    ] = None,
     out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
         "runs/bench/serve.json"
     ),
 ) -> None:
-    """Serving throughput and latency with wrk, beside in-process and no-model ceilings."""
+    """Serving throughput and latency with wrk, beside in-process and no-model ceilings.
+
+    Both endpoints run as their own processes; every cell is measured once per round, server
+    and no-model alternating, and the table gives medians and within-round ratios.
+    """
     from lightship.serve.bench import bench
 
     bench(
@@ -131,4 +144,7 @@ def bench_serve(
         duration=duration,
         concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
         out=out,
+        rounds=rounds,
+        models=models,
+        threads=threads,
     )
