@@ -194,27 +194,51 @@ def test_folding_a_thin_first_conv_keeps_the_function_and_skips_wide_ones() -> N
     assert fold_thin_first_conv(wide) is False  # 4x3x3 = 36 inputs per output: not thin
 
 
-def test_qat_prepares_a_resnet_with_residual_blocks() -> None:
-    """A ReLU module called twice in a block made PT2E refuse ResNet ("Input partition has
-    more than one output node"); each block now has its own two."""
+def test_qat_resnet_runs_every_conv_in_int8_in_onnxruntime(tmp_path: Path) -> None:
+    """Residual blocks: a ReLU module called twice per block made PT2E refuse ResNet ("Input
+    partition has more than one output node"), and the x86 quantizer leaves the conv before
+    each residual add with a float output, which ORT then runs as an fp32 conv. Both fixed:
+    prepared, fine-tuned a few steps, converted and exported, every conv is QLinearConv and
+    ORT agrees with the converted torch model."""
     from types import SimpleNamespace
 
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
     from lightship import models
-    from lightship.quantize.qat import prepare
+    from lightship.export import onnx as onnx_export
+    from lightship.quantize.core import int8_share
+    from lightship.quantize.qat import ExportedNet, prepare
 
     torch.manual_seed(0)
     spec = {"name": "resnet", "kwargs": {"width": 8, "blocks": [1, 1]}, "in_channels": 3}
-    spec |= {"num_classes": 10, "image_size": 16, "mean": [0.0] * 3, "std": [1.0] * 3}
+    spec |= {"num_classes": 10, "image_size": 16, "mean": [128.0] * 3, "std": [64.0] * 3}
     net = models.create(spec)
     loaded = SimpleNamespace(model_spec={"name": "resnet"}, model=net)
-    x = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
-    prepared = prepare(loaded, x, isa.SCHEMES["avx2"], per_channel=True)  # type: ignore[arg-type]
-    fake_quants = [
-        n
-        for n in prepared.graph.nodes
-        if n.op == "call_module" and str(n.target).startswith("activation_post_process")
-    ]
-    assert len(fake_quants) >= 6  # weights and activations of every conv are fake-quantized
+    x = torch.randint(0, 256, (16, 3, 16, 16), dtype=torch.uint8)
+    prepared = prepare(loaded, x[:2], isa.SCHEMES["avx2"], per_channel=True)  # type: ignore[arg-type]
+    opt = torch.optim.SGD(prepared.parameters(), lr=0.01)
+    for _ in range(3):  # fake-quant training steps: observers see data, gradients flow
+        loss = prepared(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    move_exported_model_to_eval(prepared)
+    converted = ExportedNet(convert_pt2e(prepared)).eval()
+    path = tmp_path / "qat.onnx"
+    onnx_export.write(converted, x[:2], path, {})
+
+    share = int8_share(path)
+    # stem (fp32: thin), 2 blocks x 2 convs, 1 projection shortcut, the classifier
+    assert share["int8_nodes"] == 6 and share["float_nodes"] == 1, share
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.inference_mode():
+        want = converted(x).numpy()
+    np.testing.assert_array_equal(got.argmax(1), want.argmax(1))
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
 
 
 def test_a_library_error_inside_qat_costs_only_the_qat_variant(

@@ -87,10 +87,14 @@ def qat_config(scheme: isa.Scheme, per_channel: bool = True) -> QuantizationConf
 
 
 class _Quantizer(X86InductorQuantizer):
-    """X86InductorQuantizer that also quantizes each Linear's output.
+    """X86InductorQuantizer that also quantizes what ORT needs quantized to run int8 kernels.
 
-    Inductor fuses a Linear with a float output; ORT only forms QLinearMatMul/QGemm when a
-    QuantizeLinear follows, so without this the classifier head stays fp32 in ORT.
+    The x86 quantizer annotates for Inductor, which fuses a Linear, or a conv with the residual
+    add after it, and takes their float outputs. ORT forms QLinearConv / QGemm only when a
+    QuantizeLinear follows the op, so without the two additions below the classifier head and
+    every conv that feeds a residual add (9 of ResNet-18's 20) stay fp32 in ORT:
+    - each Linear's output is quantized;
+    - each annotated residual add quantizes all its inputs, not only the shortcut.
     """
 
     def __init__(self, config: QuantizationConfig, float_first_conv: bool = False) -> None:
@@ -111,6 +115,10 @@ class _Quantizer(X86InductorQuantizer):
             self.annotated += 1
             if node.target == torch.ops.aten.linear.default and a.output_qspec is None:
                 a.output_qspec = self.config.output_activation
+            elif node.target == torch.ops.aten.add.Tensor:
+                for arg in node.args:
+                    if isinstance(arg, torch.fx.Node) and arg not in a.input_qspec_map:
+                        a.input_qspec_map[arg] = self.config.input_activation
         return model
 
 
