@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from lightship.errors import LightshipError
 from lightship.serve import bench, v2
 from tests.handmade import handmade_onnx
 
@@ -123,3 +125,18 @@ def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios()
     assert "9000 rows/s at batch 64" in table
     assert "c=16: 1.25 (no-model 1.33)" in table
     assert "first answer 0.81 s" in table
+
+
+def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
+    from tests.conftest import last_line, run_cli
+
+    proc = run_cli("bench", "serve", "--concurrency", "1,sixteen")
+    assert proc.returncode == 1
+    assert last_line(proc.stderr) == (
+        "error: --concurrency must list connection counts, e.g. 1,16,64; got '1,sixteen'"
+    )
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(LightshipError, match="--models.*choose from digits,resnet18"):
+        bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), models="digits,vgg")
+    with pytest.raises(LightshipError, match="--rounds must be at least 1"):
+        bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)

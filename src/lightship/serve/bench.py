@@ -536,13 +536,13 @@ def bench(
     variant: str = "auto",
     threads: int | None = None,
 ) -> dict[str, Any]:
-    if shutil.which("wrk") is None:
-        raise LightshipError(f"wrk not found: {WRK_HINT}")
     if not concurrency or min(concurrency) < 1:
         raise LightshipError("--concurrency must list positive connection counts, e.g. 1,16,64")
     if rounds < 1 or duration <= 0:
         raise LightshipError("--rounds must be at least 1 and --duration positive, e.g. 3 and 4")
     labels = parse_choices(models, MODELS, "--models", LightshipError)
+    if shutil.which("wrk") is None:
+        raise LightshipError(f"wrk not found: {WRK_HINT}")
     from lightship.quantize.isa import host_cpu
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll

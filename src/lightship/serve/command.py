@@ -136,13 +136,20 @@ def bench_serve(
     Both endpoints run as their own processes; every cell is measured once per round, server
     and no-model alternating, and the table gives medians and within-round ratios.
     """
+    from lightship.errors import LightshipError
     from lightship.serve.bench import bench
 
+    try:
+        connections = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise LightshipError(
+            f"--concurrency must list connection counts, e.g. 1,16,64; got {concurrency!r}"
+        ) from None
     bench(
         digits_run=digits_run,
         resnet_run=resnet_run,
         duration=duration,
-        concurrency=[int(c) for c in concurrency.split(",") if c.strip()],
+        concurrency=connections,
         out=out,
         rounds=rounds,
         models=models,
