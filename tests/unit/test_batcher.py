@@ -327,3 +327,71 @@ def test_a_request_that_must_not_wait_closes_its_batch_at_once() -> None:
         return time.monotonic() - t0
 
     assert run(main) < 5
+
+
+class OverlapModel(SumModel):
+    """SumModel that records how many batches run at the same time; each batch holds its
+    thread until a second one joins it (or a timeout), so instances overlap when they can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+        self.pair = threading.Barrier(2)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.pair.wait(0.5)
+        except threading.BrokenBarrierError:
+            pass
+        finally:
+            with self.lock:
+                self.running -= 1
+        return super().__call__(x)
+
+
+@pytest.mark.parametrize("instances", [1, 2])
+def test_instances_run_batches_side_by_side_and_every_row_keeps_its_answer(
+    instances: int,
+) -> None:
+    model = OverlapModel()
+
+    async def main() -> list[np.ndarray]:
+        b = await started(model, max_batch_rows=4, max_wait_ms=0, instances=instances)
+        tickets = [b.submit(rows(i, 1000 + i), 10) for i in range(6)]
+        out = [await t.future for t in tickets]
+        await b.aclose()
+        assert all(not t.is_alive() for t in b._threads)
+        return out
+
+    out = run(main)
+    for i, y in enumerate(out):
+        np.testing.assert_array_equal(y, [[i], [1000 + i]])
+    assert sum(model.sizes) == 12 and max(model.sizes) <= 4
+    assert model.most == instances  # two instances compute two batches at once; one never
+
+
+def test_close_with_instances_finishes_the_queue_and_stops_every_worker() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+
+    async def main() -> list[np.ndarray]:
+        b = await started(model, max_batch_rows=2, max_wait_ms=5000, instances=3)
+        tickets = [b.submit(rows(i), 10) for i in range(7)]
+        await asyncio.to_thread(model.entered.wait, 10)
+        closing = asyncio.ensure_future(b.aclose())
+        await asyncio.sleep(0.05)
+        with pytest.raises(Closed):
+            b.submit(rows(99), 10)
+        gate.set()
+        await closing
+        assert len(b._threads) == 3 and all(not t.is_alive() for t in b._threads)
+        return [await t.future for t in tickets]
+
+    out = run(main)
+    assert [int(y[0, 0]) for y in out] == list(range(7))
+    assert sorted(np.concatenate(model.batches).ravel().tolist()) == list(range(7))

@@ -138,5 +138,5 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
     assert "Traceback" not in proc.stderr
     with pytest.raises(LightshipError, match="--models.*choose from digits,resnet18"):
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), models="digits,vgg")
-    with pytest.raises(LightshipError, match="--rounds must be at least 1"):
+    with pytest.raises(LightshipError, match="--rounds and --instances must be at least 1"):
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)

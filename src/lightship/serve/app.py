@@ -95,6 +95,7 @@ class Service:
             max_wait_ms=settings.max_wait_ms,
             max_queue_rows=settings.max_queue_rows,
             observer=self.metrics,
+            instances=settings.instances,
         )
         self.ready = False
         self.failed: str | None = None
@@ -523,7 +524,7 @@ def serve(settings: ServeSettings) -> None:
 
     served = choose(settings)
     verify(served, settings.isa_check)
-    predictor = served.load(settings.device, settings.threads)
+    predictor = served.load(settings.device, settings.model_threads())
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
     config = uvicorn.Config(
@@ -542,10 +543,13 @@ def serve(settings: ServeSettings) -> None:
     # previous handler a no-op, and the process exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     log.info(
-        "serving '%s' (%s: %s) at http://%s:%d  (docs at /docs)",
+        "serving '%s' (%s: %s; %d instance%s x %d threads) at http://%s:%d  (docs at /docs)",
         served.name,
         served.variant,
         served.path,
+        settings.instances,
+        "" if settings.instances == 1 else "s",
+        settings.model_threads(),
         settings.host,
         settings.port,
     )

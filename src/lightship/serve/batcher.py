@@ -1,4 +1,4 @@
-"""Dynamic batching: requests arrive on the event loop, one inference thread runs them in batches.
+"""Dynamic batching: requests arrive on the event loop, inference threads run them in batches.
 
     submit(x) ──> queue (bounded in rows) ──> worker thread: wait, take a batch, run, deliver
         │                                                                    │
@@ -9,6 +9,8 @@
   or `max_wait_ms` after that request arrived, whichever comes first.
 - The worker sleeps on a condition variable while the queue is empty (no polling) and only
   wakes early during the wait when the batch fills, so an idle server costs no CPU.
+- `instances` workers (Triton's instance count) may each run a batch at the same time, on one
+  shared model: its `run` must be thread-safe (ONNX Runtime sessions and TorchScript are).
 - Requests whose deadline passed or whose client left are dropped before compute; results go
   only to futures still waiting.
 
@@ -126,11 +128,15 @@ class Batcher:
         max_wait_ms: float = 2.0,
         max_queue_rows: int = 1024,
         observer: Observer | None = None,
+        instances: int = 1,
     ) -> None:
         if max_batch_rows < 1 or max_queue_rows < max_batch_rows:
             raise ValueError(
                 f"need 1 <= max_batch_rows ({max_batch_rows}) <= max_queue_rows ({max_queue_rows})"
             )
+        if instances < 1:
+            raise ValueError(f"need at least one model instance, got {instances}")
+        self.instances = instances
         self._run = run
         self.max_batch_rows = max_batch_rows
         self.max_wait_s = max_wait_ms / 1000
@@ -141,9 +147,9 @@ class Batcher:
         self._rows = 0  # rows in _queue, abandoned ones included until the worker pops them
         self._draining = False  # no waiting for more rows: nothing new is coming
         self._closed = False  # no new requests; the worker exits once the queue is empty
-        self._rows_per_s = 0.0  # moving average of the model's speed, for Retry-After
+        self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         # For tests and logs: how often the worker woke up, and what it dropped unrun.
         self.wakeups = 0
         self.dropped_rows = 0
@@ -151,12 +157,15 @@ class Batcher:
     # -- event-loop side -------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the worker; call from the event loop that will await the results."""
-        if self._thread is not None:
+        """Start the workers; call from the event loop that will await the results."""
+        if self._threads:
             raise RuntimeError("batcher already started")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._work, name="lightship-infer", daemon=True)
-        self._thread.start()
+        for i in range(self.instances):
+            name = "lightship-infer" + (f"-{i}" if self.instances > 1 else "")
+            thread = threading.Thread(target=self._work, name=name, daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     @property
     def queued_rows(self) -> int:
@@ -190,8 +199,9 @@ class Batcher:
             self._queue.append(item)
             self._rows += rows
             depth = self._rows
-            # Wake the worker only when that changes what it does: it sleeps on an empty queue,
-            # or it waits for a batch to fill. Otherwise it picks the request up on its own.
+            # Wake a worker only when that changes what it does: it sleeps on an empty queue,
+            # or it waits for a batch to fill. Otherwise it picks the request up on its own
+            # (and a worker that takes a batch wakes a peer for any rows it leaves).
             if was_empty or depth >= self.max_batch_rows or self._draining or not wait:
                 self._cond.notify()
         self._observer.queue_depth(depth)
@@ -206,15 +216,15 @@ class Batcher:
         """Run what is queued without waiting for batches to fill (no new requests coming)."""
         with self._cond:
             self._draining = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     async def aclose(self) -> None:
         """Refuse new requests, finish the queued ones, stop the worker."""
         with self._cond:
             self._closed = self._draining = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            self._cond.notify_all()
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)
         await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
 
     def _expire(self, item: _Item) -> None:
@@ -246,25 +256,28 @@ class Batcher:
     # -- worker thread ---------------------------------------------------------------------
 
     def _retry_after(self) -> int:
-        rate = self._rows_per_s
+        rate = self._rows_per_s * self.instances
         return 1 if rate <= 0 else min(60, max(1, math.ceil(self._rows / rate)))
 
     def _next_batch(self) -> list[_Item] | None:
         """Block until a batch is due and take it; None when closed and empty."""
         with self._cond:
-            while not self._queue:
-                if self._closed:
-                    return None
-                self._cond.wait()  # idle: sleeps until submit() notifies
-                self.wakeups += 1
-            while self._rows < self.max_batch_rows and not self._draining:
-                # The oldest request sets the close time; a later one may bring it forward.
-                due = min(item.due for item in self._queue)
-                remaining = due - time.monotonic()
-                if remaining <= 0:
+            while True:
+                while not self._queue:
+                    if self._closed:
+                        return None
+                    self._cond.wait()  # idle: sleeps until submit() notifies
+                    self.wakeups += 1
+                while self._queue and self._rows < self.max_batch_rows and not self._draining:
+                    # The oldest request sets the close time; a later one may bring it forward.
+                    due = min(item.due for item in self._queue)
+                    remaining = due - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                    self.wakeups += 1
+                if self._queue:  # else another instance took the batch while this one waited
                     break
-                self._cond.wait(remaining)
-                self.wakeups += 1
             batch: list[_Item] = []
             rows = 0
             while self._queue and rows + self._queue[0].rows <= self.max_batch_rows:
@@ -273,6 +286,8 @@ class Batcher:
                 batch.append(item)
                 rows += item.rows
             depth = self._rows
+            if self._queue and self.instances > 1:
+                self._cond.notify()  # rows left behind: an idle instance may take them
         self._observer.queue_depth(depth)
         return batch
 
@@ -284,7 +299,9 @@ class Batcher:
             # A done future was answered without the model (deadline, client gone, awaiting
             # task cancelled). done() only reads the future's state: safe from this thread.
             live = [it for it in batch if not it.future.done() and it.deadline > now]
-            self.dropped_rows += sum(it.rows for it in batch) - sum(it.rows for it in live)
+            if dropped := sum(it.rows for it in batch) - sum(it.rows for it in live):
+                with self._cond:  # instances may drop at the same time
+                    self.dropped_rows += dropped
             if not live:
                 continue
             x = live[0].x if len(live) == 1 else np.concatenate([it.x for it in live])

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,14 +234,31 @@ def _batch_rows(metrics_text: str) -> tuple[float, float]:
     return values["lightship_batch_rows_sum"], values["lightship_batch_rows_count"]
 
 
-def _rows_per_s(predictor: Predictor, x: np.ndarray, seconds: float) -> float:
-    """Rows/s of the predictor's hot path (`_run`, what the server's batcher calls)."""
-    calls = time_calls(lambda: predictor._run(x), seconds, 5)
-    return len(x) * len(calls) / sum(calls)
+def _rows_per_s(predictor: Predictor, x: np.ndarray, seconds: float, instances: int = 1) -> float:
+    """Rows/s of the predictor's hot path (`_run`, what the server's batcher calls), from
+    `instances` threads calling it at once as the server's instances do."""
+    if instances == 1:
+        calls = time_calls(lambda: predictor._run(x), seconds, 5)
+        return len(x) * len(calls) / sum(calls)
+    counts = [0] * instances
+    start = time.perf_counter()
+    stop = start + seconds
+
+    def caller(i: int) -> None:
+        while time.perf_counter() < stop or counts[i] < 5:
+            predictor._run(x)
+            counts[i] += 1
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(instances)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(x) * sum(counts) / (time.perf_counter() - start)
 
 
 def in_process_sweep(
-    predictor: Predictor, max_batch_rows: int, seconds: float = 1.0
+    predictor: Predictor, max_batch_rows: int, seconds: float = 1.0, instances: int = 1
 ) -> dict[int, float]:
     """Rows/s of the Predictor called directly at each batch size the server may run (up to
     its `max_batch_rows`): the best is the in-process ceiling."""
@@ -251,7 +269,7 @@ def in_process_sweep(
         x = rng.integers(0, 256, (batch, *predictor.chw), dtype=np.uint8)
         for _ in range(3):
             predictor._run(x)
-        per_batch[batch] = _rows_per_s(predictor, x, seconds)
+        per_batch[batch] = _rows_per_s(predictor, x, seconds, instances)
     return per_batch
 
 
@@ -335,6 +353,7 @@ def bench_model(
     rounds: int,
     work: Path,
     threads: int | None,
+    instances: int = 1,
 ) -> dict[str, Any]:
     """One model: both endpoints up side by side, every cell measured once per round."""
     from rich.console import Console
@@ -343,16 +362,16 @@ def bench_model(
     from lightship.serve.settings import ServeSettings
 
     console = Console(stderr=True, soft_wrap=True)
-    settings = ServeSettings(run=run.root, variant=variant)
+    settings = ServeSettings(run=run.root, variant=variant, threads=threads, instances=instances)
     served = choose(settings)
     spec = (served.entry or {})["input_spec"]
     c, h, w = (int(d) for d in spec["shape"][1:])
     chw = (c, h, w)
     labels = (served.entry or {}).get("labels") or []
     console.print(f"[bold]{label}[/]: {served.variant} ({served.path}), input {list(chw)}")
-    predictor = served.load(threads=threads)
+    predictor = served.load(threads=settings.model_threads())
     expected = predictor.predict(bench_image(chw))[0]
-    sweep = in_process_sweep(predictor, settings.max_batch_rows)
+    sweep = in_process_sweep(predictor, settings.max_batch_rows, instances=instances)
     best = max(sweep, key=lambda b: sweep[b])
     best_x = np.resize(bench_image(chw), (best, *chw))
     console.print(f"  in-process: best batch {best} ({sweep[best]:.0f} rows/s)")
@@ -364,8 +383,7 @@ def bench_model(
 
     serve_cmd = [sys.executable, "-m", "lightship", "serve", "--run", str(run.root)]
     serve_cmd += ["--variant", served.variant, "--model-name", label]
-    if threads:
-        serve_cmd += ["--threads", str(threads)]
+    serve_cmd += ["--threads", str(settings.model_threads()), "--instances", str(instances)]
     ceiling_cmd = [sys.executable, "-m", "lightship.serve.ceiling"]
     ceiling_cmd += ["--input-name", spec.get("name", "input"), "--classes", str(len(labels))]
     procs: dict[str, _Process] = {}
@@ -390,7 +408,7 @@ def bench_model(
             for body_path, hlen in bodies.values():
                 _wrk(url[endpoint], body_path, hlen, 4, min(duration, 1.0))  # warm-up
         for r in range(rounds):
-            in_process.append(_rows_per_s(predictor, best_x, 1.0))
+            in_process.append(_rows_per_s(predictor, best_x, 1.0, instances))
             console.print(f"  round {r + 1}/{rounds}: in-process {in_process[-1]:.0f} rows/s")
             order = list(procs) if r % 2 == 0 else list(reversed(procs))
             for protocol, (body_path, hlen) in bodies.items():
@@ -425,6 +443,8 @@ def bench_model(
     return {
         "model": label,
         "variant": served.variant,
+        "instances": instances,
+        "threads_per_instance": settings.model_threads(),
         "file": str(served.path),
         "input_shape": list(chw),
         "in_process_ceiling": {
@@ -509,9 +529,12 @@ def markdown(results: dict[str, Any]) -> str:
             f"c={c}: {binary['server'][c]:.2f} (no-model {binary['no-model ceiling'][c]:.2f})"
             for c in binary["server"]
         )
+        setup = ""
+        if "instances" in m:
+            setup = f" ({m['instances']} instance(s) x {m['threads_per_instance']} threads)"
         lines.append(
-            f"- {m['model']}: in-process ceiling {ceiling['rows_per_s']:.0f} rows/s at batch "
-            f"{ceiling['best_batch']}; binary V2 / JSON req/s {per_c}"
+            f"- {m['model']}{setup}: in-process ceiling {ceiling['rows_per_s']:.0f} rows/s at "
+            f"batch {ceiling['best_batch']}; binary V2 / JSON req/s {per_c}"
         )
         if start := m.get("startup"):
             verdict = "correct" if start["correct"] else "WRONG"
@@ -535,11 +558,14 @@ def bench(
     models: str | None = None,
     variant: str = "auto",
     threads: int | None = None,
+    instances: int = 1,
 ) -> dict[str, Any]:
     if not concurrency or min(concurrency) < 1:
         raise LightshipError("--concurrency must list positive connection counts, e.g. 1,16,64")
-    if rounds < 1 or duration <= 0:
-        raise LightshipError("--rounds must be at least 1 and --duration positive, e.g. 3 and 4")
+    if rounds < 1 or duration <= 0 or instances < 1:
+        raise LightshipError(
+            "--rounds and --instances must be at least 1 and --duration positive, e.g. 3, 1, 4"
+        )
     labels = parse_choices(models, MODELS, "--models", LightshipError)
     if shutil.which("wrk") is None:
         raise LightshipError(f"wrk not found: {WRK_HINT}")
@@ -556,7 +582,9 @@ def bench(
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lightship-bench-") as tmp:
         measured = [
-            bench_model(label, rd, variant, concurrency, duration, rounds, Path(tmp), threads)
+            bench_model(
+                label, rd, variant, concurrency, duration, rounds, Path(tmp), threads, instances
+            )
             for label, rd in runs.items()
         ]
     results = {

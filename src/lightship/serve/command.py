@@ -71,7 +71,12 @@ def serve(
         int | None, typer.Option(help=f"larger bodies get 413 ({ENV}MAX_BODY_BYTES; 16 MiB)")
     ] = None,
     threads: Annotated[
-        int | None, typer.Option(help=f"model threads (default: physical cores) ({ENV}THREADS)")
+        int | None,
+        typer.Option(help=f"threads per model instance (cores / instances) ({ENV}THREADS)"),
+    ] = None,
+    instances: Annotated[
+        int | None,
+        typer.Option(help=f"model instances computing batches at once ({ENV}INSTANCES; 1)"),
     ] = None,
     isa_check: Annotated[
         str | None,
@@ -100,6 +105,7 @@ def serve(
         timeout_ms=timeout_ms,
         max_body_bytes=max_body_bytes,
         threads=threads,
+        instances=instances,
         isa_check=isa_check,
         warmup_rows=warmup_rows,
         access_log=access_log,
@@ -125,8 +131,11 @@ def bench_serve(
         str, typer.Option(help="comma-separated: digits,resnet18")
     ] = "digits,resnet18",
     threads: Annotated[
-        int | None, typer.Option(help="model threads (default: physical cores)")
+        int | None, typer.Option(help="threads per model instance (default: cores / instances)")
     ] = None,
+    instances: Annotated[
+        int, typer.Option(help="model instances in the server (and in-process callers)")
+    ] = 1,
     out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
         "runs/bench/serve.json"
     ),
@@ -154,4 +163,5 @@ def bench_serve(
         rounds=rounds,
         models=models,
         threads=threads,
+        instances=instances,
     )
