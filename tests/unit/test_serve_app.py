@@ -319,8 +319,12 @@ def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path) -> None:
     run(main())
 
 
-def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(tmp_path: Path) -> None:
-    app, _ = make_app(tmp_path, max_wait_ms=50, max_batch_rows=64)
+@pytest.mark.parametrize("instances", [1, 2])
+def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
+    tmp_path: Path, instances: int
+) -> None:
+    app, _ = make_app(tmp_path, max_wait_ms=50, max_batch_rows=64, instances=instances)
+    assert len(service(app).batcher._threads) == 0 and service(app).batcher.instances == instances
     rng = np.random.default_rng(0)
     requests = [
         rng.integers(0, 256, (int(n), 1, 2, 2), dtype=np.uint8) for n in rng.integers(1, 4, 40)

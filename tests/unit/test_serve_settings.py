@@ -41,6 +41,7 @@ def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatc
         ({"device": "gpu"}, "cpu, cuda or cuda:N"),
         ({"model_name": "a/b"}, "model name"),
         ({"isa_check": "maybe"}, "isa_check"),
+        ({"instances": 0}, "instances"),
     ],
 )
 def test_bad_settings_are_a_config_error(given: dict[str, object], message: str) -> None:
@@ -48,6 +49,19 @@ def test_bad_settings_are_a_config_error(given: dict[str, object], message: str)
         _settings(**given)
     with pytest.raises(ValidationError):
         ServeSettings(**given)  # type: ignore[arg-type]
+
+
+def test_instances_share_the_cores_unless_threads_are_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("lightship.runtime.base.physical_cores", lambda: 8)
+    monkeypatch.setenv("LIGHTSHIP_INSTANCES", "2")
+    assert _settings().instances == 2
+    assert _settings().model_threads() == 4
+    assert _settings(instances=3).model_threads() == 2
+    assert _settings(instances=16).model_threads() == 1
+    assert _settings(threads=6).model_threads() == 6
+    assert _settings(instances=1).model_threads() == 8
 
 
 def make_run(tmp_path: Path, variants: dict[str, dict[str, str]]) -> Path:
