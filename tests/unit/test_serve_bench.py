@@ -140,3 +140,38 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), models="digits,vgg")
     with pytest.raises(LightshipError, match="--rounds and --instances must be at least 1"):
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)
+
+
+def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship.runs import RunDir
+
+    calls: list[tuple[str, ...]] = []
+
+    def fake(*args: str) -> None:
+        calls.append(args)
+        run = RunDir(Path(args[2]))
+        if args[0] == "train":
+            run.root.mkdir(parents=True)
+            (run.root / "best.ckpt").write_bytes(b"x")
+        elif args[0] == "export":
+            run.record("onnx-fp32", {"file": "export/model.onnx"})
+        elif args[0] == "quantize":
+            run.record("onnx-int8-static", {"file": "quantize/model.int8-static.onnx"})
+        elif args[0] == "report":
+            run.report_dir.mkdir(parents=True, exist_ok=True)
+            (run.report_dir / "report.json").write_text("{}")
+
+    monkeypatch.setattr(bench, "_lightship", fake)
+    run = tmp_path / "r"
+    bench.ensure_run(run, "configs/resnet.yaml", "trainer.max_epochs=1")
+    assert [c[0] for c in calls] == ["train", "export", "quantize", "report"]
+    assert calls[0][3:] == ("--config", "configs/resnet.yaml", "--set", "trainer.max_epochs=1")
+    assert calls[2][3:] == ("--methods", "static")
+    calls.clear()
+    bench.ensure_run(run, "configs/resnet.yaml")  # complete: nothing to make
+    assert calls == []
+    (run / "report" / "report.json").unlink()
+    bench.ensure_run(run, "configs/resnet.yaml")  # quantized already: only the report
+    assert [c[0] for c in calls] == ["report"]
