@@ -181,7 +181,7 @@ def report(
     table = Table(
         title=f"{run} on {r['cpu']['model']} ({r['cpu']['target']}), {r['threads']} threads"
     )
-    for col in ("variant", "accuracy", "p50 ms", f"img/s @{batch}", "x eager", "gate"):
+    for col in ("variant", "accuracy", "p50 ms", f"img/s @{batch}", "x eager", "x fp32", "gate"):
         table.add_column(col, justify="right")
     for v in r["variants"]:
         table.add_row(
@@ -190,6 +190,7 @@ def report(
             f"{v['latency_ms']['p50']:.3f}",
             f"{v['throughput_per_s']:.0f}",
             f"{v['speedup_vs_eager']:.2f}",
+            "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
             "pass" if v["gate_passed"] else "FAIL",
         )
     Console().print(table)

@@ -129,6 +129,14 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     eager = r["variants"][0]
     assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
     fp32 = r["variants"][2]
+    assert fp32["speedup_vs_onnx_fp32"] == pytest.approx(1.0)
+    for v in r["variants"]:  # both ratios come from the same measured throughputs
+        assert v["speedup_vs_onnx_fp32"] == pytest.approx(
+            v["throughput_per_s"] / fp32["throughput_per_s"]
+        )
+        assert v["speedup_vs_eager"] == pytest.approx(
+            v["throughput_per_s"] / eager["throughput_per_s"]
+        )
     assert fp32["max_abs_diff"] < 1e-3 and fp32["sqnr_db"] > 60
     eligible = [v for v in r["variants"] if v["gate_passed"] and v["recommendable"]]
     best = max(eligible, key=lambda v: v["throughput_per_s"])

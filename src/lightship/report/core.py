@@ -69,6 +69,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
             ),
         )
     eager_tp = timings["eager"].throughput_per_s
+    # The other baseline the targets are stated against: what int8 adds over the fp32 runtime.
+    fp32_tp = timings["onnx-fp32"].throughput_per_s if "onnx-fp32" in timings else None
     rows: list[dict[str, Any]] = []
     for c in found:
         out = logits(c.predictor, x)
@@ -88,6 +90,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
                 "latency_ms": t.summary(),
                 "throughput_per_s": t.throughput_per_s,
                 "speedup_vs_eager": t.throughput_per_s / eager_tp,
+                "speedup_vs_onnx_fp32": t.throughput_per_s / fp32_tp if fp32_tp else None,
                 "gate_passed": acc >= s.gate * ref_acc,
                 "recommendable": recommendable,
                 "target": c.entry.get("target"),

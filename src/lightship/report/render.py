@@ -35,18 +35,20 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         "| variant | size | accuracy | Δ vs fp32 | SQNR dB | int8 ops | p50 ms | p90 ms "
-        "| p99 ms | img/s @batch | × eager | gate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p99 ms | img/s @batch | × eager | × ONNX fp32 | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in r["variants"]:
         name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
         sqnr = "—" if v["sqnr_db"] is None else f"{v['sqnr_db']:.1f}"
         lat = v["latency_ms"]
+        fp32 = v.get("speedup_vs_onnx_fp32")
+        vs_fp32 = "—" if fp32 is None else f"{fp32:.2f}"
         lines.append(
             f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
             f"{100 * v['delta_vs_fp32']:+.2f} pt | {sqnr} | {v['int8_share']:.0%} | "
             f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
-            f"{v['throughput_per_s']:.0f} | {v['speedup_vs_eager']:.2f} | "
+            f"{v['throughput_per_s']:.0f} | {v['speedup_vs_eager']:.2f} | {vs_fp32} | "
             f"{'pass' if v['gate_passed'] else 'FAIL'}"
             f"{'' if v['recommendable'] else ' (not recommended)'} |"
         )
