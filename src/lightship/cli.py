@@ -163,7 +163,9 @@ def report(
     threads: Annotated[
         int | None, typer.Option(help="threads per model (default: physical cores)")
     ] = None,
-    rounds: Annotated[int, typer.Option(help="interleaved timing rounds (median)")] = 3,
+    rounds: Annotated[
+        int, typer.Option(help="interleaved timing rounds (medians; more rounds, less spread)")
+    ] = 15,
     batch: Annotated[int, typer.Option(help="batch size for throughput")] = 64,
     gate: Annotated[float, typer.Option(help="a variant keeps >= GATE x fp32 accuracy")] = 0.99,
 ) -> None:

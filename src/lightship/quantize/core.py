@@ -284,13 +284,15 @@ class Quantizer:
         timings = measure(
             {"all_int8": load_predictor(current), "first_conv_fp32": load_predictor(candidate)},
             self.splits.test_x,
+            rounds=8,
             batch=batch,
-            seconds=0.3,
+            seconds=0.05,
             warmup=1,
             latency=False,
         )
         all_int8, first_fp32 = (t.throughput_per_s for t in timings.values())
-        kept = self._gate(cand_acc) and cand_acc >= acc and first_fp32 > 1.05 * all_int8
+        gain = timings["first_conv_fp32"].speedup_over(timings["all_int8"])
+        kept = self._gate(cand_acc) and cand_acc >= acc and gain > 1.05
         if kept:
             os.replace(candidate, current)
         else:

@@ -12,7 +12,7 @@ import numpy as np
 
 from lightship import __version__
 from lightship.data import DataSpec, load_splits
-from lightship.errors import RunError
+from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits, sqnr_db
@@ -24,10 +24,22 @@ from lightship.runtime import physical_cores
 @dataclass
 class ReportSettings:
     threads: int | None = None  # None: physical cores
-    rounds: int = 3
+    rounds: int = 15
     batch: int = 64
-    seconds: float = 0.5
+    seconds: float = 0.1  # per variant and round, batch-1 latency and batch throughput each
     gate: float = 0.99
+
+    def __post_init__(self) -> None:
+        for name, low in (("rounds", 1), ("batch", 1), ("threads", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"report --{name} must be at least {low}, got {value}")
+        if not self.gate > 0:
+            raise ConfigError(
+                f"report --gate is a fraction of fp32 accuracy (e.g. 0.99), got {self.gate}"
+            )
+        if not self.seconds > 0:
+            raise ConfigError(f"report seconds per round must be positive, got {self.seconds}")
 
 
 def _versions() -> dict[str, str]:
@@ -68,9 +80,9 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
                 task, advance=1, description=f"round {r + 1}: {name}"
             ),
         )
-    eager_tp = timings["eager"].throughput_per_s
+    eager = timings["eager"]
     # The other baseline the targets are stated against: what int8 adds over the fp32 runtime.
-    fp32_tp = timings["onnx-fp32"].throughput_per_s if "onnx-fp32" in timings else None
+    fp32 = timings.get("onnx-fp32")
     rows: list[dict[str, Any]] = []
     for c in found:
         out = logits(c.predictor, x)
@@ -89,8 +101,9 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
                 "int8_share": (c.entry.get("int8_ops") or {}).get("share", 0.0),
                 "latency_ms": t.summary(),
                 "throughput_per_s": t.throughput_per_s,
-                "speedup_vs_eager": t.throughput_per_s / eager_tp,
-                "speedup_vs_onnx_fp32": t.throughput_per_s / fp32_tp if fp32_tp else None,
+                "throughput_rounds": [round(v, 1) for v in t.throughput],
+                "speedup_vs_eager": t.speedup_over(eager),
+                "speedup_vs_onnx_fp32": t.speedup_over(fp32) if fp32 else None,
                 "gate_passed": acc >= s.gate * ref_acc,
                 "recommendable": recommendable,
                 "target": c.entry.get("target"),

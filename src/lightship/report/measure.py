@@ -1,7 +1,11 @@
 """Latency and throughput, measured fairly: fixed threads, warm-up, variants interleaved.
 
-Each round times every variant one after the other, so a slow patch of the machine (another
-process, frequency change) touches all variants alike; the median over rounds is reported.
+Each round times every variant one after the other, in an order shuffled per round (seeded), so
+a slow patch of the machine (another process, frequency change, a noisy neighbour) touches all
+variants alike and no variant always follows the same one. Speed-ups are the median of ratios
+taken within a round: on the machines we measured, speed drifts by 10-20 % within seconds, and
+many short rounds gave ratios that repeat within a few per cent where three long ones spread by
+a third (`lightship report --rounds` trades time for spread).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class Timing:
     def throughput_per_s(self) -> float:
         return float(np.median(self.throughput))
 
+    def speedup_over(self, base: Timing) -> float:
+        """Median over rounds of this variant's throughput / `base`'s in the same round."""
+        return float(np.median(np.asarray(self.throughput) / np.asarray(base.throughput)))
+
 
 def time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list[float]:
     out: list[float] = []
@@ -46,15 +54,15 @@ def time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list
 def measure(
     predictors: dict[str, Predictor],
     images: np.ndarray,
-    rounds: int = 3,
+    rounds: int = 15,
     batch: int = 64,
-    seconds: float = 0.5,
+    seconds: float = 0.1,
     warmup: int = 3,
     on_step: Callable[[str, int], None] | None = None,
     latency: bool = True,
 ) -> dict[str, Timing]:
     """Batch-1 latency (unless `latency` is False) and batch-`batch` throughput of each
-    predictor (the hot path, no checks)."""
+    predictor (the hot path, no checks), each timed for at least `seconds` per round."""
     one = np.ascontiguousarray(images[:1])
     big = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])))
     timings = {name: Timing() for name in predictors}
@@ -62,12 +70,15 @@ def measure(
         for _ in range(warmup):
             p._run(one)
             p._run(big)
+    names = list(predictors)
+    order = np.random.default_rng(0)
     for r in range(rounds):
-        for name, p in predictors.items():
+        for i in order.permutation(len(names)):
+            name, p = names[i], predictors[names[i]]
             if latency:
                 lat = time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
                 timings[name].latency_ms.extend(1000 * t for t in lat)
-            big_calls = time_calls(lambda p=p: p._run(big), seconds, 2)  # type: ignore[misc]
+            big_calls = time_calls(lambda p=p: p._run(big), seconds, 1)  # type: ignore[misc]
             timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
             if on_step is not None:
                 on_step(name, r)

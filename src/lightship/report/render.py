@@ -21,7 +21,8 @@ def markdown(r: dict[str, Any]) -> str:
         f" int8 target `{cpu['target']}`), {r['threads']} threads",
         f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
         f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
-        f" variants interleaved over {r['rounds']} rounds, median throughput",
+        f" variants interleaved over {r['rounds']} rounds (order shuffled per round), median"
+        " throughput; a speed-up is the median of its within-round ratios",
         f"- accuracy gate: a variant keeps >= {r['gate']:.0%} of fp32 accuracy "
         f"({r['fp32_accuracy']:.4f})",
     ]

@@ -1,0 +1,68 @@
+"""The report's timing method: every variant once per round, order shuffled, paired ratios."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from lightship.report.measure import Timing, measure
+from lightship.runtime import Predictor
+
+
+class Recorder:
+    """Stands in for a Predictor: records which variant ran, at what batch, and sleeps."""
+
+    def __init__(self, name: str, calls: list[tuple[str, int]], seconds: float) -> None:
+        self.name, self.calls, self.seconds = name, calls, seconds
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        self.calls.append((self.name, len(x)))
+        time.sleep(self.seconds)
+        return x
+
+
+def test_speedup_is_the_median_of_within_round_ratios() -> None:
+    fast = Timing(throughput=[100.0, 300.0, 120.0])
+    base = Timing(throughput=[50.0, 200.0, 40.0])
+    # ratios 2.0, 1.5, 3.0: median 2.0, where the ratio of medians would say 2.4
+    assert fast.speedup_over(base) == pytest.approx(2.0)
+    assert fast.throughput_per_s / base.throughput_per_s == pytest.approx(2.4)
+
+
+def test_rounds_time_every_variant_once_in_shuffled_orders() -> None:
+    calls: list[tuple[str, int]] = []
+    names = ["a", "b", "c", "d"]
+    predictors = {n: cast(Predictor, Recorder(n, calls, 0.001)) for n in names}
+    steps: list[tuple[str, int]] = []
+    rounds = 6
+    timings = measure(
+        predictors,
+        np.zeros((3, 1, 2, 2), np.uint8),
+        rounds=rounds,
+        batch=8,
+        seconds=0.0,
+        warmup=1,
+        latency=False,
+        on_step=lambda name, r: steps.append((name, r)),
+    )
+    assert calls[: 2 * len(names)] == [(n, b) for n in names for b in (1, 8)]  # warm-up
+    orders = [[n for n, r in steps if r == i] for i in range(rounds)]
+    assert all(sorted(o) == names for o in orders)  # each variant once per round ...
+    assert len({tuple(o) for o in orders}) > 1  # ... not always in the same order
+    timed = [n for n, b in calls[2 * len(names) :]]
+    assert timed == [n for o in orders for n in o]  # one batch-8 call each (seconds=0)
+    for t in timings.values():
+        assert len(t.throughput) == rounds and t.latency_ms == []
+        # 8 rows per call of >= 1 ms
+        assert all(0 < v <= 8 / 0.001 for v in t.throughput)
+
+
+def test_latency_calls_are_batch_one_and_at_least_twenty() -> None:
+    calls: list[tuple[str, int]] = []
+    p = cast(Any, Recorder("a", calls, 0.0))
+    timings = measure({"a": p}, np.zeros((3, 1, 2, 2), np.uint8), rounds=2, seconds=0.0, warmup=0)
+    assert len(timings["a"].latency_ms) == 40
+    assert calls.count(("a", 1)) == 40 and calls.count(("a", 64)) == 2
