@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from lightship.report.measure import Timing, measure
 from lightship.runtime import Predictor
+from tests.conftest import last_line, run_cli
 
 
 class Recorder:
@@ -66,3 +68,20 @@ def test_latency_calls_are_batch_one_and_at_least_twenty() -> None:
     timings = measure({"a": p}, np.zeros((3, 1, 2, 2), np.uint8), rounds=2, seconds=0.0, warmup=0)
     assert len(timings["a"].latency_ms) == 40
     assert calls.count(("a", 1)) == 40 and calls.count(("a", 64)) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rounds", "0"], "report --rounds must be at least 1, got 0"),
+        (["--batch", "0"], "report --batch must be at least 1, got 0"),
+        (["--threads", "0"], "report --threads must be at least 1, got 0"),
+        (["--gate", "-1"], "report --gate is a fraction of fp32 accuracy (e.g. 0.99), got -1.0"),
+    ],
+)
+def test_bad_report_options_exit_with_one_line(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    proc = run_cli("report", "--run", str(tmp_path), *args)
+    assert proc.returncode == 2 and last_line(proc.stderr) == f"error: {message}"
+    assert not (tmp_path / "report").exists()
