@@ -19,7 +19,7 @@ class DigitsCNN(nn.Sequential):
     """VGG-style CNN: stages of 3x3 conv-BN-ReLU, each closed by a 2x2 max-pool, then one
     linear layer over the flattened map (the layout matters for digits: 6 vs 9).
 
-    The default, ((32,), (64, 64), (128,)), has 141k parameters and ~9.3 MMAC at 28x28. Most of
+    The default, ((32,), (64, 64), (128,)), has 141k parameters and 14.7 MMAC at 28x28. Most of
     its work is in the 64-channel 3x3 convolutions, which is what int8 kernels speed up; a
     1-channel first convolution gains nothing from int8 on AVX2 (measured: 4x slower than fp32).
     """
