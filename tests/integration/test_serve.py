@@ -27,7 +27,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from lightship.runtime import load_predictor
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, last_line, run_cli
 from tests.handmade import expected_logits, handmade_onnx
 
 X = np.array([[[[1, 2], [3, 4]]], [[[255, 255], [255, 255]]]], np.uint8)
@@ -225,8 +225,8 @@ def test_sigterm_drains_queued_requests_and_exits_zero(hand_model: Path, tmp_pat
     # Batches wait up to a minute for company, so the requests are still queued at SIGTERM;
     # draining must run them at once instead of waiting out max_wait.
     server = Server(
-        "--run", str(hand_model), "--max-wait-ms", "60000", "--max-batch-rows", "64",
-        log=tmp_path / "log",
+        "--run", str(hand_model), "--max-wait-ms", "60000", "--timeout-ms", "120000",
+        "--max-batch-rows", "64", log=tmp_path / "log",
     ).wait_ready()  # fmt: skip
     rng = np.random.default_rng(1)
     rows = [rng.integers(0, 256, (1, 1, 2, 2), dtype=np.uint8) for _ in range(24)]
@@ -521,3 +521,23 @@ def test_torchscript_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     local = load_predictor(exported / "export" / "model.onnx").predict(x)
     np.testing.assert_allclose(served, local, atol=1e-3)
     assert server.stop() == 0
+
+
+def test_a_taken_port_or_unknown_host_is_one_line_before_the_model_loads(
+    hand_model: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a missing model would fail the load: the port is checked first
+        proc = run_cli("serve", "--run", str(tmp_path / "none.onnx"), "--port", str(port))
+    assert proc.returncode == 2, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): pass a free "
+        "--port, or stop what holds it"
+    )
+    proc = run_cli("serve", "--run", str(hand_model), "--host", "no.such.host.invalid")
+    assert proc.returncode == 2 and "cannot listen on host 'no.such.host.invalid'" in last_line(
+        proc.stderr
+    )

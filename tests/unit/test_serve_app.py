@@ -131,6 +131,18 @@ def run(coro: Any) -> Any:
 
 
 X = np.array([[[[1, 2], [3, 4]]], [[[255, 255], [255, 255]]]], np.uint8)
+HELD = np.full((1, 1, 2, 2), 9, np.uint8)
+
+
+async def hold_inference(client: httpx.AsyncClient, gate: Gate) -> asyncio.Future[httpx.Response]:
+    """Close the gate and park one request (HELD) in it: the inference thread is busy until the
+    gate opens, so the next requests queue (inference is refused until the warm-up is back, so
+    the warm-up batch cannot be the one that holds it)."""
+    gate.open.clear()
+    gate.entered.clear()
+    held = asyncio.ensure_future(client.post(INFER, json=v2_json(HELD)))
+    await asyncio.to_thread(gate.entered.wait, 10)
+    return held
 
 
 def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path) -> None:
@@ -257,6 +269,32 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
         415,
         "Content-Encoding br",
     ),
+    # numpy refuses these shapes with its own errors: they were 500s
+    (
+        "101 dimensions",
+        {"json": v2_json(X) | {"inputs": [v2_json(X)["inputs"][0] | {"shape": [1] * 101}]}},
+        400,
+        "of 101 dimensions is not an image batch",
+    ),
+    (
+        "empty but huge",
+        {
+            "json": {
+                "inputs": [
+                    {"name": "input", "shape": [0, 2**62, 2**62], "datatype": "UINT8", "data": []}
+                ]
+            }
+        },
+        400,
+        "is not an image batch",
+    ),
+    ("parameters 0", {"json": v2_json(X, parameters=0)}, 400, "parameters must be a JSON object"),
+    (
+        "binary_data_output yes",
+        {"json": v2_json(X, parameters={"binary_data_output": "yes"})},
+        400,
+        "binary_data_output must be true or false",
+    ),
 ]
 
 
@@ -355,10 +393,11 @@ def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
 def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path) -> None:
     app, gate = make_app(tmp_path, gate=True, max_batch_rows=2, max_queue_rows=3, max_wait_ms=0)
     assert gate is not None
+    gate.open.set()
 
     async def main() -> None:
-        async with serving(app, wait_ready=False) as client:
-            await asyncio.to_thread(gate.entered.wait, 10)  # the warm-up batch holds the thread
+        async with serving(app) as client:
+            held = await hold_inference(client, gate)
             queued = [asyncio.ensure_future(client.post(INFER, json=v2_json(X))) for _ in range(1)]
             while service(app).batcher.queued_rows < 2:
                 await asyncio.sleep(0)  # let the request reach the queue
@@ -371,24 +410,26 @@ def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path) 
             gate.open.set()
             (ok,) = await asyncio.gather(*queued)
             np.testing.assert_array_equal(logits_of(ok), expected_logits(X))
+            np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
             text = (await client.get("/metrics")).text
             assert metric(text, 'lightship_rejections_total{reason="queue_full"}') == 1
             assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
 
     run(main())
-    computed = np.concatenate(gate.rows[1:]) if len(gate.rows) > 1 else np.zeros((0, 1, 2, 2))
-    assert len(computed) == 2  # the 504 row was dropped before compute
+    computed = np.concatenate(gate.rows[2:]) if len(gate.rows) > 2 else np.zeros((0, 1, 2, 2))
+    assert len(computed) == 2  # after warm-up and HELD: the 504 row was dropped before compute
 
 
 def test_disconnected_client_is_dropped_before_compute(tmp_path: Path) -> None:
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
     assert gate is not None
+    gate.open.set()
     marked = np.full((1, 1, 2, 2), 77, np.uint8)
     body = json.dumps(v2_json(marked)).encode()
 
     async def main() -> list[dict[str, Any]]:
-        async with serving(app, wait_ready=False) as client:
-            await asyncio.to_thread(gate.entered.wait, 10)  # warm-up holds the inference thread
+        async with serving(app) as client:
+            held = await hold_inference(client, gate)
             left = asyncio.Event()
             sent: list[dict[str, Any]] = []
             messages = [{"type": "http.request", "body": body, "more_body": False}]
@@ -414,6 +455,7 @@ def test_disconnected_client_is_dropped_before_compute(tmp_path: Path) -> None:
             left.set()  # the client goes away while its request waits for the model
             await call
             gate.open.set()
+            np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
             r = await client.post(INFER, json=v2_json(X))  # the server carries on
             np.testing.assert_array_equal(logits_of(r), expected_logits(X))
             text = (await client.get("/metrics")).text
@@ -444,6 +486,116 @@ def test_ready_only_after_the_warm_up_batch(tmp_path: Path) -> None:
             assert (await client.get("/v2/health/ready")).status_code == 503
 
     run(main())
+
+
+def test_inference_is_503_until_the_warm_up_batch_is_back(tmp_path: Path) -> None:
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+
+    async def main() -> None:
+        async with serving(app, wait_ready=False) as client:
+            await asyncio.to_thread(gate.entered.wait, 10)
+            r = await client.post(INFER, json=v2_json(X))
+            assert r.status_code == 503 and "warm-up batch is not back" in r.json()["error"]
+            assert r.headers["retry-after"] == "1"
+            r = await client.post("/v1/predict", json={"instances": X[:, 0].tolist()})
+            assert r.status_code == 503
+            gate.open.set()
+            await service(app).settled.wait()
+            r = await client.post(INFER, json=v2_json(X))
+            assert r.status_code == 200
+            np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+
+    run(main())
+
+
+def test_gzip_encoding_name_is_case_insensitive(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            body = gzip.compress(json.dumps(v2_json(X)).encode())
+            return await client.post(INFER, content=body, headers={"Content-Encoding": "GZIP"})
+
+    r = run(main())
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+
+
+def test_image_uploads_are_counted_before_decoding_and_limited_while_streaming(
+    tmp_path: Path,
+) -> None:
+    app, _ = make_app(tmp_path, max_batch_rows=2, max_body_bytes=4096)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            # Three corrupt files: counted first (413), not decoded (which would say 400).
+            files = [("files", (f"{i}.png", b"\x89PNG broken", "image/png")) for i in range(3)]
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.status_code == 413 and "3 images" in r.json()["error"], r.text
+            boundary = "b0undary"
+            head = (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="files"; '
+                'filename="a.png"\r\nContent-Type: image/png\r\n\r\n'
+            ).encode()
+
+            async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+                yield head
+                for _ in range(8):
+                    yield b"x" * 1000
+
+            r = await client.post(
+                "/v1/predict/image",
+                content=chunks(),
+                headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+            )
+            assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"], r.text
+
+    run(main())
+
+
+def test_client_leaving_mid_body_is_counted_499_not_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, _ = make_app(tmp_path)
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> str:
+        async with serving(app) as client:
+            messages = iter(
+                [
+                    {"type": "http.request", "body": b'{"inst', "more_body": True},
+                    {"type": "http.disconnect"},
+                ]
+            )
+
+            async def receive() -> dict[str, Any]:
+                return next(messages)
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/v1/predict",
+                "raw_path": b"/v1/predict",
+                "root_path": "",
+                "query_string": b"",
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")],
+                "client": ("127.0.0.1", 1),
+                "server": ("test", 80),
+            }
+            await app(scope, receive, send)
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert sent[0]["status"] == 499
+    assert metric(text, 'lightship_requests_total{route="/v1/predict",status="499"}') == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:

@@ -42,6 +42,11 @@ def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatc
         ({"model_name": "a/b"}, "model name"),
         ({"isa_check": "maybe"}, "isa_check"),
         ({"instances": 0}, "instances"),
+        ({"host": ""}, "host"),
+        ({"threads": 100_000}, "threads"),
+        ({"timeout_ms": float("inf")}, "timeout_ms"),
+        ({"max_wait_ms": float("inf")}, "max_wait_ms"),  # it killed the batcher thread
+        ({"max_wait_ms": 20_000}, r"max_wait_ms \(20000\) must be less than timeout_ms"),
     ],
 )
 def test_bad_settings_are_a_config_error(given: dict[str, object], message: str) -> None:

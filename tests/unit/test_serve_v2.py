@@ -223,10 +223,39 @@ def test_images_are_converted_to_the_input_spec() -> None:
     assert v1.decode_image(encode(big, "JPEG"), (3, 8, 8)).shape == (3, 8, 8)
 
 
+def test_16_bit_phone_and_rotated_images_decode_as_seen() -> None:
+    # 16-bit gray 1000/65535 is ~1.5 % gray: 4 in 8 bits (Pillow's convert would clip to 255)
+    deep = Image.fromarray(np.full((2, 2), 1000, np.uint16))
+    np.testing.assert_array_equal(
+        v1.decode_image(encode(deep, "PNG"), (1, 2, 2)), np.full((1, 2, 2), 4)
+    )
+    # MPO: a JPEG with a second picture appended, as many phone cameras write
+    buf = io.BytesIO()
+    red = Image.new("RGB", (8, 8), (200, 0, 0))
+    red.save(buf, "MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    pixels = v1.decode_image(buf.getvalue(), (3, 8, 8))
+    assert abs(int(pixels[0].mean()) - 200) < 8 and pixels[1:].mean() < 8
+    # EXIF orientation 6 (stored sideways, shown rotated 90° clockwise): the left half white
+    # as stored is the top half as seen
+    stored = Image.new("L", (16, 8), 0)
+    stored.paste(255, (0, 0, 8, 8))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    stored.save(buf, "JPEG", exif=exif, quality=95)
+    seen = v1.decode_image(buf.getvalue(), (1, 16, 8))[0]
+    assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+
+
 @pytest.mark.parametrize(
     ("data", "status", "message"),
     [
         (b"\x89PNG\r\n\x1a\n garbage", 400, "not a readable"),
+        (
+            b"not an image at all",
+            400,
+            r"x.png: not a readable PNG or JPEG image \(unrecognised data\)",
+        ),
         (b"", 400, "not a readable"),
         (encode(Image.new("L", (2, 2)), "GIF"), 415, "GIF images are not accepted"),
         (encode(Image.new("L", (2, 2)), "PNG")[:40], 400, "not a readable"),

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import socket
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,10 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightship import __version__
+from lightship.errors import ConfigError
 from lightship.runtime import InputError, Predictor
 from lightship.serve import openapi, v1, v2
 from lightship.serve.batcher import (
@@ -177,8 +180,10 @@ class Service:
 
     async def predict(self, x: np.ndarray, timeout_s: float, receive: Receive) -> np.ndarray:
         """Logits for checked input through the batcher; drops the request if its client left."""
-        if not self.ready and self.failed is not None:
-            raise NotReady(self.failed)
+        if not self.ready and (self.failed is not None or not self.settled.is_set()):
+            # Starting (the warm-up batch is not back) or failed. While shutting down the
+            # server is not ready either, but requests it already read are still answered.
+            raise NotReady(self.failed or "starting: the model's warm-up batch is not back yet")
         x = self.predictor.check(x)
         ticket = self.batcher.submit(x, timeout_s)
         assert self._loop is not None
@@ -263,6 +268,7 @@ class BodyLimit:
 
 def _decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
     """Undo Content-Encoding gzip/deflate (tritonclient can compress), bounded by `limit`."""
+    encoding = encoding.strip().lower() if encoding else None
     if not encoding or encoding == "identity":
         return body
     if encoding not in ("gzip", "deflate"):
@@ -447,12 +453,32 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     ) -> Response:
         if top_k is not None and top_k < 1:
             raise ProtocolError(f"top_k must be a positive integer, got {top_k}")
+        timeout_s = service.timeout_s(request)
+        if len(files) > settings.max_batch_rows:  # before decoding any of them
+            raise TooManyRows(
+                f"request has {len(files)} images; this server takes at most "
+                f"{settings.max_batch_rows} per request: split it"
+            )
+        deadline = time.monotonic() + timeout_s
         contents = [(await f.read(), f.filename or f"file {i}") for i, f in enumerate(files)]
+
+        def decode_all() -> np.ndarray:
+            images: list[np.ndarray] = []
+            for data, name in contents:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"deadline passed while decoding the images ({len(images)} of "
+                        f"{len(contents)} done): send smaller images or allow more time"
+                    )
+                images.append(v1.decode_image(data, service.chw, name))
+            return np.stack(images)
+
         # Decoding a large photo takes milliseconds: keep it off the event loop.
-        x = await run_in_threadpool(
-            lambda: np.stack([v1.decode_image(data, service.chw, name) for data, name in contents])
-        )
-        logits = await service.predict(x, service.timeout_s(request), request.receive)
+        x = await run_in_threadpool(decode_all)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded("deadline passed while decoding the images")
+        logits = await service.predict(x, remaining, request.receive)
         return Response(
             v1.encode_predictions(
                 logits,
@@ -506,7 +532,19 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     app.add_exception_handler(InferenceFailed, handle(500))
 
     async def http_error(request: Request, exc: Any) -> Response:
+        # FastAPI turns any error while parsing a form into "400 error parsing the body";
+        # two of them are not the client's malformed upload.
+        if isinstance(exc.__cause__, BodyTooLarge):
+            return _error(413, str(exc.__cause__))
+        if isinstance(exc.__cause__, ClientDisconnect):
+            return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    async def client_disconnect(request: Request, exc: Any) -> Response:
+        # Nobody reads this answer; it exists for the metrics (status 499, like nginx).
+        return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
+
+    app.add_exception_handler(ClientDisconnect, client_disconnect)
 
     async def validation_error(request: Request, exc: Any) -> Response:
         problems = "; ".join(
@@ -522,6 +560,7 @@ def serve(settings: ServeSettings) -> None:
     """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT."""
     from lightship.serve.model import choose, verify
 
+    sock = _listen(settings.host, settings.port)  # a taken port fails before the model loads
     served = choose(settings)
     verify(served, settings.isa_check)
     predictor = served.load(settings.device, settings.model_threads())
@@ -551,9 +590,34 @@ def serve(settings: ServeSettings) -> None:
         "" if settings.instances == 1 else "s",
         settings.model_threads(),
         settings.host,
-        settings.port,
+        sock.getsockname()[1],
     )
-    server.run()
+    server.run(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it); ConfigError in one line if not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"cannot listen on host {host!r} ({exc}): pass --host 127.0.0.1, 0.0.0.0 or an "
+            "address of this machine"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass a free --port, "
+            "or stop what holds it"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Server(uvicorn.Server):

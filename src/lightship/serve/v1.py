@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 import orjson
-from PIL import Image
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from lightship.runtime.base import softmax
 from lightship.serve.v2 import ProtocolError
 
-IMAGE_FORMATS = ("PNG", "JPEG")
+# MPO: a JPEG with extra pictures appended (many phone cameras); the first is the photo.
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO")
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
 # huge canvas: a decompression bomb). Far above any classifier's input.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -92,7 +93,7 @@ def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image"
         )
     mode = "L" if c == 1 else "RGB"
     try:
-        im = Image.open(io.BytesIO(data))
+        im: Image.Image = Image.open(io.BytesIO(data))
         if im.format not in IMAGE_FORMATS:
             raise ProtocolError(
                 f"{filename}: {im.format} images are not accepted: send PNG or JPEG", 415
@@ -103,14 +104,23 @@ def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image"
                 f"(limit {MAX_IMAGE_PIXELS:,})",
                 413,
             )
-        if im.format == "JPEG":
+        if im.format in ("JPEG", "MPO"):
             im.draft(mode, (w, h))  # let the JPEG decoder downscale by 2/4/8: far less work
+        im = ImageOps.exif_transpose(im)  # a phone's portrait photo is stored sideways
+        if im.mode in ("I", "I;16", "I;16B", "I;16L"):
+            # 16-bit grayscale PNG: Pillow's convert("L") clips at 255 instead of scaling.
+            wide = np.asarray(im, dtype=np.float32)
+            im = Image.fromarray(np.clip(np.rint(wide / 257), 0, 255).astype(np.uint8), "L")
         converted = im.convert(mode)
         if converted.size != (w, h):
             converted = converted.resize((w, h), Image.Resampling.BILINEAR)
         pixels = np.asarray(converted, dtype=np.uint8)
     except ProtocolError:
         raise
+    except UnidentifiedImageError:  # its message names the buffer object: say it plainly
+        raise ProtocolError(
+            f"{filename}: not a readable PNG or JPEG image (unrecognised data)"
+        ) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ProtocolError(f"{filename}: not a readable PNG or JPEG image ({exc})") from None
     return pixels[None] if c == 1 else pixels.transpose(2, 0, 1)

@@ -84,6 +84,12 @@ def _parse_json(raw: bytes | memoryview) -> dict[str, Any]:
     return _object(doc, "request body")
 
 
+# An image batch is [N, C, H, W]; a declared shape beyond these bounds cannot be a request
+# (numpy itself refuses > 64 dimensions or > 2**63 bytes, with errors that are not the client's).
+MAX_RANK = 8
+MAX_ELEMENTS = 2**40  # counting a 0 dimension as 1: numpy sizes the other dimensions anyway
+
+
 def _shape(tensor: dict[str, Any]) -> list[int]:
     shape = tensor.get("shape")
     if (
@@ -92,7 +98,17 @@ def _shape(tensor: dict[str, Any]) -> list[int]:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise ProtocolError(f"input shape must be a list of non-negative integers, got {shape!r}")
+    if len(shape) > MAX_RANK or math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise ProtocolError(
+            f"input shape {shape if len(shape) <= 16 else f'of {len(shape)} dimensions'} is "
+            "not an image batch: send [N, C, H, W]"
+        )
     return shape
+
+
+def _parameters(value: Any, what: str) -> dict[str, Any]:
+    """A V2 `parameters` member: absent/null means none, anything else must be an object."""
+    return {} if value is None else _object(value, what)
 
 
 def _datatype(tensor: dict[str, Any]) -> np.dtype[Any]:
@@ -157,7 +173,7 @@ def decode_request(
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"id must be a string, got {type(request_id).__name__}")
-    params = _object(doc.get("parameters") or {}, "parameters")
+    params = _parameters(doc.get("parameters"), "parameters")
 
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1:
@@ -170,7 +186,7 @@ def decode_request(
         )
     shape = _shape(tensor)
     dtype = _datatype(tensor)
-    tparams = _object(tensor.get("parameters") or {}, "input parameters")
+    tparams = _parameters(tensor.get("parameters"), "input parameters")
     if "shared_memory_region" in tparams:
         raise ProtocolError("shared memory is not supported: send the tensor in the body")
     size = tparams.get("binary_data_size")
@@ -179,6 +195,8 @@ def decode_request(
         if "data" in tensor:
             raise ProtocolError("input has both data and binary_data_size: send one")
         expected = math.prod(shape) * dtype.itemsize
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise ProtocolError(f"binary_data_size must be an integer, got {size!r}")
         if size != expected or len(binary) != expected:
             raise ProtocolError(
                 f"input {shape} {tensor['datatype']} needs {expected} bytes; "
@@ -194,7 +212,9 @@ def decode_request(
             raise ProtocolError("input has neither data nor parameters.binary_data_size")
         x = _from_json_data(tensor["data"], shape, dtype, tensor["datatype"])
 
-    binary_default = params.get("binary_data_output") is True
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise ProtocolError(f"binary_data_output must be true or false, got {binary_default!r}")
     requested = doc.get("outputs")
     if requested is None:
         wanted = [RequestedOutput(name, binary_default) for name in outputs]
@@ -219,7 +239,7 @@ def _requested(
     name = output.get("name")
     if name not in names:
         raise ProtocolError(f"unknown output {name!r}: this model has {', '.join(names)}")
-    params = _object(output.get("parameters") or {}, "output parameters")
+    params = _parameters(output.get("parameters"), "output parameters")
     if "shared_memory_region" in params:
         raise ProtocolError("shared memory is not supported: ask for the output in the body")
     binary = params.get("binary_data", binary_default)
