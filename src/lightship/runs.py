@@ -111,15 +111,24 @@ class RunDir:
         return self.best_ckpt
 
     def manifest(self) -> dict[str, Any]:
-        if not self.manifest_path.is_file():
+        path = self.manifest_path
+        if not path.exists():
             return {"schema": MANIFEST_SCHEMA, "artifacts": {}}
         try:
-            data = json.loads(self.manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RunError(
-                f"{self.manifest_path} is unreadable ({exc}): delete it and re-run the stages"
+                f"{path} is unreadable ({exc}): delete it and re-run the stages"
             ) from None
-        data.setdefault("artifacts", {})
+        artifacts = data.get("artifacts", {}) if isinstance(data, dict) else None
+        if not isinstance(artifacts, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("file"), str) for e in artifacts.values()
+        ):
+            raise RunError(
+                f'{path} is malformed (expected {{"artifacts": {{name: {{"file": ...}}}}}}): '
+                "delete it and re-run the stages"
+            )
+        data["artifacts"] = artifacts
         return data
 
     def artifact(self, key: str) -> dict[str, Any] | None:

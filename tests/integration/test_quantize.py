@@ -193,3 +193,22 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         assert proc.returncode == 6, (args, proc.stderr)
         assert message in last_line(proc.stderr) and last_line(proc.stderr).startswith("error:")
         assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
+
+
+def test_report_refuses_an_artifact_changed_after_it_was_recorded(
+    quantized: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "changed"
+    shutil.copytree(quantized, run)
+    # the fp32 model copied over the int8 one: it would be measured and reported as int8
+    shutil.copy(run / "export" / "model.onnx", run / "quantize" / "model.int8-static.onnx")
+    proc = run_cli("report", "--run", str(run))
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run}/quantize/model.int8-static.onnx differs from its manifest entry (sha256): "
+        "it changed after `lightship` wrote it; re-run the stage that makes onnx-int8-static"
+    )
+    assert not (run / "report" / "report.json").exists() or (
+        (run / "report" / "report.json").read_bytes()
+        == (quantized / "report" / "report.json").read_bytes()
+    )

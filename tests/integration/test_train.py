@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,3 +209,35 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     assert entry["global_step"] == 4 * 5, proc.stdout
     assert entry["test_acc"] > 0.3  # learned something, far above chance (0.1)
     assert (run / "best.ckpt").is_file()
+
+
+def test_refused_settings_change_nothing_and_a_new_best_unlists_old_artifacts(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "again"
+    shutil.copytree(tiny_run, run)
+    # as if exported and reported: a variant and a recommendation made from the old best.ckpt
+    data = json.loads((run / "manifest.json").read_text())
+    data["artifacts"]["onnx-fp32"] = {"file": "export/model.onnx"}
+    (run / "manifest.json").write_text(json.dumps(data))
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text('{"recommended": "onnx-fp32"}')
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    config = (run / "config.yaml").read_text()
+
+    proc = run_cli("train", "--run", str(run), "--config", TINY, "--set", "trainer.devices=0")
+    assert proc.returncode == 2, proc.stderr
+    line = last_line(proc.stderr)
+    assert (
+        line.startswith("error: Lightning refused the trainer settings") and "fix trainer.*" in line
+    )
+    # refused before anything was touched: the old checkpoints (resume!) and config stay
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+    assert (run / "config.yaml").read_text() == config
+
+    proc = run_cli(
+        "train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1", check=True
+    )
+    assert "the new best.ckpt outdates onnx-fp32 of this run" in proc.stdout
+    assert list(manifest(run)) == ["checkpoint"]
+    assert not (run / "report" / "report.json").exists()

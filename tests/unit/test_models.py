@@ -97,7 +97,11 @@ def test_user_model_by_import_path_gets_only_the_arguments_it_takes() -> None:
     [
         ("resnet50", "unknown model 'resnet50': use one of digits_cnn, mlp, resnet"),
         ("no_such_pkg.mod:Net", "cannot import no_such_pkg.mod"),
-        ("lightship.models:Nope", "has no class or function 'Nope'"),
+        ("lightship.models:Nope", "has no class 'Nope'"),
+        # a checkpoint naming any callable must not get it called (shell commands, files)
+        ("os:system", "'os:system' is not a torch.nn.Module class"),
+        ("builtins:open", "'builtins:open' is not a torch.nn.Module class"),
+        ("lightship.models:create", "is not a torch.nn.Module class"),
     ],
 )
 def test_bad_model_names(name: str, message: str) -> None:

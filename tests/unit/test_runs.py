@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from lightship.errors import RunError
 from lightship.runs import RunDir, atomic_path, sha256_file
 
 
@@ -37,3 +38,20 @@ def test_manifest_record_and_sha(tmp_path: Path) -> None:
     assert run.manifest()["artifacts"] == {"a": {"file": "a2.txt"}, "b": {"file": "b.txt"}}
     run.forget("a")
     assert run.artifact("a") is None and run.artifact("b") == {"file": "b.txt"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1, 2]",
+        "null",
+        '{"artifacts": []}',
+        '{"artifacts": {"onnx-fp32": {}}}',
+        '{"artifacts": {"onnx-fp32": "x"}}',
+    ],
+)
+def test_malformed_manifest_is_a_run_error(tmp_path: Path, text: str) -> None:
+    run = RunDir(tmp_path)
+    run.manifest_path.write_text(text)
+    with pytest.raises(RunError, match="manifest.json is malformed"):
+        run.manifest()

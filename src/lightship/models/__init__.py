@@ -1,4 +1,4 @@
-"""Model zoo and registry: `create(spec)` builds any model by name or import path.
+"""Model zoo and registry: `create(spec)` builds any model by name or `package.module:Class`.
 
 Every model built here starts with `Normalize`, so it takes raw uint8 pixels `[N, C, H, W]`
 and every exported artifact does too.
@@ -43,8 +43,14 @@ def resolve(name: str) -> Builder:
             f"model '{name}': cannot import {module_name} ({exc}); is it installed?"
         ) from None
     builder = getattr(module, attr, None)
-    if not callable(builder):
-        raise ConfigError(f"model '{name}': {module_name} has no class or function '{attr}'")
+    if builder is None:
+        raise ConfigError(f"model '{name}': {module_name} has no class '{attr}'")
+    # Only torch modules: a model name also comes from checkpoints, which may come from anyone,
+    # and "os:system" with kwargs would otherwise run a command when the checkpoint is loaded.
+    if not (inspect.isclass(builder) and issubclass(builder, nn.Module)):
+        raise ConfigError(
+            f"model '{name}' is not a torch.nn.Module class: name a class, 'package.module:Net'"
+        )
     return builder
 
 

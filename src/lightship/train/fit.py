@@ -17,6 +17,7 @@ from pytorch_lightning.callbacks import (
     EMAWeightAveraging,
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightship import __version__, models
 from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
@@ -67,6 +68,32 @@ def _resume_path(run: RunDir) -> Path:
     return run.last_ckpt
 
 
+def _trainer(**kwargs: Any) -> pl.Trainer:
+    """pl.Trainer, its refusals (devices=0, an unknown accelerator...) as one-line ConfigErrors."""
+    try:
+        return pl.Trainer(**kwargs)
+    except (MisconfigurationException, ValueError, TypeError) as exc:
+        raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
+
+
+def _forget_derived(run: RunDir) -> None:
+    """A new best.ckpt outdates every artifact made from the old one: unlist them, drop the report.
+
+    The files stay on disk; the manifest no longer offers them to report, serve or quantize.
+    """
+    derived = [k for k in run.manifest()["artifacts"] if k != "checkpoint"]
+    report = run.report_dir / "report.json"
+    if not derived and not report.is_file():
+        return
+    run.forget(*derived)
+    report.unlink(missing_ok=True)
+    print(
+        f"the new best.ckpt outdates {', '.join(derived) or 'the report'} of this run: "
+        f"re-run `make export quantize RUN={run.root}`",
+        flush=True,
+    )
+
+
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     _check_runtime_config(cfg)
     ckpt_path = _resume_path(run) if resume else None
@@ -101,11 +128,6 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         lit.model.compile()
 
     run.root.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for old in run.checkpoints.glob("*.ckpt"):
-            old.unlink()
-    atomic_write_text(run.config, dump_config(cfg))
-
     t = cfg.trainer
     checkpoint = LatestBestCheckpoint(
         dirpath=run.checkpoints,
@@ -132,7 +154,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         callbacks.append(early)
     show_bar, bar_callbacks = progress(cfg.trainer.progress_bar)
     callbacks += bar_callbacks
-    trainer = pl.Trainer(
+    trainer = _trainer(
         default_root_dir=run.root,
         max_epochs=t.max_epochs,
         min_epochs=t.min_epochs,
@@ -158,6 +180,11 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         limit_val_batches=t.limit_val_batches,
         plugins=[AtomicCheckpointIO()],
     )
+    # Only now, with the settings accepted, does the run directory change.
+    if not resume:
+        for old in run.checkpoints.glob("*.ckpt"):
+            old.unlink()
+    atomic_write_text(run.config, dump_config(cfg))
     resumed_from_step = 0
     if ckpt_path is not None:
         resumed_from_step = int(read_checkpoint(ckpt_path).get("global_step", 0))
@@ -208,6 +235,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         },
     }
     run.record("checkpoint", entry)
+    _forget_derived(run)
     print(
         f"\ntrained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} epochs, "
         f"step {trainer.global_step}): test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
