@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from lightship.errors import LightshipError
+from lightship.errors import ConfigError, LightshipError, QuantizeError
 
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
@@ -37,6 +37,10 @@ SetOpt = Annotated[
         "--set", "-s", help="override a config key, e.g. --set trainer.max_epochs=3 (repeatable)"
     ),
 ]
+
+
+MAX_THREADS = 256
+MAX_BATCH = 4096
 
 
 @app.callback()
@@ -126,15 +130,16 @@ def quantize(
     qat_lr: Annotated[float, typer.Option(help="QAT learning rate")] = 1e-4,
 ) -> None:
     """Quantize RUN/export/model.onnx to int8 (static, dynamic, QAT) behind an accuracy gate."""
-    from lightship.quantize.core import QuantizeSettings
+    from lightship.quantize.core import QuantizeSettings, parse_methods
     from lightship.quantize.core import quantize as quantize_run
     from lightship.runs import RunDir
 
     failed: list[str] = []
+    others = " (the other variants are still produced)" if len(parse_methods(methods)) > 1 else ""
 
     def on_error(method: str, exc: LightshipError) -> None:
         failed.append(method)
-        print(f"error: {method}: {exc} (the other variants are still produced)", file=sys.stderr)
+        print(f"error: {method}: {exc}{others}", file=sys.stderr)
 
     settings = QuantizeSettings(
         calibration_samples=calibration_samples,
@@ -146,6 +151,11 @@ def quantize(
         qat_lr=qat_lr,
     )
     variants = quantize_run(RunDir(run), methods, target, settings, on_error=on_error)
+    if failed and not variants:
+        raise QuantizeError(
+            f"no int8 variant was made: {', '.join(failed)} failed (see above); "
+            "fix that or choose other --methods"
+        )
     for v in variants:
         kept = v.entry.get("nodes_fp32_by_fallback") or []
         note = f", {len(kept)} node(s) kept in fp32" if kept else ""
@@ -174,6 +184,11 @@ def report(
     from lightship.report import report as report_run
     from lightship.runs import RunDir
 
+    # Upper bounds the report settings do not check: more threads than any CPU has crash
+    # onnxruntime, a huge batch exhausts memory.
+    for name, value, high in (("threads", threads, MAX_THREADS), ("batch", batch, MAX_BATCH)):
+        if value is not None and value > high:
+            raise ConfigError(f"report --{name} must be at most {high}, got {value}")
     r = report_run(
         RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
     )
@@ -229,6 +244,14 @@ def main() -> None:
     except LightshipError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+        # an output (or input) path the user can fix; other OSErrors keep their traceback
+        name = exc.filename2 if exc.filename2 is not None else exc.filename
+        print(
+            f"error: cannot write/read {name}: {exc.strerror}: check the path and its permissions",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

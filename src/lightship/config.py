@@ -17,7 +17,8 @@ from lightship.errors import ConfigError, LightshipError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `--set optim.lr=.inf` would train a model that only outputs NaN.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(Section):

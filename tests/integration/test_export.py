@@ -6,15 +6,19 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.defs
 import pytest
+import torch
 
-from lightship.errors import ParityError
+from lightship.errors import ConfigError, ParityError
 from lightship.export import onnx as onnx_export
 from lightship.export.core import export
+from lightship.export.parity import check_parity
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
 from tests.conftest import CONFIGS, ROOT, last_line, run_cli
@@ -153,3 +157,113 @@ def test_bad_inputs_exit_with_one_line(tmp_path: Path, tiny_run: Path) -> None:
     assert last_line(proc.stderr) == (
         "error: unknown export format ['tflite']: choose from onnx,torchscript,pt2"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--atol", "nan"], "export --atol must be a finite number >= 0 (e.g. 1e-4), got nan"),
+        (["--atol", "-1"], "export --atol must be a finite number >= 0 (e.g. 1e-4), got -1.0"),
+        *(
+            (
+                ["--opset", op],
+                f"export --opset {op} is not supported: choose an ONNX opset from "
+                f"17 to {onnx.defs.onnx_opset_version()}",
+            )
+            for op in ("0", "-1", "13", "99")
+        ),
+    ],
+)
+def test_bad_export_options_exit_with_one_line(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"  # checked before the run is even looked at
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx", *args)
+    assert proc.returncode == 2 and last_line(proc.stderr) == f"error: {message}"
+    assert not run.exists()
+
+
+def test_opset_is_read_back_from_the_file(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "opset"
+    shutil.copytree(exported, run)
+    real = onnx_export._dynamo
+
+    def ignores_opset(model: object, example: object, path: Path, opset: int) -> None:
+        real(model, example, path, 18)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(onnx_export, "_dynamo", ignores_opset)
+    with pytest.raises(ConfigError, match="wrote opset 18, not the requested --opset 19"):
+        export(RunDir(run), "onnx", opset=19)
+    assert artifacts(run)["onnx-fp32"]["opset"] == 18  # the earlier export, untouched
+    monkeypatch.undo()
+    export(RunDir(run), "onnx", opset=19)
+    assert artifacts(run)["onnx-fp32"]["opset"] == 19
+    (opset,) = [o.version for o in onnx.load(str(run / "export" / "model.onnx")).opset_import]
+    assert opset == 19
+
+
+def _edit_checkpoint(run: Path, edit: Callable[[dict], None]) -> None:
+    ckpt = torch.load(run / "best.ckpt", weights_only=True)
+    edit(ckpt)
+    torch.save(ckpt, run / "best.ckpt")
+
+
+def test_nan_model_fails_parity(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "nan"
+    shutil.copytree(tiny_run, run)
+
+    def poison(ckpt: dict) -> None:
+        for value in ckpt["state_dict"].values():
+            if value.is_floating_point():
+                value.fill_(float("nan"))
+
+    _edit_checkpoint(run, poison)
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 5, proc.stderr
+    assert last_line(proc.stderr) == (
+        "error: the eager model gives 2690 non-finite logits (NaN/inf) of 2690 on 269 images: "
+        "the checkpoint is unusable and nothing was written — train again "
+        "(e.g. with a lower optim.lr)"
+    )
+    assert not list((run / "export").glob("*")) and "onnx-fp32" not in artifacts(run)
+
+
+def test_non_finite_artifact_logits_fail_parity() -> None:
+    x = np.zeros((4, 1, 2, 2), np.uint8)
+    reference = np.zeros((4, 3), np.float32)
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(batch), 3), np.float32)
+        out[:, 0] = np.nan
+        return out
+
+    with pytest.raises(ParityError, match=r"^onnx gives 4 non-finite logits \(NaN/inf\) of 12"):
+        check_parity(predict, reference, x, atol=1e-4, min_agreement=1.0, batch=2, what="onnx")
+
+
+def test_labels_must_match_the_logits(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "labels"
+    shutil.copytree(tiny_run, run)
+    _edit_checkpoint(run, lambda ckpt: ckpt["hyper_parameters"].update(labels=["a", "b"]))
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: checkpoint {run / 'best.ckpt'} is inconsistent: 2 labels but the model gives "
+        f"10 logits per image: train the run again (`make train RUN={run}`)"
+    )
+
+
+def test_unwritable_output_is_one_line(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "blocked"
+    shutil.copytree(tiny_run, run)
+    (run / "export" / "model.onnx").mkdir(parents=True)
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 1, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: cannot write/read {run / 'export' / 'model.onnx'}: Is a directory: "
+        "check the path and its permissions"
+    )
+    assert "Traceback" not in proc.stderr
+    assert [p.name for p in (run / "export").iterdir()] == ["model.onnx"]

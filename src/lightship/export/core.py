@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from lightship import __version__
 from lightship.config import parse_choices
 from lightship.data import DataSpec, load_splits
-from lightship.errors import DataError, RunError
+from lightship.errors import ConfigError, DataError, RunError
 from lightship.export import onnx as onnx_export
 from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
@@ -86,12 +87,22 @@ def export(
     parity_batch: int = 64,
 ) -> list[Artifact]:
     chosen = parse_formats(formats)
+    if not (math.isfinite(atol) and atol >= 0):
+        raise ConfigError(f"export --atol must be a finite number >= 0 (e.g. 1e-4), got {atol}")
+    if "onnx" in chosen:
+        onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()
     loaded = load_checkpoint(ckpt)
     source_sha = sha256_file(ckpt)
     x_test = parity_inputs(loaded)
     with torch.inference_mode():
         reference = loaded.model(torch.from_numpy(x_test)).numpy()
+    width = int(np.prod(reference.shape[1:]))
+    if reference.ndim != 2 or width != len(loaded.labels):
+        raise RunError(
+            f"checkpoint {ckpt} is inconsistent: {len(loaded.labels)} labels but the model gives "
+            f"{width} logits per image: train the run again (`make train RUN={run.root}`)"
+        )
     # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo.
     example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))
     meta = metadata(loaded, source_sha)

@@ -8,12 +8,35 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx.defs
 import torch
+
+from lightship.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
+# torch's exporter writes opset 18 and converts down (to 17 reliably); above the installed onnx's
+# newest opset the exporter silently falls back to 18.
+MIN_OPSET = 17
+
+
+def opset_range() -> tuple[int, int]:
+    return MIN_OPSET, onnx.defs.onnx_opset_version()
+
+
+def check_opset(opset: int) -> None:
+    low, high = opset_range()
+    if not low <= opset <= high:
+        raise ConfigError(
+            f"export --opset {opset} is not supported: choose an ONNX opset from {low} to {high}"
+        )
+
+
+def file_opset(proto: onnx.ModelProto) -> int | None:
+    """The default-domain (ai.onnx) opset the model really imports."""
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 def _dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
@@ -50,7 +73,11 @@ def _legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: in
 def write(
     model: torch.nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str], opset: int = 18
 ) -> dict[str, Any]:
-    """Export, add metadata, run `onnx.checker`. Returns manifest fields (exporter, opset)."""
+    """Export, add metadata, run `onnx.checker`. Returns manifest fields (exporter, opset).
+
+    Raises ConfigError when the file's opset is not the requested one (a failed conversion).
+    """
+    check_opset(opset)
     model = model.eval()
     exporter = "dynamo"
     try:
@@ -63,6 +90,13 @@ def write(
         exporter = "legacy"
         _legacy(model, example, path, opset)
     proto = onnx.load(str(path))
+    actual = file_opset(proto)
+    if actual != opset:
+        low, high = opset_range()
+        raise ConfigError(
+            f"the {exporter} ONNX exporter wrote opset {actual}, not the requested --opset "
+            f"{opset}: choose another opset from {low} to {high} (18 is the default)"
+        )
     proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
     del proto.metadata_props[:]
     for key, value in meta.items():
@@ -70,4 +104,4 @@ def write(
     proto.producer_name = "lightship"
     onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(path))
-    return {"exporter": exporter, "opset": opset}
+    return {"exporter": exporter, "opset": actual}

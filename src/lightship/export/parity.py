@@ -42,6 +42,11 @@ def run_batched(
     return np.concatenate([predict(x[i : i + batch]) for i in range(0, len(x), batch)])
 
 
+def non_finite(logits: np.ndarray) -> int:
+    """How many entries are NaN or infinite."""
+    return int(logits.size - np.count_nonzero(np.isfinite(logits)))
+
+
 def compare(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
     """(max |Δ logit|, share of rows with the same argmax)."""
     diff = float(np.max(np.abs(reference.astype(np.float64) - logits.astype(np.float64))))
@@ -58,10 +63,26 @@ def check_parity(
     batch: int,
     what: str,
 ) -> Parity:
-    """Run `predict` at batch 1 and at `batch` over `x`; raise ParityError past the limits."""
+    """Run `predict` at batch 1 and at `batch` over `x`; raise ParityError past the limits
+    or when either side gives a NaN or infinite logit (which no |Δ| limit would catch)."""
+    bad = non_finite(reference)
+    if bad:
+        raise ParityError(
+            f"the eager model gives {bad} non-finite logits (NaN/inf) of {reference.size} on "
+            f"{len(x)} images: the checkpoint is unusable and nothing was written — train again "
+            "(e.g. with a lower optim.lr)"
+        )
     worst_diff, worst_agree = 0.0, 1.0
     for b in (1, batch):
-        diff, agree = compare(reference, run_batched(predict, x, b))
+        logits = run_batched(predict, x, b)
+        bad = non_finite(logits)
+        if bad:
+            raise ParityError(
+                f"{what} gives {bad} non-finite logits (NaN/inf) of {logits.size} at batch {b} "
+                "where the eager model's are finite: nothing was written — try another format "
+                "or --opset"
+            )
+        diff, agree = compare(reference, logits)
         worst_diff, worst_agree = max(worst_diff, diff), min(worst_agree, agree)
     parity = Parity(worst_diff, worst_agree, len(x), (1, batch), atol, min_agreement)
     if worst_diff > atol or worst_agree < min_agreement:

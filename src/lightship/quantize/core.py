@@ -9,6 +9,7 @@ accuracy against fp32 and the nodes kept in fp32.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -23,7 +24,7 @@ import onnxruntime as ort
 from lightship import __version__
 from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
-from lightship.errors import LightshipError, QuantizeError, RunError
+from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.measure import measure
 from lightship.runs import RunDir, atomic_path, sha256_file
@@ -57,6 +58,22 @@ class QuantizeSettings:
     qat_epochs: int = 3
     qat_lr: float = 1e-4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # A gate above 1 is allowed: it forces the fallback (tests use 1.01).
+        if not (math.isfinite(self.gate) and self.gate > 0):
+            raise ConfigError(
+                f"quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got {self.gate}"
+            )
+        for name, low in (("fallback_budget", 0), ("qat_epochs", 1)):
+            value = getattr(self, name)
+            if value < low:
+                option = name.replace("_", "-")
+                raise ConfigError(f"quantize --{option} must be at least {low}, got {value}")
+        if not (math.isfinite(self.qat_lr) and self.qat_lr > 0):
+            raise ConfigError(
+                f"quantize --qat-lr must be a finite number > 0 (e.g. 1e-4), got {self.qat_lr}"
+            )
 
 
 @dataclass

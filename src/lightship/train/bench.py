@@ -28,6 +28,7 @@ from lightship import models
 from lightship.config import Config
 from lightship.data.module import spec_from_config, tensors
 from lightship.data.sources import load_splits
+from lightship.errors import ConfigError
 from lightship.runs import atomic_write_text
 
 
@@ -98,6 +99,10 @@ def bench_training(
     from rich.console import Console
     from rich.table import Table
 
+    if steps < 1:
+        raise ConfigError(f"bench train --steps must be at least 1, got {steps}")
+    if warmup < 0:
+        raise ConfigError(f"bench train warm-up steps must be at least 0, got {warmup}")
     splits = load_splits(spec_from_config(cfg.data))
     mean, std = splits.pixel_stats()
     norm_mean, norm_std = cfg.model.mean or mean, cfg.model.std or std
