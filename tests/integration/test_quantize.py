@@ -212,3 +212,18 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
         (run / "report" / "report.json").read_bytes()
         == (quantized / "report" / "report.json").read_bytes()
     )
+
+
+def test_quantize_refuses_an_export_changed_after_it_was_recorded(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "swapped"
+    shutil.copytree(exported_run, run)
+    (run / "export" / "model.onnx").write_bytes(b"not the exported model")
+    proc = run_cli("quantize", "--run", str(run), "--methods", "static")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run}/export/model.onnx differs from its manifest entry (sha256): it changed "
+        f"after `lightship export` wrote it; re-run `make export RUN={run}`"
+    )
+    assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())

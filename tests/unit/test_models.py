@@ -112,3 +112,5 @@ def test_bad_model_names(name: str, message: str) -> None:
 def test_bad_model_kwargs_say_which() -> None:
     with pytest.raises(ConfigError, match="check model.kwargs"):
         models.create(spec("digits_cnn", kwargs={"depth": 3}))
+    with pytest.raises(ConfigError, match="dropout probability.*check model.kwargs"):
+        models.create(spec("digits_cnn", kwargs={"dropout": 2}))  # a value it refuses

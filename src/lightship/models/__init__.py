@@ -67,7 +67,7 @@ def _call_with_known(
     kwargs.update(extra)
     try:
         model = builder(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # unknown argument, or a value the model refuses
         raise ConfigError(
             f"cannot build model with {sorted(kwargs)}: {exc}; check model.kwargs"
         ) from None

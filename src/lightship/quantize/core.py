@@ -162,6 +162,11 @@ class Quantizer:
             raise RunError(
                 f"no exported ONNX model in {run.root}: run `make export RUN={run.root}` first"
             )
+        if entry.get("sha256") and sha256_file(self.fp32) != entry["sha256"]:
+            raise RunError(
+                f"{self.fp32} differs from its manifest entry (sha256): it changed after "
+                f"`lightship export` wrote it; re-run `make export RUN={run.root}`"
+            )
         self.fp32_entry = entry
         try:
             self.target = isa.resolve_target(target)
