@@ -30,6 +30,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def check_recorded(path: Path, entry: dict[str, Any], fix: str) -> None:
+    """RunError when `path` is not the file its manifest `entry` recorded (sha256); `fix` says
+    what to re-run. Entries without a sha256 are taken as they are."""
+    expected = entry.get("sha256")
+    if expected and sha256_file(path) != expected:
+        raise RunError(f"{path} differs from its manifest entry (sha256): {fix}")
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside `final`; on success fsync and rename it into place.

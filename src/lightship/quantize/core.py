@@ -27,7 +27,7 @@ from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.measure import measure
-from lightship.runs import RunDir, atomic_path, sha256_file
+from lightship.runs import RunDir, atomic_path, check_recorded, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, create_session
 
@@ -162,11 +162,11 @@ class Quantizer:
             raise RunError(
                 f"no exported ONNX model in {run.root}: run `make export RUN={run.root}` first"
             )
-        if entry.get("sha256") and sha256_file(self.fp32) != entry["sha256"]:
-            raise RunError(
-                f"{self.fp32} differs from its manifest entry (sha256): it changed after "
-                f"`lightship export` wrote it; re-run `make export RUN={run.root}`"
-            )
+        check_recorded(
+            self.fp32,
+            entry,
+            f"it changed after `lightship export` wrote it; re-run `make export RUN={run.root}`",
+        )
         self.fp32_entry = entry
         try:
             self.target = isa.resolve_target(target)

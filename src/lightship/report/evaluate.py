@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lightship.errors import RunError
-from lightship.runs import RunDir, sha256_file
+from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
 
 # Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
@@ -43,12 +42,8 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
         if entry is None or not (run.root / entry["file"]).is_file():
             continue
         path = run.root / entry["file"]
-        expected = entry.get("sha256")
-        if expected and sha256_file(path) != expected:
-            raise RunError(
-                f"{path} differs from its manifest entry (sha256): it changed after "
-                f"`lightship` wrote it; re-run the stage that makes {name}"
-            )
+        fix = f"it changed after `lightship` wrote it; re-run the stage that makes {name}"
+        check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
     return found
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility
-from lightship.runs import RunDir, sha256_file
+from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
@@ -123,12 +123,9 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     entry = model.entry
     if entry is None:
         return
-    expected = entry.get("sha256")
-    if expected and sha256_file(model.path) != expected:
-        raise RunError(
-            f"{model.path} differs from its manifest entry (sha256): the file changed after "
-            "it was recorded; re-run the stage that wrote it"
-        )
+    check_recorded(
+        model.path, entry, "the file changed after it was recorded; re-run the stage that wrote it"
+    )
     made_for = entry.get("target")
     if not made_for:
         return
