@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from lightship.errors import ConfigError, LightshipError, QuantizeError
+from lightship.errors import LightshipError, QuantizeError
 
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
@@ -37,10 +37,6 @@ SetOpt = Annotated[
         "--set", "-s", help="override a config key, e.g. --set trainer.max_epochs=3 (repeatable)"
     ),
 ]
-
-
-MAX_THREADS = 256
-MAX_BATCH = 4096
 
 
 @app.callback()
@@ -184,11 +180,6 @@ def report(
     from lightship.report import report as report_run
     from lightship.runs import RunDir
 
-    # Upper bounds the report settings do not check: more threads than any CPU has crash
-    # onnxruntime, a huge batch exhausts memory.
-    for name, value, high in (("threads", threads, MAX_THREADS), ("batch", batch, MAX_BATCH)):
-        if value is not None and value > high:
-            raise ConfigError(f"report --{name} must be at most {high}, got {value}")
     r = report_run(
         RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
     )

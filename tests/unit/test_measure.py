@@ -77,6 +77,8 @@ def test_latency_calls_are_batch_one_and_at_least_twenty() -> None:
         (["--batch", "0"], "report --batch must be at least 1, got 0"),
         (["--threads", "0"], "report --threads must be at least 1, got 0"),
         (["--gate", "-1"], "report --gate is a fraction of fp32 accuracy (e.g. 0.99), got -1.0"),
+        (["--threads", "100000"], "report --threads must be at most 256, got 100000"),
+        (["--batch", "1000000000000"], "report --batch must be at most 4096, got 1000000000000"),
     ],
 )
 def test_bad_report_options_exit_with_one_line(

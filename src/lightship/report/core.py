@@ -30,10 +30,13 @@ class ReportSettings:
     gate: float = 0.99
 
     def __post_init__(self) -> None:
-        for name, low in (("rounds", 1), ("batch", 1), ("threads", 1)):
+        # Above these, onnxruntime crashes (more threads than any CPU has) or memory runs out.
+        for name, low, high in (("rounds", 1, None), ("batch", 1, 4096), ("threads", 1, 256)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ConfigError(f"report --{name} must be at least {low}, got {value}")
+            if value is not None and high is not None and value > high:
+                raise ConfigError(f"report --{name} must be at most {high}, got {value}")
         if not self.gate > 0:
             raise ConfigError(
                 f"report --gate is a fraction of fp32 accuracy (e.g. 0.99), got {self.gate}"
