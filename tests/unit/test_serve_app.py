@@ -467,7 +467,7 @@ def test_disconnected_client_is_dropped_before_compute(tmp_path: Path) -> None:
     assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
 
 
-def test_ready_only_after_the_warm_up_batch(tmp_path: Path) -> None:
+def test_ready_and_inference_only_after_the_warm_up_batch(tmp_path: Path) -> None:
     app, gate = make_app(tmp_path, gate=True)
     assert gate is not None
 
@@ -478,23 +478,6 @@ def test_ready_only_after_the_warm_up_batch(tmp_path: Path) -> None:
             r = await client.get("/v2/health/ready")
             assert r.status_code == 503 and r.json() == {"error": "not ready"}
             assert (await client.get("/v2/models/hand/ready")).status_code == 503
-            gate.open.set()
-            await service(app).settled.wait()
-            assert (await client.get("/v2/health/ready")).json() == {"ready": True}
-            assert (await client.get("/v2/models/hand/ready")).status_code == 200
-            service(app).begin_shutdown()  # what SIGTERM does
-            assert (await client.get("/v2/health/ready")).status_code == 503
-
-    run(main())
-
-
-def test_inference_is_503_until_the_warm_up_batch_is_back(tmp_path: Path) -> None:
-    app, gate = make_app(tmp_path, gate=True)
-    assert gate is not None
-
-    async def main() -> None:
-        async with serving(app, wait_ready=False) as client:
-            await asyncio.to_thread(gate.entered.wait, 10)
             r = await client.post(INFER, json=v2_json(X))
             assert r.status_code == 503 and "warm-up batch is not back" in r.json()["error"]
             assert r.headers["retry-after"] == "1"
@@ -502,9 +485,13 @@ def test_inference_is_503_until_the_warm_up_batch_is_back(tmp_path: Path) -> Non
             assert r.status_code == 503
             gate.open.set()
             await service(app).settled.wait()
+            assert (await client.get("/v2/health/ready")).json() == {"ready": True}
+            assert (await client.get("/v2/models/hand/ready")).status_code == 200
             r = await client.post(INFER, json=v2_json(X))
             assert r.status_code == 200
             np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+            service(app).begin_shutdown()  # what SIGTERM does
+            assert (await client.get("/v2/health/ready")).status_code == 503
 
     run(main())
 

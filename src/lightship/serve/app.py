@@ -531,20 +531,20 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     app.add_exception_handler(NotReady, handle(503, not_ready))
     app.add_exception_handler(InferenceFailed, handle(500))
 
+    async def client_disconnect(request: Request, exc: Any) -> Response:
+        # Nobody reads this answer; it exists for the metrics (status 499, like nginx).
+        return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
+
+    app.add_exception_handler(ClientDisconnect, client_disconnect)
+
     async def http_error(request: Request, exc: Any) -> Response:
         # FastAPI turns any error while parsing a form into "400 error parsing the body";
         # two of them are not the client's malformed upload.
         if isinstance(exc.__cause__, BodyTooLarge):
             return _error(413, str(exc.__cause__))
         if isinstance(exc.__cause__, ClientDisconnect):
-            return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
+            return await client_disconnect(request, exc.__cause__)
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    async def client_disconnect(request: Request, exc: Any) -> Response:
-        # Nobody reads this answer; it exists for the metrics (status 499, like nginx).
-        return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
-
-    app.add_exception_handler(ClientDisconnect, client_disconnect)
 
     async def validation_error(request: Request, exc: Any) -> Response:
         problems = "; ".join(
