@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,4 +46,15 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny training run shared by the tests that only read its outputs."""
     run = tmp_path_factory.mktemp("runs") / "tiny"
     run_cli("train", "--run", str(run), "--config", str(CONFIGS / "tiny.yaml"), check=True)
+    return run
+
+
+@pytest.fixture(scope="session")
+def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny run exported to ONNX and TorchScript, shared read-only: copy it to change it.
+
+    Served, it is the model 'tiny-digits' (the run directory's name)."""
+    run = tmp_path_factory.mktemp("exported") / "tiny-digits"
+    shutil.copytree(tiny_run, run)
+    run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
     return run

@@ -47,14 +47,6 @@ def int8_weights(path: Path) -> list[np.ndarray]:
     ]
 
 
-@pytest.fixture(scope="module")
-def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("qat") / "tiny"
-    shutil.copytree(tiny_run, run)
-    export(RunDir(run), "onnx")
-    return run
-
-
 def test_qat_config_follows_the_target() -> None:
     avx2 = qat_config(isa.SCHEMES["avx2"]).weight
     vnni = qat_config(isa.SCHEMES["vnni"], per_channel=False).weight

@@ -23,14 +23,6 @@ FAST = ReportSettings(rounds=2, seconds=0.05, batch=16)
 
 
 @pytest.fixture(scope="module")
-def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("quantize") / "tiny"
-    shutil.copytree(tiny_run, run)
-    run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
-    return run
-
-
-@pytest.fixture(scope="module")
 def quantized(exported_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("quantized") / "tiny"
     shutil.copytree(exported_run, run)

@@ -358,18 +358,10 @@ def test_overload_is_answered_with_200_429_or_504_and_memory_stays_flat(tmp_path
     assert server.stop() == 0, server.output()
 
 
-@pytest.fixture(scope="module")
-def exported(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("serve") / "tiny-digits"
-    shutil.copytree(tiny_run, run)
-    run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
-    return run
-
-
 def test_a_real_run_is_served_under_its_name_with_the_predictors_answers(
-    exported: Path, tmp_path: Path
+    exported_run: Path, tmp_path: Path
 ) -> None:
-    server = Server("--run", str(exported), log=tmp_path / "log").wait_ready()
+    server = Server("--run", str(exported_run), log=tmp_path / "log").wait_ready()
     c = client(server)
     meta = c.get_model_metadata("tiny-digits")  # the run directory's name
     assert meta["platform"] == "onnxruntime_onnx" and meta["inputs"][0]["shape"] == [-1, 1, 16, 16]
@@ -377,21 +369,21 @@ def test_a_real_run_is_served_under_its_name_with_the_predictors_answers(
     inp = triton.InferInput("input", list(x.shape), "UINT8")
     inp.set_data_from_numpy(x)
     served = c.infer("tiny-digits", [inp]).as_numpy("logits")
-    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    local = load_predictor(exported_run / "export" / "model.onnx").predict(x)
     np.testing.assert_allclose(served, local, atol=1e-5)
     assert server.stop() == 0, server.output()
     assert "onnx-fp32" in server.output()  # auto without a report: the fp32 ONNX
 
 
-def test_torchscript_variant_is_served_too(exported: Path, tmp_path: Path) -> None:
+def test_torchscript_variant_is_served_too(exported_run: Path, tmp_path: Path) -> None:
     server = Server(
-        "--run", str(exported), "--variant", "torchscript", "--model-name", "ts",
+        "--run", str(exported_run), "--variant", "torchscript", "--model-name", "ts",
         log=tmp_path / "log",
     ).wait_ready(120)  # fmt: skip
     x = np.random.default_rng(4).integers(0, 256, (3, 1, 16, 16), dtype=np.uint8)
     r = httpx.post(f"{server.url}/v1/predict", json={"instances": x.tolist(), "top_k": 10})
     assert r.status_code == 200, r.text
-    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    local = load_predictor(exported_run / "export" / "model.onnx").predict(x)
     for pred, logits in zip(r.json()["predictions"], local, strict=True):
         assert pred["index"] == int(logits.argmax())
     meta = httpx.get(f"{server.url}/v2/models/ts").json()
@@ -509,16 +501,16 @@ def test_torchscript_on_cuda(request: pytest.FixtureRequest, tmp_path: Path) -> 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    exported: Path = request.getfixturevalue("exported")  # only now: export takes seconds
+    exported_run: Path = request.getfixturevalue("exported_run")  # only now: export takes seconds
     server = Server(
-        "--run", str(exported), "--variant", "torchscript", "--device", "cuda",
+        "--run", str(exported_run), "--variant", "torchscript", "--device", "cuda",
         log=tmp_path / "log",
     ).wait_ready(300)  # fmt: skip
     x = np.random.default_rng(5).integers(0, 256, (4, 1, 16, 16), dtype=np.uint8)
     inp = triton.InferInput("input", list(x.shape), "UINT8")
     inp.set_data_from_numpy(x)
     served = client(server).infer("tiny-digits", [inp]).as_numpy("logits")
-    local = load_predictor(exported / "export" / "model.onnx").predict(x)
+    local = load_predictor(exported_run / "export" / "model.onnx").predict(x)
     np.testing.assert_allclose(served, local, atol=1e-3)
     assert server.stop() == 0
 

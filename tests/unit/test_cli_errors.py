@@ -46,17 +46,9 @@ def test_bad_quantize_options_exit_with_one_line(
     assert not run.exists()
 
 
-@pytest.fixture(scope="module")
-def onnx_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("cli_errors") / "tiny"
-    shutil.copytree(tiny_run, run)
-    run_cli("export", "--run", str(run), "--formats", "onnx", check=True)
-    return run
-
-
-def test_quantize_fails_when_every_method_fails(onnx_run: Path, tmp_path: Path) -> None:
+def test_quantize_fails_when_every_method_fails(exported_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "no_ckpt"
-    shutil.copytree(onnx_run, run)
+    shutil.copytree(exported_run, run)
     (run / "best.ckpt").unlink()  # QAT fine-tunes the checkpoint: it fails, nothing else runs
     proc = run_cli("quantize", "--run", str(run), "--methods", "qat")
     assert proc.returncode == 6, proc.stderr
