@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from lightship.errors import LightshipError, QuantizeError
+from lightship.runs import run_path
 
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
@@ -27,7 +28,9 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
-RunOpt = Annotated[Path, typer.Option("--run", "-r", help="run directory", show_default=True)]
+RunOpt = Annotated[
+    Path, typer.Option("--run", "-r", help="run directory", show_default=True, parser=run_path)
+]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults)")
 ]
@@ -229,9 +232,29 @@ app.command()(serve)
 bench_app.command("serve")(bench_serve)
 
 
+def _invoke(argv: list[str] | None = None) -> int:
+    """Run the command line and return its exit code. A usage error (unknown option, bad value)
+    is one `error:` line, like every other error, instead of click's boxed panel."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(argv, prog_name="lightship", standalone_mode=False)
+    except typer.TyperException as exc:  # click's usage errors derive from it
+        if message := exc.format_message():  # empty when the help was shown for no arguments
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path if ctx is not None else "lightship"
+            print(f"error: {message.rstrip('.')}; see `{where} --help`", file=sys.stderr)
+        return exc.exit_code
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 1
+    if code == 130:  # Ctrl-C inside a command: typer turns it into this exit code
+        print("interrupted", file=sys.stderr)
+    return code if isinstance(code, int) else 0
+
+
 def main() -> None:
     try:
-        app()
+        sys.exit(_invoke())
     except LightshipError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -65,6 +65,34 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def check_writable(*paths: Path) -> None:
+    """RunError unless each output path can be written: not a folder, and its folder exists (or
+    can be made) and takes a new file. Stages call it before their long work, so an unwritable
+    output fails in seconds instead of after minutes of training or timing, half-written."""
+    for path in paths:
+        if path.is_dir():
+            raise RunError(f"{path} is a folder where a file goes: move it away and run again")
+        blocker = next((p for p in path.parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise RunError(f"cannot write {path}: {blocker} is a file, not a folder")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+        except OSError as exc:
+            raise RunError(
+                f"cannot write {path}: {exc.strerror}: check the path and its permissions"
+            ) from None
+
+
+def run_path(value: str) -> Path:
+    """Typer parser for run-directory options: an empty string would silently mean the current
+    folder, so it is refused."""
+    if not value.strip():
+        raise RunError("a run directory cannot be empty: give one, e.g. --run runs/default")
+    return Path(value)
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path

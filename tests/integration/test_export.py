@@ -255,15 +255,18 @@ def test_labels_must_match_the_logits(tiny_run: Path, tmp_path: Path) -> None:
     )
 
 
-def test_unwritable_output_is_one_line(tiny_run: Path, tmp_path: Path) -> None:
+def test_unwritable_output_fails_before_anything_is_exported(
+    tiny_run: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "blocked"
     shutil.copytree(tiny_run, run)
-    (run / "export" / "model.onnx").mkdir(parents=True)
-    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
-    assert proc.returncode == 1, proc.stderr
+    (run / "export" / "model.ts").mkdir(parents=True)  # TorchScript's file, written second
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx,torchscript")
+    assert proc.returncode == 4, proc.stderr
     assert last_line(proc.stderr) == (
-        f"error: cannot write/read {run / 'export' / 'model.onnx'}: Is a directory: "
-        "check the path and its permissions"
+        f"error: {run / 'export' / 'model.ts'} is a folder where a file goes: "
+        "move it away and run again"
     )
     assert "Traceback" not in proc.stderr
-    assert [p.name for p in (run / "export").iterdir()] == ["model.onnx"]
+    assert [p.name for p in (run / "export").iterdir()] == ["model.ts"]  # no ONNX either
+    assert "onnx-fp32" not in json.loads((run / "manifest.json").read_text())["artifacts"]

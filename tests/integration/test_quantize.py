@@ -206,6 +206,21 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     )
 
 
+def test_report_checks_its_outputs_before_measuring(quantized: Path, tmp_path: Path) -> None:
+    run = tmp_path / "blocked"
+    shutil.copytree(quantized, run)
+    shutil.rmtree(run / "report", ignore_errors=True)
+    (run / "report" / "pareto.png").mkdir(parents=True)  # written last, after a minute of timing
+    proc = run_cli("report", "--run", str(run))
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run / 'report' / 'pareto.png'} is a folder where a file goes: "
+        "move it away and run again"
+    )
+    assert "measuring" not in proc.stderr  # failed before the progress bar started
+    assert [p.name for p in (run / "report").iterdir()] == ["pareto.png"]
+
+
 def test_quantize_refuses_an_export_changed_after_it_was_recorded(
     exported_run: Path, tmp_path: Path
 ) -> None:

@@ -164,6 +164,17 @@ def test_bad_inputs_exit_with_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr
 
 
+def test_unwritable_output_fails_before_training(tmp_path: Path) -> None:
+    run = tmp_path / "blocked"
+    (run / "best.ckpt").mkdir(parents=True)  # written after the last epoch
+    proc = run_cli("train", "--run", str(run), "--config", TINY)
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run / 'best.ckpt'} is a folder where a file goes: move it away and run again"
+    )
+    assert not list(run.glob("checkpoints/*.ckpt")) and not (run / "logs").exists()
+
+
 def test_corrupt_checkpoint_for_resume(tmp_path: Path) -> None:
     run = tmp_path / "corrupt"
     (run / "checkpoints").mkdir(parents=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightship import cli
+from lightship.errors import RunError
 from tests.conftest import last_line, run_cli
 
 
@@ -88,10 +89,10 @@ def test_bench_train_needs_a_step(steps: str, tmp_path: Path) -> None:
 def test_unwritable_paths_are_one_line(
     exc: OSError, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def app() -> None:
+    def invoke() -> int:
         raise exc
 
-    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_invoke", invoke)
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 1
@@ -102,9 +103,62 @@ def test_unwritable_paths_are_one_line(
 
 
 def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    def app() -> None:
+    def invoke() -> int:
         raise ConnectionResetError(104, "Connection reset by peer")
 
-    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_invoke", invoke)
     with pytest.raises(ConnectionResetError):
         cli.main()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["report", "--bogus"], "No such option: --bogus (Possible options: --rounds)"),
+        (
+            ["report", "--rounds", "x"],
+            "Invalid value for '--rounds': Input should be a valid integer, "
+            "unable to parse string as an integer",
+        ),
+        (["nosuch"], "No such command 'nosuch'"),
+    ],
+)
+def test_usage_errors_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli._invoke(argv) == 2
+    where = "lightship" if argv == ["nosuch"] else f"lightship {argv[0]}"
+    assert capsys.readouterr().err == f"error: {message}; see `{where} --help`\n"
+
+
+def test_help_still_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli._invoke(["report", "--help"]) == 0
+    assert "--rounds" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--run", ""],
+        ["export", "--run", " "],
+        ["quantize", "--run", ""],
+        ["report", "-r", ""],
+        ["serve", "--run", ""],
+        ["bench", "serve", "--digits-run", ""],
+    ],
+)
+def test_empty_run_directory_is_refused(argv: list[str]) -> None:
+    # Path("") is the current folder: a run would be written (or looked for) there.
+    with pytest.raises(RunError, match="^a run directory cannot be empty: give one, e.g. --run"):
+        cli._invoke(argv)
+
+
+def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "train.json"
+    proc = run_cli("bench", "train", "--steps", "1", "--out", str(out))
+    assert proc.returncode == 4
+    assert last_line(proc.stderr) == (
+        f"error: cannot write {out}: {out.parent} is a file, not a folder"
+    )
+    assert "float32" not in proc.stderr + proc.stdout  # no benchmark row was measured

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lightship.errors import RunError
-from lightship.runs import RunDir, atomic_path, sha256_file
+from lightship.runs import RunDir, atomic_path, check_writable, sha256_file
 
 
 def test_atomic_path_leaves_old_file_on_failure(tmp_path: Path) -> None:
@@ -55,3 +55,36 @@ def test_malformed_manifest_is_a_run_error(tmp_path: Path, text: str) -> None:
     run.manifest_path.write_text(text)
     with pytest.raises(RunError, match="manifest.json is malformed"):
         run.manifest()
+
+
+def test_check_writable_makes_missing_folders(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b" / "out.json"
+    check_writable(out)
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []  # the probe file is gone
+
+
+def test_check_writable_refuses_a_folder_in_place_of_the_file(tmp_path: Path) -> None:
+    (tmp_path / "pareto.png").mkdir()
+    with pytest.raises(RunError, match=r"pareto.png is a folder where a file goes: move it away"):
+        check_writable(tmp_path / "report.json", tmp_path / "pareto.png")
+
+
+def test_check_writable_names_a_file_in_the_way(tmp_path: Path) -> None:
+    (tmp_path / "runs").write_text("")
+    with pytest.raises(RunError, match=r"runs is a file, not a folder$"):
+        check_writable(tmp_path / "runs" / "r" / "manifest.json")
+
+
+def test_check_writable_reports_the_os_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(**_: object) -> None:  # root ignores chmod, so the OS refusal is simulated
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("tempfile.TemporaryFile", refuse)
+    with pytest.raises(RunError) as err:
+        check_writable(tmp_path / "model.onnx")
+    assert str(err.value) == (
+        f"cannot write {tmp_path / 'model.onnx'}: Permission denied: "
+        "check the path and its permissions"
+    )

@@ -20,7 +20,7 @@ from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.parity import Parity, check_parity
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from lightship.runs import RunDir, atomic_path, sha256_file
+from lightship.runs import RunDir, atomic_path, check_writable, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
 
@@ -107,7 +107,7 @@ def export(
     example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))
     meta = metadata(loaded, source_sha)
     writers = _writers(opset)
-    run.export_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run.manifest_path, *(run.export_dir / FILENAMES[fmt] for fmt in chosen))
     artifacts: list[Artifact] = []
     for fmt in chosen:
         final = run.export_dir / FILENAMES[fmt]

@@ -27,7 +27,7 @@ from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.measure import measure
-from lightship.runs import RunDir, atomic_path, check_recorded, sha256_file
+from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, create_session
 
@@ -439,6 +439,7 @@ def quantize(
     q = Quantizer(run, target, settings)
     variants: list[Variant] = []
     try:
+        check_writable(run.manifest_path, *(run.quantize_dir / FILENAMES[m] for m in chosen))
         for method in chosen:
             try:
                 variants.append(getattr(q, method)())

@@ -17,7 +17,7 @@ from lightship.quantize import isa
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits, sqnr_db
 from lightship.report.measure import measure
-from lightship.runs import RunDir, atomic_write_text
+from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import physical_cores
 
 
@@ -63,6 +63,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
         raise RunError(f"no trained run in {run.root}: run `make train export quantize RUN=...`")
+    outputs = [run.report_dir / n for n in ("report.json", "report.md", "pareto.png")]
+    check_writable(*outputs)
     found = candidates(run, threads)
     if not any(c.name == "eager" for c in found):
         raise RunError(f"{run.root}/best.ckpt is missing: run `make train RUN={run.root}`")
@@ -136,8 +138,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "recommended": best["name"] if best else None,
         "variants": rows,
     }
-    run.report_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run.report_dir / "report.json", json.dumps(result, indent=2) + "\n")
-    atomic_write_text(run.report_dir / "report.md", render.markdown(result))
-    render.pareto(result, run.report_dir / "pareto.png")
+    report_json, report_md, pareto_png = outputs
+    atomic_write_text(report_json, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(report_md, render.markdown(result))
+    render.pareto(result, pareto_png)
     return result

@@ -38,7 +38,7 @@ import numpy as np
 from lightship.config import parse_choices
 from lightship.errors import LightshipError, RunError
 from lightship.report.measure import time_calls
-from lightship.runs import RunDir, atomic_write_text
+from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
 
 WRK_HINT = "install wrk: `sudo apt-get install -y wrk` (Debian/Ubuntu) or `brew install wrk`"
@@ -567,13 +567,13 @@ def bench(
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll
 
+    check_writable(out, out.with_suffix(".md"))
     cpu = host_cpu()
     made = {
         "digits": lambda: ensure_run(digits_run, "configs/digits.yaml"),
         "resnet18": lambda: ensure_run(resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1"),
     }
     runs = {label: made[label]() for label in labels}
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lightship-bench-") as tmp:
         measured = [
             bench_model(

@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from lightship.runs import run_path
+
 ENV = "env LIGHTSHIP_"
 
 
@@ -36,7 +38,10 @@ def serve(
     run: Annotated[
         Path | None,
         typer.Option(
-            "--run", "-r", help=f"run directory, or one .onnx file ({ENV}RUN; default runs/default)"
+            "--run",
+            "-r",
+            help=f"run directory, or one .onnx file ({ENV}RUN; default runs/default)",
+            parser=run_path,
         ),
     ] = None,
     variant: Annotated[
@@ -117,10 +122,12 @@ def serve(
 
 def bench_serve(
     digits_run: Annotated[
-        Path, typer.Option(help="digits run (trained and exported here when missing)")
+        Path,
+        typer.Option(help="digits run (trained and exported here when missing)", parser=run_path),
     ] = Path("runs/bench/digits"),
     resnet_run: Annotated[
-        Path, typer.Option(help="ResNet-18 run (1 epoch, exported here when missing)")
+        Path,
+        typer.Option(help="ResNet-18 run (1 epoch, exported here when missing)", parser=run_path),
     ] = Path("runs/bench/resnet"),
     duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 4.0,
     rounds: Annotated[

@@ -29,7 +29,7 @@ from lightship.config import Config
 from lightship.data.module import spec_from_config, tensors
 from lightship.data.sources import load_splits
 from lightship.errors import ConfigError
-from lightship.runs import atomic_write_text
+from lightship.runs import atomic_write_text, check_writable
 
 
 class NormalizingDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -103,6 +103,8 @@ def bench_training(
         raise ConfigError(f"bench train --steps must be at least 1, got {steps}")
     if warmup < 0:
         raise ConfigError(f"bench train warm-up steps must be at least 0, got {warmup}")
+    if out is not None:
+        check_writable(out)
     splits = load_splits(spec_from_config(cfg.data))
     mean, std = splits.pixel_stats()
     norm_mean, norm_std = cfg.model.mean or mean, cfg.model.std or std

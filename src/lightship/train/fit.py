@@ -25,7 +25,7 @@ from lightship.config import Config, dump_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
-from lightship.runs import RunDir, atomic_path, atomic_write_text, sha256_file
+from lightship.runs import RunDir, atomic_path, atomic_write_text, check_writable, sha256_file
 from lightship.train.module import LitClassifier
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     if cfg.trainer.compile:
         lit.model.compile()
 
-    run.root.mkdir(parents=True, exist_ok=True)
+    # Fail now, not after the last epoch, when an output cannot be written.
+    check_writable(run.config, run.manifest_path, run.best_ckpt, run.last_ckpt)
     t = cfg.trainer
     checkpoint = LatestBestCheckpoint(
         dirpath=run.checkpoints,
