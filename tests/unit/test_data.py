@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from lightship.data import DataSpec, load_splits
+from lightship.data import DataSpec, Splits, load_splits
 from lightship.data.sources import resize_uint8, stratified_split
 from lightship.errors import DataError
 
@@ -118,3 +120,114 @@ def test_npz_bad_dtype(tmp_path: Path) -> None:
     np.savez(tmp_path / "f.npz", x=np.zeros((4, 1, 4, 4), dtype=np.float32), y=np.zeros(4))
     with pytest.raises(DataError, match="uint8"):
         load_splits(DataSpec(source="npz", path=str(tmp_path / "f.npz")))
+
+
+def load_npz(path: Path, **arrays: np.ndarray) -> Splits:
+    np.savez(path, **arrays)
+    spec = DataSpec(source="npz", path=str(path), image_size=6, val_fraction=0.2, test_fraction=0.2)
+    return load_splits(spec)
+
+
+# 20 images 1x6x6: 10 black, then 10 at 200
+X20 = np.repeat(np.array([0, 200], dtype=np.uint8), 10 * 36).reshape(20, 1, 6, 6)
+
+
+def test_npz_string_labels_are_sorted_class_names(tmp_path: Path) -> None:
+    s = load_npz(tmp_path / "d.npz", x=X20, y=np.repeat(["on", "off"], 10))
+    assert s.labels == ["off", "on"]
+    assert (s.test_x[s.test_y == 0] == 200).all() and (s.test_x[s.test_y == 1] == 0).all()
+    with pytest.raises(DataError, match=r"class names \['maybe'\] that are not in 'labels'"):
+        load_npz(
+            tmp_path / "e.npz",
+            x=X20,
+            y=np.repeat(["on", "maybe"], 10),
+            labels=np.array(["off", "on"]),
+        )
+
+
+def test_npz_label_column_is_flattened_other_shapes_refused(tmp_path: Path) -> None:
+    s = load_npz(tmp_path / "d.npz", x=X20, y=np.repeat([0, 1], 10)[:, None])
+    assert s.labels == ["0", "1"] and s.test_y.shape == (len(s.test_x),)
+    with pytest.raises(DataError, match=r"y \[N\] \(one class per image\), got .* and \(20, 2\)"):
+        load_npz(tmp_path / "e.npz", x=X20, y=np.eye(2)[np.repeat([0, 1], 10)])
+
+
+def test_npz_float_labels_whole_only(tmp_path: Path) -> None:
+    s = load_npz(tmp_path / "d.npz", x=X20, y=np.repeat([0.0, 1.0], 10))
+    assert s.labels == ["0", "1"] and (s.test_x[s.test_y == 1] == 200).all()
+    with pytest.raises(DataError, match=r"non-integer labels such as \[1\.5, 1\.5, 1\.5\]"):
+        load_npz(tmp_path / "e.npz", x=X20, y=np.repeat([0.0, 1.5], 10))
+
+
+def test_single_class_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"single class \('0'\): a classifier needs at least 2"):
+        load_npz(tmp_path / "d.npz", x=X20, y=np.zeros(20, dtype=np.int64))
+    make_folder(tmp_path / "imgs")
+    shutil.rmtree(tmp_path / "imgs" / "dog")
+    with pytest.raises(DataError, match=r"single class \('cat'\).*own sub-folder"):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+
+
+def write_half(path: Path) -> None:
+    np.savez(path, x=X20, y=np.repeat([0, 1], 10))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def write_npy(path: Path) -> None:
+    with path.open("wb") as f:  # a bare .npy, named .npz
+        np.save(f, X20)
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (write_half, r"not an \.npz archive \(truncated"),
+        (lambda p: p.write_text("x,y\n1,2\n"), r"not an \.npz archive"),
+        (write_npy, r"not an \.npz archive"),
+        (lambda p: np.savez(p, images=X20), r"arrays 'x' .* and 'y' .*found \['images'\]"),
+        (
+            lambda p: np.savez(p, x=X20, y=np.zeros(19, dtype=np.int64)),
+            r"got \(20, 1, 6, 6\) and \(19,\)",
+        ),
+        (
+            lambda p: np.savez(p, x=X20, y=np.repeat([-1, 1], 10)),
+            r"negative labels \(min -1\).*renumber",
+        ),
+        (
+            lambda p: np.savez(p, x=X20, y=np.repeat([0, 2], 10), labels=np.array(["a", "b"])),
+            r"class index 2 but 'labels' names only 2 classes",
+        ),
+        (
+            lambda p: np.savez(p, x=np.full(X20.shape, np.nan), y=np.repeat([0, 1], 10)),
+            r"x has dtype float64; store images as uint8 pixels 0\.\.255",
+        ),
+    ],
+    ids=["truncated", "text", "npy", "no-x", "lengths", "negative", "beyond-labels", "nan-x"],
+)
+def test_bad_npz_says_what_to_fix(
+    tmp_path: Path, write: Callable[[Path], None], message: str
+) -> None:
+    path = tmp_path / "d.npz"
+    write(path)
+    with pytest.raises(DataError, match=message):
+        load_splits(DataSpec(source="npz", path=str(path)))
+
+
+@pytest.mark.parametrize("side", [40, 50])  # over Pillow's warning size, and over twice it
+def test_decompression_bomb_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, side: int
+) -> None:
+    # a 1000-pixel limit stands for Pillow's ~89M: the same check, without the slow huge file
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    make_folder(tmp_path / "imgs")
+    Image.new("1", (side, side)).save(tmp_path / "imgs" / "cat" / "huge.png")
+    with pytest.raises(DataError, match=r"cannot read image .*huge\.png: .*decompression bomb"):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+
+
+def test_too_few_images_for_the_split(tmp_path: Path) -> None:
+    x, y = X20[[0, 10, 11]], np.array([0, 1, 1])
+    with pytest.raises(
+        DataError, match=r"3 images leaves an empty split \(train 3, val 0, test 0\)"
+    ):
+        load_npz(tmp_path / "d.npz", x=x, y=y)

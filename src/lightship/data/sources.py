@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import warnings
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from lightship.errors import DataError
 
@@ -105,13 +108,20 @@ def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarra
         )
     mode = "L" if channels == 1 else "RGB"
     x = np.empty((len(files), channels, size, size), dtype=np.uint8)
-    for i, (f, _) in enumerate(files):
-        try:
-            with Image.open(f) as img:
-                arr = np.asarray(img.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
-        except (UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"cannot read image {f}: {exc}; remove or replace the file") from None
-        x[i] = arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+    with warnings.catch_warnings():
+        # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        for i, (f, _) in enumerate(files):
+            try:
+                with Image.open(f) as img:
+                    arr = np.asarray(
+                        img.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+                    )
+            except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+                raise DataError(
+                    f"cannot read image {f}: {str(exc).rstrip('.')}; remove or replace the file"
+                ) from None
+            x[i] = arr[None] if channels == 1 else arr.transpose(2, 0, 1)
     y = np.array([label for _, label in files], dtype=np.int64)
     return x, y, classes
 
@@ -121,30 +131,68 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
         raise DataError(
             f"npz file {path} does not exist: set data.path to a .npz with arrays x and y"
         )
-    try:
+    if not zipfile.is_zipfile(path):  # else np.load would try it as a pickle or a bare .npy
+        raise DataError(
+            f"{path} is not an .npz archive (truncated, or another format): "
+            "write it with np.savez(path, x=uint8_images, y=labels)"
+        )
+    try:  # zipfile raises RuntimeError for an encrypted member or an unknown compression method
         with np.load(path, allow_pickle=False) as npz:
             if "x" not in npz or "y" not in npz:
-                raise DataError(f"{path} must hold arrays 'x' (uint8 images) and 'y' (int labels)")
+                raise DataError(
+                    f"{path} must hold arrays 'x' (uint8 images) and 'y' (class per image), "
+                    f"found {npz.files}"
+                )
             x, y = npz["x"], npz["y"]
             labels = [str(v) for v in npz["labels"]] if "labels" in npz else None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from None
+    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as exc:
+        raise DataError(
+            f"cannot read {path}: {exc}; "
+            "write it again with np.savez(path, x=uint8_images, y=labels)"
+        ) from None
     if x.dtype != np.uint8:
         raise DataError(f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255")
     if x.ndim == 3:
         x = x[:, None]
     elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
         x = x.transpose(0, 3, 1, 2)  # NHWC -> NCHW
-    if x.ndim != 4 or len(x) != len(y) or len(x) == 0:
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]  # a column of labels
+    if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
         raise DataError(
-            f"{path}: need x [N,C,H,W] or [N,H,W,C] and y [N], got {x.shape} and {y.shape}"
+            f"{path}: need x [N,C,H,W] or [N,H,W,C] and y [N] (one class per image), "
+            f"got {x.shape} and {y.shape}"
         )
+    if y.dtype.kind == "U":  # class names: indexed in sorted order, like the folder's class dirs
+        names = labels if labels is not None else sorted(set(y.tolist()))
+        index = {name: i for i, name in enumerate(names)}
+        unknown = sorted(set(y.tolist()) - index.keys())
+        if unknown:
+            raise DataError(f"{path}: y has class names {unknown[:5]} that are not in 'labels'")
+        y, labels = np.array([index[v] for v in y.tolist()], dtype=np.int64), names
+    elif y.dtype.kind not in "biuf":
+        raise DataError(
+            f"{path}: y has dtype {y.dtype}; store class indices 0..K-1 (int) or class names (str)"
+        )
+    if y.dtype.kind == "f":
+        whole = np.isfinite(y) & (y == np.round(y))
+        if not whole.all():  # never truncate 1.5 to class 1: these are not class labels
+            raise DataError(
+                f"{path}: y holds non-integer labels such as {y[~whole][:3].tolist()}; "
+                "y must be class indices 0..K-1 (or class names)"
+            )
     y = y.astype(np.int64)
-    n_classes = int(y.max()) + 1
+    if y.min() < 0:
+        raise DataError(
+            f"{path}: y has negative labels (min {y.min()}); class indices must be 0..K-1: "
+            "renumber them, e.g. y = np.unique(y, return_inverse=True)[1]"
+        )
     if labels is None:
-        labels = [str(i) for i in range(n_classes)]
-    if y.min() < 0 or n_classes > len(labels):
-        raise DataError(f"{path}: labels y must be 0..{len(labels) - 1}")
+        labels = [str(i) for i in range(int(y.max()) + 1)]
+    if y.max() >= len(labels):
+        raise DataError(
+            f"{path}: y has class index {y.max()} but 'labels' names only {len(labels)} classes"
+        )
     return x, y, labels
 
 
@@ -177,12 +225,19 @@ def load_splits(spec: DataSpec) -> Splits:
             x, y, labels = _npz(Path(spec.path))
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
+    if len(np.unique(y)) < 2:
+        hint = ": put each class in its own sub-folder" if spec.source == "folder" else ""
+        raise DataError(
+            f"{spec.source} data {spec.path} has a single class ({labels[int(y[0])]!r}): "
+            f"a classifier needs at least 2{hint}"
+        )
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:
         raise DataError(
-            f"{spec.source} data with {len(y)} images leaves an empty train/val/test split: "
-            "add images or change data.val_fraction / data.test_fraction"
+            f"{spec.source} data with {len(y)} images leaves an empty split (train {len(train)}, "
+            f"val {len(val)}, test {len(test)}): add images or change data.val_fraction / "
+            "data.test_fraction"
         )
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
     return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels)
