@@ -168,6 +168,22 @@ def test_single_class_is_refused(tmp_path: Path) -> None:
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
 
 
+def test_classes_without_images_are_refused(tmp_path: Path) -> None:
+    # y in {1, 2}: class '0' would be an output the model never sees an image of
+    with pytest.raises(DataError) as err:
+        load_npz(tmp_path / "d.npz", x=X20, y=np.repeat([1, 2], 10))
+    assert str(err.value) == (
+        f"npz data {tmp_path / 'd.npz'}: 1 of 3 classes have no images ('0'): renumber y, "
+        "e.g. y = np.unique(y, return_inverse=True)[1], or drop those names from 'labels'"
+    )
+    with pytest.raises(DataError, match=r"999999 of 1000001 classes have no images \('1', "):
+        load_npz(tmp_path / "e.npz", x=X20, y=np.repeat([0, 1_000_000], 10))
+    make_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "emu").mkdir()
+    with pytest.raises(DataError, match=r"1 of 3 classes have no images \('emu'\): add images"):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+
+
 def write_half(path: Path) -> None:
     np.savez(path, x=X20, y=np.repeat([0, 1], 10))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

@@ -231,6 +231,18 @@ def load_splits(spec: DataSpec) -> Splits:
             f"{spec.source} data {spec.path} has a single class ({labels[int(y[0])]!r}): "
             f"a classifier needs at least 2{hint}"
         )
+    if empty := [labels[i] for i in np.flatnonzero(np.bincount(y, minlength=len(labels)) == 0)]:
+        # the model would get an output per class, and never see an image of these
+        fix = (
+            "add images to those sub-folders or remove them"
+            if spec.source == "folder"
+            else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
+            "from 'labels'"
+        )
+        raise DataError(
+            f"{spec.source} data {spec.path}: {len(empty)} of {len(labels)} classes have no "
+            f"images ({', '.join(map(repr, empty[:5]))}{', ...' if len(empty) > 5 else ''}): {fix}"
+        )
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:
