@@ -7,6 +7,7 @@ holds the inference thread where a test needs the queue to fill.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -22,6 +23,7 @@ from lightship.serve.batcher import (
     InferenceFailed,
     QueueFull,
     TooManyRows,
+    WorkerDied,
 )
 
 
@@ -395,3 +397,56 @@ def test_close_with_instances_finishes_the_queue_and_stops_every_worker() -> Non
     out = run(main)
     assert [int(y[0, 0]) for y in out] == list(range(7))
     assert sorted(np.concatenate(model.batches).ravel().tolist()) == list(range(7))
+
+
+class Crash(BaseException):
+    """Escapes `except Exception`: stands for a bug that kills an inference worker."""
+
+
+def test_a_dead_worker_fails_its_batch_and_the_queue_and_refuses_new_requests() -> None:
+    gate = threading.Event()
+    model = SumModel(gate)
+    recorder = Recorder()
+
+    def dying(x: np.ndarray) -> np.ndarray:
+        model(x)
+        raise Crash("bug in the worker")
+
+    async def main() -> None:
+        b = await started(dying, max_batch_rows=2, max_wait_ms=0, observer=recorder)
+        assert b.alive and b.failure is None
+        first = b.submit(rows(1), 60)
+        await asyncio.to_thread(model.entered.wait, 10)
+        queued = [b.submit(rows(i), 60) for i in (2, 3, 4)]
+        gate.set()
+        message = "inference worker died (Crash: bug in the worker): the server must be restarted"
+        for ticket in [first, *queued]:  # at once, not at their deadline a minute away
+            with pytest.raises(WorkerDied) as info:
+                await asyncio.wait_for(ticket.future, 5)
+            assert str(info.value) == message
+        assert not b.alive and b.failure == message and b.queued_rows == 0
+        with pytest.raises(WorkerDied, match=re.escape(message)):
+            b.submit(rows(5), 60)
+        await b.aclose()
+
+    run(main)
+    assert model.sizes == [1]  # the queued requests never ran
+    assert recorder.rejections == ["worker_died"] * 5
+
+
+def test_an_error_outside_the_model_call_kills_the_worker_and_stops_its_peers() -> None:
+    class BrokenObserver(Recorder):
+        def batch(self, rows: int, waits: Any, compute_s: float) -> None:
+            raise RuntimeError("observer broke")
+
+    async def main() -> None:
+        b = await started(
+            SumModel(), max_batch_rows=2, max_wait_ms=0, observer=BrokenObserver(), instances=2
+        )
+        with pytest.raises(WorkerDied, match=re.escape("(RuntimeError: observer broke)")):
+            await asyncio.wait_for(b.infer(rows(1), 60), 5)
+        assert not b.alive
+        await asyncio.wait_for(b.aclose(), 5)
+        assert len(b._threads) == 2 and all(not t.is_alive() for t in b._threads)
+
+    run(main)

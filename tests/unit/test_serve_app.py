@@ -31,18 +31,27 @@ from tests.handmade import expected_logits, handmade_onnx
 INFER = "/v2/models/hand/infer"
 
 
+class Crash(BaseException):
+    """Escapes `except Exception`: stands for a bug that kills the inference worker."""
+
+
 class Gate:
-    """Wraps a predictor's hot path; while closed, the inference thread waits in it."""
+    """Wraps a predictor's hot path; while closed, the inference thread waits in it.
+
+    With `crash` set, the thread raises it when the gate opens."""
 
     def __init__(self, run: Any) -> None:
         self.run = run
         self.open = threading.Event()
         self.entered = threading.Event()
         self.rows: list[np.ndarray] = []
+        self.crash: BaseException | None = None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         self.entered.set()
         assert self.open.wait(10), "test never opened the gate"
+        if self.crash is not None:
+            raise self.crash
         self.rows.append(x.copy())
         return np.asarray(self.run(x))
 
@@ -250,6 +259,19 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
     ),
     ("wrong datatype", {"json": v2_json(X, "BYTES")}, 400, "'BYTES' is not supported"),
     ("out of range", {"json": v2_json(np.full((1, 1, 2, 2), 300), "INT32")}, 400, "0..255"),
+    (
+        "booleans",
+        {"json": v2_json(X > 3)},
+        400,
+        "input data holds true/false but its datatype is UINT8: send numbers",
+    ),
+    (
+        "beyond INT64",
+        {"json": v2_json(np.array([[[[2**63, 0], [0, 0]]]], np.uint64), "INT64")},
+        400,
+        "input data value 9223372036854775808 is out of range for INT64 "
+        "(-9223372036854775808..9223372036854775807)",
+    ),
     ("empty batch", {"json": v2_json(np.zeros((0, 1, 2, 2), np.uint8))}, 400, "empty batch"),
     (
         "unknown output",
@@ -648,3 +670,90 @@ def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
                 assert route in paths
 
     run(main())
+
+
+def test_a_dead_inference_worker_is_neither_live_nor_ready_and_answers_503(
+    tmp_path: Path,
+) -> None:
+    app, gate = make_app(tmp_path, gate=True, timeout_ms=60_000)
+    assert gate is not None
+    gate.open.set()
+    died = "inference worker died (Crash: bug): the server must be restarted"
+
+    async def main() -> str:
+        async with serving(app) as client:
+            held = await hold_inference(client, gate)
+            queued = asyncio.ensure_future(client.post(INFER, json=v2_json(X)))
+            while service(app).batcher.queued_rows < 2:
+                await asyncio.sleep(0)
+            gate.crash = Crash("bug")
+            gate.open.set()
+            # answered at once, not when their deadline a minute away passes
+            for r in await asyncio.wait_for(asyncio.gather(held, queued), 5):
+                assert r.status_code == 503 and r.json() == {"error": died}
+            for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/hand/ready"):
+                r = await client.get(path)
+                assert r.status_code == 503 and r.json() == {"error": died}, path
+            r = await client.post("/v1/predict", json={"instances": X[:, 0].tolist()})
+            assert r.status_code == 503 and r.json() == {"error": died}
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="worker_died"}') == 3
+    assert metric(text, 'lightship_rejections_total{reason="not_ready"}') == 0
+
+
+BOUNDARY = "b0undary"
+STALLED = [
+    (INFER, "application/json", b'{"inputs": ['),
+    ("/v1/predict", "application/json", b'{"instances": ['),
+    (
+        "/v1/predict/image",
+        f"multipart/form-data; boundary={BOUNDARY}",
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n'
+        "Content-Type: image/png\r\n\r\n\x89PNG".encode(),
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "content_type", "part"), STALLED, ids=[s[0] for s in STALLED])
+def test_a_body_that_stalls_is_answered_408_at_the_deadline(
+    tmp_path: Path, path: str, content_type: str, part: bytes
+) -> None:
+    app, _ = make_app(tmp_path)
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> str:
+        async with serving(app) as client:
+            messages = [{"type": "http.request", "body": part, "more_body": True}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await asyncio.Event().wait()  # the rest of the body never comes
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                "root_path": "", "client": ("test", 1), "server": ("test", 80),
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", b"5000"),
+                    (b"x-request-timeout-ms", b"50"),
+                ],
+            }  # fmt: skip
+            await asyncio.wait_for(app(scope, receive, send), 5)
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    start, body = sent[0], json.loads(sent[1]["body"])
+    assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
+    assert body == {
+        "error": f"request body incomplete after 0.05 s ({len(part)} bytes arrived), the "
+        "request's deadline: send it at once, or allow more with x-request-timeout-ms"
+    }
+    assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 
 import numpy as np
@@ -83,6 +84,51 @@ def test_fp32_binary_and_timeout_parameter() -> None:
         ),
         (json_request(["a", "b", "c", "d"], [1, 1, 2, 2], "FP32"), None, "not numbers"),
         (
+            json_request([1.5, 2, 3, 4], [1, 1, 2, 2], "INT64"),
+            None,
+            "fractional numbers but its datatype is INT64",
+        ),
+        # JSON true/false are Python ints: bytes() and numpy took them as pixels 1 and 0
+        (
+            json_request([True, False, True, True], [1, 1, 2, 2]),
+            None,
+            "input data holds true/false but its datatype is UINT8: send numbers",
+        ),
+        (
+            json_request([[[[1.0, 2.0], [True, 3.0]]]], [1, 1, 2, 2], "FP32"),
+            None,
+            "holds true/false but its datatype is FP32",
+        ),
+        # a JSON integer beyond 64 bits arrives as a float: it was called fractional
+        (
+            json_request([2**64, 0, 0, 0], [1, 1, 2, 2], "INT64"),
+            None,
+            re.escape(
+                "input data value 1.8446744073709552e+19 is out of range for INT64 "
+                "(-9223372036854775808..9223372036854775807)"
+            ),
+        ),
+        (
+            json_request([2**63, 0, 0, 0], [1, 1, 2, 2], "INT64"),
+            None,
+            re.escape("value 9223372036854775808 is out of range for INT64"),
+        ),
+        (
+            json_request([0, 0, 0, -1], [1, 1, 2, 2]),
+            None,
+            re.escape("input data value -1 is out of range for UINT8 (0..255)"),
+        ),
+        (
+            json_request([0, 70000, 0, 0], [1, 1, 2, 2], "FP16"),
+            None,
+            re.escape("input data value 70000 is out of range for FP16 (-65504.0..65504.0)"),
+        ),
+        (
+            json_request([0, 0, 0, 0], [1, 1, 2, 2], "FP32").replace(b"[0, 0", b"[1e400, 0"),
+            None,
+            "malformed JSON: number is infinity when parsed as double",
+        ),
+        (
             json_request([1, 2, 3, 4], [1, 1, 2, 2], "BYTES"),
             None,
             "'BYTES' is not supported for pixels",
@@ -130,6 +176,20 @@ def test_bad_requests_say_what_is_wrong(body: bytes, length: str | None, message
     with pytest.raises(ProtocolError, match=message) as info:
         v2.decode_request(body, length, "input")
     assert info.value.status == 400
+
+
+def test_json_data_at_the_limits_of_its_datatype_is_taken_as_sent() -> None:
+    cases = [
+        ([2**63 - 1, -(2**63), 0, 1], "INT64", np.int64),
+        ([2**64 - 1, 0, 0, 1], "UINT64", np.uint64),
+        ([255, 0, 0, 1], "UINT8", np.uint8),
+        ([-65504.0, 65504, 0, 1], "FP16", np.float64),
+    ]
+    for data, datatype, kind in cases:
+        # "true" elsewhere in the body (an output parameter) is no boolean in the data
+        body = json_request(data, [1, 1, 2, 2], datatype, parameters={"binary_data_output": True})
+        x = v2.decode_request(body, None, "input").x
+        assert x.dtype == kind and x.ravel().tolist() == data
 
 
 def test_json_response_carries_id_values_and_probabilities() -> None:

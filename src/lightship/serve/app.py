@@ -44,6 +44,7 @@ from lightship.serve.batcher import (
     QueueFull,
     Ticket,
     TooManyRows,
+    WorkerDied,
 )
 from lightship.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from lightship.serve.model import ServedModel
@@ -53,6 +54,7 @@ from lightship.serve.v2 import ProtocolError, error_body
 log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
+TIMEOUT_HEADER_BYTES = TIMEOUT_HEADER.encode()
 PLATFORMS = {
     "onnxruntime": "onnxruntime_onnx",
     "torchscript": "pytorch_libtorch",
@@ -67,12 +69,25 @@ class BodyTooLarge(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    pass
+
+
 class NotReady(Exception):
     pass
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(error_body(message), status, headers, media_type="application/json")
+
+
+def _client_timeout_s(header: str | bytes) -> float | None:
+    """The `x-request-timeout-ms` header in seconds; None unless a positive number."""
+    try:
+        value = float(header) / 1000
+    except ValueError:
+        return None
+    return value if value > 0 else None  # also None for NaN
 
 
 class Service:
@@ -152,6 +167,11 @@ class Service:
         self.ready = False
         await self.batcher.aclose()
 
+    @property
+    def broken(self) -> str | None:
+        """Why this process will never serve (restart it), or None."""
+        return self.batcher.failure or self.failed
+
     def check_model(self, name: str, version: str | None = None) -> None:
         if name != self.name:
             raise ProtocolError(f"unknown model '{name}': this server serves '{self.name}'", 404)
@@ -165,11 +185,8 @@ class Service:
         timeout = self.settings.timeout_ms / 1000
         header = request.headers.get(TIMEOUT_HEADER)
         if header is not None:
-            try:
-                value = float(header) / 1000
-            except ValueError:
-                value = float("nan")
-            if not value > 0:  # also false for NaN
+            value = _client_timeout_s(header)
+            if value is None:
                 raise ProtocolError(
                     f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got {header!r}"
                 )
@@ -228,35 +245,55 @@ class _DisconnectWatch:
 
 
 class BodyLimit:
-    """413 for a body over `limit` bytes: at once from Content-Length, else while it streams."""
+    """413 for a body over `limit` bytes: at once from Content-Length, else while it streams.
+    408 for a body still incomplete when the request's deadline passes (`timeout_s`, shortened
+    by the client's header): a client that stalls mid-body would hold its handler for good.
 
-    def __init__(self, app: ASGIApp, limit: int, metrics: Metrics) -> None:
+    408, not the 504 of a deadline passed in the queue: the request never arrived in full.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, metrics: Metrics, timeout_s: float) -> None:
         self.app = app
         self.limit = limit
         self.metrics = metrics
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        timeout_s = self.timeout_s
         for key, value in scope["headers"]:
-            if key == b"content-length":
-                if not value.isdigit() or int(value) > self.limit:
-                    self.metrics.rejected("body_too_large")
-                    too_large = _error(
-                        413,
-                        f"request body over the limit of {self.limit} bytes "
-                        "(max_body_bytes): send fewer rows per request",
-                        {"connection": "close"},
-                    )
-                    await too_large(scope, receive, send)
-                    return
-                break
+            if key == TIMEOUT_HEADER_BYTES:
+                timeout_s = min(timeout_s, _client_timeout_s(value) or timeout_s)
+            elif key == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                self.metrics.rejected("body_too_large")
+                too_large = _error(
+                    413,
+                    f"request body over the limit of {self.limit} bytes "
+                    "(max_body_bytes): send fewer rows per request",
+                    {"connection": "close"},
+                )
+                await too_large(scope, receive, send)
+                return
+        deadline = asyncio.get_running_loop().time() + timeout_s
         seen = 0
+        body_done = False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect comes, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                self.metrics.rejected("body_timeout")
+                raise BodyTimeout(
+                    f"request body incomplete after {timeout_s:g} s ({seen} bytes arrived), "
+                    f"the request's deadline: send it at once, or allow more with {TIMEOUT_HEADER}"
+                ) from None
+            body_done = not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 self.metrics.rejected("body_too_large")
@@ -308,7 +345,12 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         lifespan=lifespan,
     )
     app.state.service = service
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, metrics=service.metrics)
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        metrics=service.metrics,
+        timeout_s=settings.timeout_ms / 1000,
+    )
     raw_routes: dict[Any, str] = {}  # filled below, read per request
     app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
     _add_error_handlers(app, service)
@@ -385,14 +427,15 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
 
     @app.get("/v2/health/live", tags=["v2"], responses=openapi.errors(503))
     async def v2_live() -> Response:
-        if service.failed:
-            return _error(503, service.failed)
+        if broken := service.broken:
+            return _error(503, broken)
         return Response(b'{"live":true}', media_type="application/json")
 
     def ready_response() -> Response:
-        if service.ready:
+        broken = service.broken
+        if service.ready and not broken:
             return Response(b'{"ready":true}', media_type="application/json")
-        return _error(503, service.failed or "not ready", {"retry-after": "1"})
+        return _error(503, broken or "not ready", {"retry-after": "1"})
 
     @app.get("/v2/health/ready", tags=["v2"], responses=openapi.errors(503))
     async def v2_ready() -> Response:
@@ -442,7 +485,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         "/v1/predict/image",
         tags=["v1"],
         summary="Labels and top-k probabilities for uploaded PNG/JPEG files",
-        responses=openapi.errors(400, 413, 415, 422, 429, 503, 504),
+        responses=openapi.errors(400, 408, 413, 415, 422, 429, 503, 504),
     )
     async def v1_predict_image(
         request: Request,
@@ -528,6 +571,8 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         return {"retry-after": "1"}
 
     app.add_exception_handler(Closed, handle(503, not_ready))
+    app.add_exception_handler(WorkerDied, handle(503))  # counted by the batcher
+    app.add_exception_handler(BodyTimeout, handle(408, lambda e: {"connection": "close"}))
     app.add_exception_handler(NotReady, handle(503, not_ready))
     app.add_exception_handler(InferenceFailed, handle(500))
 
@@ -539,9 +584,11 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
 
     async def http_error(request: Request, exc: Any) -> Response:
         # FastAPI turns any error while parsing a form into "400 error parsing the body";
-        # two of them are not the client's malformed upload.
+        # these are not the client's malformed upload.
         if isinstance(exc.__cause__, BodyTooLarge):
             return _error(413, str(exc.__cause__))
+        if isinstance(exc.__cause__, BodyTimeout):
+            return _error(408, str(exc.__cause__), {"connection": "close"})
         if isinstance(exc.__cause__, ClientDisconnect):
             return await client_disconnect(request, exc.__cause__)
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))

@@ -13,6 +13,9 @@
   shared model: its `run` must be thread-safe (ONNX Runtime sessions and TorchScript are).
 - Requests whose deadline passed or whose client left are dropped before compute; results go
   only to futures still waiting.
+- A model error fails its batch only. A worker that dies anyway (an error outside that, a bug)
+  fails every queued request and all later ones with `WorkerDied`, and `alive` turns false:
+  nothing would run them, and the process should be restarted.
 
 Nothing here knows HTTP: `app.py` maps these exceptions to status codes.
 """
@@ -20,6 +23,7 @@ Nothing here knows HTTP: `app.py` maps these exceptions to status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -54,6 +58,10 @@ class ClientGone(Exception):
 
 class Closed(Exception):
     """The batcher is shutting down and takes no more requests."""
+
+
+class WorkerDied(Closed):
+    """An inference worker died: this batcher runs nothing any more."""
 
 
 class TooManyRows(ValueError):
@@ -150,6 +158,7 @@ class Batcher:
         self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
+        self.failure: str | None = None  # why a worker died; None while they all run
         # For tests and logs: how often the worker woke up, and what it dropped unrun.
         self.wakeups = 0
         self.dropped_rows = 0
@@ -171,6 +180,11 @@ class Batcher:
     def queued_rows(self) -> int:
         return self._rows
 
+    @property
+    def alive(self) -> bool:
+        """False once a worker died: requests are refused with `WorkerDied`."""
+        return self.failure is None
+
     def submit(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> Ticket:
         """Queue `x` (rows first) with a deadline `timeout_s` from now; on the event loop.
 
@@ -189,6 +203,9 @@ class Batcher:
         due = now + self.max_wait_s if wait else now
         item = _Item(x, rows, now, due, now + timeout_s, loop.create_future())
         with self._cond:
+            if self.failure is not None:
+                self._observer.rejected("worker_died")
+                raise WorkerDied(self.failure)
             if self._closed:
                 raise Closed("server is shutting down")
             if self._rows + rows > self.max_queue_rows:
@@ -294,33 +311,61 @@ class Batcher:
     def _work(self) -> None:
         loop = self._loop
         assert loop is not None
-        while (batch := self._next_batch()) is not None:
-            now = time.monotonic()
-            # A done future was answered without the model (deadline, client gone, awaiting
-            # task cancelled). done() only reads the future's state: safe from this thread.
-            live = [it for it in batch if not it.future.done() and it.deadline > now]
-            if dropped := sum(it.rows for it in batch) - sum(it.rows for it in live):
-                with self._cond:  # instances may drop at the same time
-                    self.dropped_rows += dropped
-            if not live:
-                continue
-            x = live[0].x if len(live) == 1 else np.concatenate([it.x for it in live])
-            start = time.perf_counter()
-            y: np.ndarray | None = None
-            error: str | None = None
-            try:
-                y = self._run(x)
-            except Exception as exc:  # a model failure answers this batch, the server lives on
-                log.exception("inference failed on a batch of %d rows", len(x))
-                error = f"inference failed: {type(exc).__name__}: {exc}"
-            compute_s = time.perf_counter() - start
-            if y is not None and compute_s > 0:
-                rate = len(x) / compute_s
-                self._rows_per_s = (
-                    rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
+        batch: list[_Item] | None = None
+        try:
+            while (batch := self._next_batch()) is not None:
+                now = time.monotonic()
+                # A done future was answered without the model (deadline, client gone, awaiting
+                # task cancelled). done() only reads the future's state: safe from this thread.
+                live = [it for it in batch if not it.future.done() and it.deadline > now]
+                if dropped := sum(it.rows for it in batch) - sum(it.rows for it in live):
+                    with self._cond:  # instances may drop at the same time
+                        self.dropped_rows += dropped
+                if not live:
+                    continue
+                x = live[0].x if len(live) == 1 else np.concatenate([it.x for it in live])
+                start = time.perf_counter()
+                y: np.ndarray | None = None
+                error: str | None = None
+                try:
+                    y = self._run(x)
+                except Exception as exc:  # a model failure answers this batch, the worker lives on
+                    log.exception("inference failed on a batch of %d rows", len(x))
+                    error = f"inference failed: {type(exc).__name__}: {exc}"
+                compute_s = time.perf_counter() - start
+                if y is not None and compute_s > 0:
+                    rate = len(x) / compute_s
+                    self._rows_per_s = (
+                        rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
+                    )
+                self._observer.batch(len(x), [now - it.arrival for it in live], compute_s)
+                try:
+                    loop.call_soon_threadsafe(self._deliver, live, y, error)
+                except RuntimeError:  # the loop closed under us: nobody is waiting any more
+                    return
+        except BaseException as crash:  # not the model's error (answered above): a bug
+            self._die(crash, batch or [])
+
+    def _die(self, exc: BaseException, batch: list[_Item]) -> None:
+        """Fail the batch in hand and the queue, refuse new requests, stop the other workers."""
+        log.critical("inference worker died; restart the server", exc_info=exc)
+        with self._cond:
+            if self.failure is None:
+                self.failure = (
+                    f"inference worker died ({type(exc).__name__}: {exc}): the server must be "
+                    "restarted"
                 )
-            self._observer.batch(len(x), [now - it.arrival for it in live], compute_s)
-            try:
-                loop.call_soon_threadsafe(self._deliver, live, y, error)
-            except RuntimeError:  # the loop closed under us: nobody is waiting any more
-                return
+            failure = self.failure
+            self._closed = self._draining = True
+            # A batch already handed to _deliver keeps its answers: the loop runs them first.
+            items = [*batch, *self._queue]
+            self._queue.clear()
+            self._rows = 0
+            self._cond.notify_all()
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(self._fail, items, failure)
+
+    def _fail(self, items: list[_Item], failure: str) -> None:
+        for item in items:
+            self._resolve_without_model(item, WorkerDied(failure), "worker_died")

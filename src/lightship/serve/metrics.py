@@ -16,7 +16,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-REJECTION_REASONS = ("queue_full", "deadline", "disconnected", "body_too_large", "not_ready")
+REJECTION_REASONS = (
+    "queue_full",
+    "deadline",
+    "disconnected",
+    "body_too_large",
+    "body_timeout",
+    "not_ready",
+    "worker_died",
+)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 

@@ -183,7 +183,7 @@ def raw_paths(
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
             },
         },
-        **errors(400, 404, 413, 415, 429, 503, 504),
+        **errors(400, 404, 408, 413, 415, 429, 503, 504),
     }
     infer = {
         "tags": ["v2"],
@@ -211,7 +211,7 @@ def raw_paths(
                         "description": "one prediction per instance",
                         "content": {"application/json": {"schema": V1_RESPONSE}},
                     },
-                    **errors(400, 413, 415, 429, 503, 504),
+                    **errors(400, 408, 413, 415, 429, 503, 504),
                 },
             }
         },

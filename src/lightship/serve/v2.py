@@ -123,9 +123,31 @@ def _datatype(tensor: dict[str, Any]) -> np.dtype[Any]:
     return dtype
 
 
-def _from_json_data(data: Any, shape: list[int], dtype: np.dtype[Any], name: str) -> np.ndarray:
+def _holds_bool(data: list[Any]) -> bool:
+    """Whether (nested) lists hold a JSON true/false, which bytes() and numpy take as 1/0."""
+    types = set(map(type, data))
+    return bool in types or (list in types and any(_holds_bool(d) for d in data if type(d) is list))
+
+
+def _check_range(low: float, high: float, dtype: np.dtype[Any], name: str) -> None:
+    """Refuse data whose least or greatest value (Python numbers: exact) `dtype` cannot hold."""
+    integer = dtype.kind in "iu"
+    highest: float = np.iinfo(dtype).max if integer else float(np.finfo(dtype).max)
+    lowest: float = np.iinfo(dtype).min if integer else -highest
+    if low < lowest or high > highest:
+        raise ProtocolError(
+            f"input data value {low if low < lowest else high} is out of range for {name} "
+            f"({lowest}..{highest})"
+        )
+
+
+def _from_json_data(
+    data: Any, shape: list[int], dtype: np.dtype[Any], name: str, may_hold_bools: bool = True
+) -> np.ndarray:
     if not isinstance(data, list):
         raise ProtocolError(f"input data must be a list of numbers, got {type(data).__name__}")
+    if may_hold_bools and _holds_bool(data):
+        raise ProtocolError(f"input data holds true/false but its datatype is {name}: send numbers")
     expected = math.prod(shape)
     if dtype == np.uint8 and data and not isinstance(data[0], list):
         # The common case, flat UINT8 pixels: bytes() converts a list of ints 4-5x faster than
@@ -146,9 +168,20 @@ def _from_json_data(data: Any, shape: list[int], dtype: np.dtype[Any], name: str
         raise ProtocolError("input data is ragged: nested lists must be rectangular") from None
     if x.size == 0:  # np.asarray([]) is float64: keep the declared type, the shape decides
         x = x.astype(dtype)
-    if x.dtype.kind not in "iuf" or (x.dtype.kind == "f" and dtype.kind in "iu"):
-        what = "fractional numbers" if x.dtype.kind == "f" else "values that are not numbers"
-        raise ProtocolError(f"input data holds {what} but its datatype is {name}")
+    if x.dtype.kind not in "iuf":
+        raise ProtocolError(
+            f"input data holds values that are not numbers but its datatype is {name}"
+        )
+    if x.dtype.kind == "f" and dtype.kind in "iu":
+        # Not only fractions: numpy makes floats of int64 and uint64 values together, orjson of
+        # integers beyond 64 bits. The values as parsed tell which (Python compares exactly).
+        values = np.asarray(data, dtype=object).ravel().tolist()
+        _check_range(min(values), max(values), dtype, name)
+        if any(type(v) is float for v in values):
+            raise ProtocolError(f"input data holds fractional numbers but its datatype is {name}")
+        x = np.array(values, dtype).reshape(x.shape)
+    elif x.size:
+        _check_range(x.min().item(), x.max().item(), dtype, name)
     if x.size != expected:
         raise ProtocolError(f"input shape {shape} holds {expected} values but data has {x.size}")
     return x.reshape(shape)
@@ -210,7 +243,12 @@ def decode_request(
             )
         if "data" not in tensor:
             raise ProtocolError("input has neither data nor parameters.binary_data_size")
-        x = _from_json_data(tensor["data"], shape, dtype, tensor["datatype"])
+        # JSON spells booleans out: a body without "true" and "false" holds none, and scanning
+        # it is several times cheaper than looking at the type of every value.
+        may_hold_bools = (
+            body.find(b"true", 0, json_end) >= 0 or body.find(b"false", 0, json_end) >= 0
+        )
+        x = _from_json_data(tensor["data"], shape, dtype, tensor["datatype"], may_hold_bools)
 
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
