@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -757,3 +758,50 @@ def test_a_body_that_stalls_is_answered_408_at_the_deadline(
         "request's deadline: send it at once, or allow more with x-request-timeout-ms"
     }
     assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 1
+
+
+def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path: Path) -> None:
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+    gate.open.set()
+    body = json.dumps(v2_json(X)).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> float:
+        async with serving(app) as client:
+            held = await hold_inference(client, gate)  # the request below can only queue
+            parts = [body[:10], body[10:]]
+
+            async def receive() -> dict[str, Any]:
+                if parts:
+                    if len(parts) == 1:
+                        await asyncio.sleep(0.45)  # the body takes 0.45 s of the 0.6 s
+                    return {"type": "http.request", "body": parts.pop(0), "more_body": len(parts)}
+                await asyncio.Event().wait()  # the client stays connected
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                "scheme": "http", "path": INFER, "raw_path": INFER.encode(), "query_string": b"",
+                "root_path": "", "client": ("test", 1), "server": ("test", 80),
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"x-request-timeout-ms", b"600"),
+                ],
+            }  # fmt: skip
+            started = time.monotonic()
+            await asyncio.wait_for(app(scope, receive, send), 5)
+            answered = time.monotonic() - started
+            gate.open.set()
+            assert (await held).status_code == 200
+            return answered
+
+    answered = run(main())
+    assert sent[0]["status"] == 504
+    assert json.loads(sent[1]["body"]) == {"error": "deadline passed before the answer was ready"}
+    # 0.6 s after it began, not 0.6 s after its body was read (1.05 s)
+    assert 0.55 < answered < 0.95, answered

@@ -181,7 +181,8 @@ class Service:
             )
 
     def timeout_s(self, request: Request, requested_s: float | None = None) -> float:
-        """The server's deadline, shortened by the client's header or V2 parameter."""
+        """Seconds left until the request's deadline: the server's, shortened by the client's
+        header or V2 parameter, counted from the request's arrival."""
         timeout = self.settings.timeout_ms / 1000
         header = request.headers.get(TIMEOUT_HEADER)
         if header is not None:
@@ -193,7 +194,8 @@ class Service:
             timeout = min(timeout, value)
         if requested_s is not None:
             timeout = min(timeout, requested_s)
-        return timeout
+        # What is left of it: reading and parsing the body took some (<= 0: already passed).
+        return timeout - (time.monotonic() - getattr(request.state, "arrived", time.monotonic()))
 
     async def predict(self, x: np.ndarray, timeout_s: float, receive: Receive) -> np.ndarray:
         """Logits for checked input through the batcher; drops the request if its client left."""
@@ -262,6 +264,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # request.state.arrived: the deadline counts from here, body reading included
+        scope.setdefault("state", {})["arrived"] = time.monotonic()
         timeout_s = self.timeout_s
         for key, value in scope["headers"]:
             if key == TIMEOUT_HEADER_BYTES:
