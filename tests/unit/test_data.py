@@ -184,6 +184,24 @@ def test_classes_without_images_are_refused(tmp_path: Path) -> None:
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
 
 
+def test_integer_pixels_that_fit_are_taken(tmp_path: Path) -> None:
+    s = load_npz(tmp_path / "d.npz", x=X20.astype(np.int64), y=np.repeat([0, 1], 10))
+    assert s.test_x.dtype == np.uint8 and set(np.unique(s.test_x)) == {0, 200}
+
+
+def test_folder_names_the_files_it_skips(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    make_folder(tmp_path / "imgs")
+    Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "cat" / "x.webp")
+    (tmp_path / "imgs" / "dog" / "notes.txt").write_text("")
+    (tmp_path / "imgs" / "dog" / ".DS_Store").write_text("")
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    assert caplog.messages == [
+        f"image folder {tmp_path / 'imgs'}: skipped 2 files that are not PNG/JPEG (.txt, .webp), "
+        f"e.g. {tmp_path / 'imgs' / 'cat' / 'x.webp'}"
+    ]
+
+
 def write_half(path: Path) -> None:
     np.savez(path, x=X20, y=np.repeat([0, 1], 10))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -215,10 +233,34 @@ def write_npy(path: Path) -> None:
         ),
         (
             lambda p: np.savez(p, x=np.full(X20.shape, np.nan), y=np.repeat([0, 1], 10)),
-            r"x has dtype float64; store images as uint8 pixels 0\.\.255",
+            r"x has dtype float64; store images as uint8 pixels 0\.\.255 \(images in 0\.\.1: ",
+        ),
+        (
+            lambda p: np.savez(p, x=X20.astype(np.int64) * 2, y=np.repeat([0, 1], 10)),
+            r"x has dtype int64; store images as uint8 pixels 0\.\.255$",
+        ),
+        (
+            lambda p: np.savez(p, x=X20, y=np.repeat([0, 1], 10), labels=np.array("a")),
+            r"'labels' must be a list of distinct class names, got shape \(\) with 1 distinct",
+        ),
+        (
+            lambda p: np.savez(p, x=X20, y=np.repeat([0, 1], 10), labels=np.array(["a", "a"])),
+            r"'labels' must be a list of distinct class names, got shape \(2,\) with 1 distinct",
         ),
     ],
-    ids=["truncated", "text", "npy", "no-x", "lengths", "negative", "beyond-labels", "nan-x"],
+    ids=[
+        "truncated",
+        "text",
+        "npy",
+        "no-x",
+        "lengths",
+        "negative",
+        "beyond-labels",
+        "nan-x",
+        "int-x-beyond-255",
+        "labels-scalar",
+        "labels-twice",
+    ],
 )
 def test_bad_npz_says_what_to_fix(
     tmp_path: Path, write: Callable[[Path], None], message: str

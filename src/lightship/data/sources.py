@@ -95,12 +95,22 @@ def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarra
         )
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     files: list[tuple[Path, int]] = []
+    skipped: list[Path] = []
     for idx, name in enumerate(classes):
-        files += [
-            (f, idx)
-            for f in sorted((root / name).iterdir())
-            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()
-        ]
+        for f in sorted((root / name).iterdir()):
+            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file():
+                files.append((f, idx))
+            elif f.is_file() and not f.name.startswith("."):
+                skipped.append(f)
+    if skipped:
+        kinds = sorted({f.suffix.lower() or f.name for f in skipped})
+        log.warning(
+            "image folder %s: skipped %d files that are not PNG/JPEG (%s), e.g. %s",
+            root,
+            len(skipped),
+            ", ".join(kinds[:5]),
+            skipped[0],
+        )
     if not files:
         raise DataError(
             f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "
@@ -144,14 +154,25 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
                     f"found {npz.files}"
                 )
             x, y = npz["x"], npz["y"]
-            labels = [str(v) for v in npz["labels"]] if "labels" in npz else None
+            names = npz.get("labels")
     except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as exc:
         raise DataError(
             f"cannot read {path}: {exc}; "
             "write it again with np.savez(path, x=uint8_images, y=labels)"
         ) from None
+    labels = None
+    if names is not None:
+        labels = [str(v) for v in names.ravel()]
+        if names.ndim != 1 or len(set(labels)) != len(labels):
+            raise DataError(
+                f"{path}: 'labels' must be a list of distinct class names, got shape "
+                f"{names.shape} with {len(set(labels))} distinct of {len(labels)}"
+            )
+    if x.dtype.kind in "iu" and x.dtype != np.uint8 and x.size and 0 <= x.min() <= x.max() <= 255:
+        x = x.astype(np.uint8)  # integer pixels that fit: the same image
     if x.dtype != np.uint8:
-        raise DataError(f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255")
+        hint = " (images in 0..1: x = np.round(x * 255).astype(np.uint8))" * (x.dtype.kind == "f")
+        raise DataError(f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255{hint}")
     if x.ndim == 3:
         x = x[:, None]
     elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
