@@ -85,10 +85,10 @@ def check_writable(*paths: Path) -> None:
             ) from None
 
 
-def run_path(value: str) -> Path:
-    """Typer parser for run-directory options: an empty string would silently mean the current
-    folder, so it is refused."""
-    if not value.strip():
+def run_path(value: str | Path) -> Path:
+    """Typer parser for run-directory options (given as text, or the default Path): an empty
+    string would silently mean the current folder, so it is refused."""
+    if isinstance(value, str) and not value.strip():
         raise RunError("a run directory cannot be empty: give one, e.g. --run runs/default")
     return Path(value)
 

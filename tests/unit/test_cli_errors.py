@@ -162,3 +162,22 @@ def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
         f"error: cannot write {out}: {out.parent} is a file, not a folder"
     )
     assert "float32" not in proc.stderr + proc.stdout  # no benchmark row was measured
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["report"], "no trained run in runs/default: run `make train export quantize RUN=...`"),
+        (
+            ["export"],
+            "run directory runs/default does not exist: run `make train RUN=runs/default`",
+        ),
+    ],
+)
+def test_the_default_run_directory_is_used(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    with pytest.raises(RunError) as err:
+        cli._invoke(argv)
+    assert str(err.value).startswith(message)
