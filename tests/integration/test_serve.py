@@ -188,6 +188,21 @@ def test_a_64_mb_body_is_refused_with_413_json(hand: Server) -> None:
     assert "limit of 16777216 bytes" in r.json()["error"]
 
 
+def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:
+    # the app never sees it: the HTTP protocol answers, in this server's error format
+    with socket.create_connection(("127.0.0.1", hand.port), timeout=5) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 400 Bad Request"
+    assert "content-type: application/json" in lines and "connection: close" in lines
+    assert json.loads(body) == {"error": "malformed HTTP request: Invalid HTTP request received"}
+    assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
+
+
 def test_corrupt_image_and_v1_against_the_real_server(hand: Server) -> None:
     r = httpx.post(
         f"{hand.url}/v1/predict/image", files={"files": ("x.png", b"not an image", "image/png")}

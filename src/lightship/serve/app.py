@@ -607,6 +607,32 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
 
 
+def _json_400_protocol() -> Any:
+    """uvicorn's HTTP protocol (httptools), but a request it cannot parse — which the app never
+    sees — is answered like every other error here: a JSON body, not text/plain."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: uvicorn's h11 protocol and its text answer
+        return "auto"
+
+    class JsonErrorsProtocol(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = error_body(f"malformed HTTP request: {msg.rstrip('.')}")
+            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head += [
+                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+            ]
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+            ]
+            self.transport.write(b"".join([*head, body]))
+            self.transport.close()
+
+    return JsonErrorsProtocol
+
+
 def serve(settings: ServeSettings) -> None:
     """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT."""
     from lightship.serve.model import choose, verify
@@ -621,6 +647,7 @@ def serve(settings: ServeSettings) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        http=_json_400_protocol(),
         workers=1,
         access_log=settings.access_log,
         log_level=settings.log_level,
