@@ -58,3 +58,13 @@ def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     shutil.copytree(tiny_run, run)
     run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
     return run
+
+
+def rerecord_checkpoint(run: Path) -> None:
+    """After a test edits RUN/best.ckpt on purpose: record its new sha256, as `train` would."""
+    from lightship.runs import RunDir, sha256_file
+
+    rd = RunDir(run)
+    entry = rd.artifact("checkpoint")
+    assert entry is not None
+    rd.record("checkpoint", {**entry, "sha256": sha256_file(rd.best_ckpt)})

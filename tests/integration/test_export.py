@@ -21,7 +21,7 @@ from lightship.export.core import export
 from lightship.export.parity import check_parity
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
-from tests.conftest import CONFIGS, ROOT, last_line, run_cli
+from tests.conftest import CONFIGS, ROOT, last_line, rerecord_checkpoint, run_cli
 
 TINY = str(CONFIGS / "tiny.yaml")
 FILES = {"onnx-fp32": "model.onnx", "torchscript": "model.ts", "pt2": "model.pt2"}
@@ -208,6 +208,7 @@ def _edit_checkpoint(run: Path, edit: Callable[[dict], None]) -> None:
     ckpt = torch.load(run / "best.ckpt", weights_only=True)
     edit(ckpt)
     torch.save(ckpt, run / "best.ckpt")
+    rerecord_checkpoint(run)
 
 
 def test_nan_model_fails_parity(tiny_run: Path, tmp_path: Path) -> None:
@@ -253,6 +254,24 @@ def test_labels_must_match_the_logits(tiny_run: Path, tmp_path: Path) -> None:
         f"error: checkpoint {run / 'best.ckpt'} is inconsistent: 2 labels but the model gives "
         f"10 logits per image: train the run again (`make train RUN={run}`)"
     )
+
+
+def test_a_checkpoint_the_run_did_not_record_is_refused(exported_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "swapped"
+    shutil.copytree(exported_run, run)
+    ckpt = torch.load(run / "best.ckpt", weights_only=True)  # another model, by hand
+    next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
+    torch.save(ckpt, run / "best.ckpt")
+    before = (run / "manifest.json").read_bytes()
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run / 'best.ckpt'} differs from its manifest entry (sha256): it is not the "
+        "checkpoint `lightship train` wrote for this run; train it again "
+        f"(`make train RUN={run}`), or export the run that made it"
+    )
+    # the TorchScript model of the old checkpoint is not left listed beside a new ONNX one
+    assert (run / "manifest.json").read_bytes() == before
 
 
 def test_unwritable_output_fails_before_anything_is_exported(

@@ -21,7 +21,7 @@ from lightship.quantize.core import QuantizeSettings, quantize
 from lightship.quantize.qat import qat_config, quantize_aware_train
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, rerecord_checkpoint, run_cli
 from tests.qat_models import outlier_channel
 
 
@@ -103,6 +103,7 @@ def test_qat_recovers_where_static_per_tensor_fails(exported_run: Path, tmp_path
     run = tmp_path / "outlier"
     shutil.copytree(exported_run, run)
     outlier_channel(run / "best.ckpt", factor=64, channel=0, block=2)
+    rerecord_checkpoint(run)
     export(RunDir(run), "onnx")
     per_tensor = QuantizeSettings(per_channel=False, fallback_budget=0)
     (static,) = quantize(RunDir(run), "static", target="avx2", settings=per_tensor)

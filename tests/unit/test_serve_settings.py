@@ -43,15 +43,22 @@ def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatc
         ({"isa_check": "maybe"}, "isa_check"),
         ({"instances": 0}, "instances"),
         ({"host": ""}, "host"),
+        ({"run": " "}, r"run is empty: give a run directory or a model file"),
         ({"threads": 100_000}, "threads"),
         ({"timeout_ms": float("inf")}, "timeout_ms"),
         ({"max_wait_ms": float("inf")}, "max_wait_ms"),  # it killed the batcher thread
         ({"max_wait_ms": 20_000}, r"max_wait_ms \(20000\) must be less than timeout_ms"),
     ],
 )
-def test_bad_settings_are_a_config_error(given: dict[str, object], message: str) -> None:
+def test_bad_settings_are_a_config_error(
+    given: dict[str, object], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ConfigError, match=message):
         _settings(**given)
+    if "run" in given:  # LIGHTSHIP_RUN= is refused like --run ""
+        monkeypatch.setenv("LIGHTSHIP_RUN", "")
+        with pytest.raises(ConfigError, match=message):
+            _settings()
     with pytest.raises(ValidationError):
         ServeSettings(**given)  # type: ignore[arg-type]
 

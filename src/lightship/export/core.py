@@ -20,7 +20,7 @@ from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.parity import Parity, check_parity
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from lightship.runs import RunDir, atomic_path, check_writable, sha256_file
+from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
 
@@ -92,6 +92,12 @@ def export(
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()
+    check_recorded(
+        ckpt,
+        run.artifact("checkpoint") or {},
+        "it is not the checkpoint `lightship train` wrote for this run; train it again "
+        f"(`make train RUN={run.root}`), or export the run that made it",
+    )
     loaded = load_checkpoint(ckpt)
     source_sha = sha256_file(ckpt)
     x_test = parity_inputs(loaded)

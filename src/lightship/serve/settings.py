@@ -74,6 +74,15 @@ class ServeSettings(BaseSettings):
     access_log: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
+    @field_validator("run", mode="before")
+    @classmethod
+    def _run(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():  # Path("") would be the current folder
+            raise ValueError(
+                "run is empty: give a run directory or a model file, e.g. runs/default"
+            )
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
