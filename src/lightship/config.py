@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from lightship.errors import ConfigError, LightshipError
 
@@ -43,6 +50,13 @@ class ModelConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     mean: list[float] | None = Field(None, description="pixel mean per channel; None: from data")
     std: list[float] | None = Field(None, description="pixel std per channel; None: from data")
+
+    @field_validator("std")
+    @classmethod
+    def _std_positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and not all(s > 0 for s in v):
+            raise ValueError("every std must be > 0 (pixels are divided by it)")
+        return v
 
 
 class OptimConfig(Section):
@@ -106,6 +120,18 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
 
+    @model_validator(mode="after")
+    def _stats_per_channel(self) -> Config:
+        for key in ("mean", "std"):
+            values = getattr(self.model, key)
+            if values is not None and len(values) != self.data.channels:
+                raise ConfigError(
+                    f"model.{key} has {len(values)} values but data.channels is "
+                    f"{self.data.channels}: give one per channel, e.g. --set 'model.{key}="
+                    f"{[values[0] if values else 0.5] * self.data.channels}'"
+                )
+        return self
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
     key, sep, raw = dotted.partition("=")
@@ -118,7 +144,23 @@ def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted!r}: {part!r} is a value, not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"--set {dotted!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
+            "quote it or fix the brackets, e.g. --set 'model.kwargs={x: 1}'"
+        ) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The problem and where it is, on one line (yaml's own message spans several)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -156,12 +198,26 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         source = str(path)
+        if path.is_dir():
+            raise ConfigError(
+                f"config {path} is a folder, not a YAML file: "
+                "pass a file, e.g. --config configs/digits.yaml"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass --config configs/digits.yaml")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 YAML"
+            ) from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
+        if loaded is None:
+            raise ConfigError(
+                f"{path} is empty: write the sections to change (data:, model:, ...), "
+                "or leave out --config for the defaults"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
         tree = loaded

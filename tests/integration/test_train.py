@@ -252,3 +252,68 @@ def test_refused_settings_change_nothing_and_a_new_best_unlists_old_artifacts(
     assert "the new best.ckpt outdates onnx-fp32 of this run" in proc.stdout
     assert list(manifest(run)) == ["checkpoint"]
     assert not (run / "report" / "report.json").exists()
+
+
+def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "resume-changed"
+    shutil.copytree(tiny_run, run)
+    config = (run / "config.yaml").read_text()
+    cases = [
+        (["--set", "data.image_size=20"], "different model/data (data.image_size 16 -> 20;"),
+        (["--set", "data.split_seed=3"], "different model/data (data.split_seed 0 -> 3;"),
+        (["--set", "model.kwargs.stages=[[4]]"], "model.kwargs.stages [[8], [16]] -> [[4]]"),
+        (
+            ["--set", "trainer.max_epochs=6"],
+            "the onecycle learning-rate schedule cannot be stretched or changed on resume "
+            "(trainer.max_epochs 4 -> 6)",
+        ),
+    ]
+    for extra, message in cases:
+        proc = run_cli("train", "--run", str(run), "--config", TINY, "--resume", *extra)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        line = last_line(proc.stderr)
+        assert line.startswith(f"error: cannot resume {run}") and message in line, line
+        assert "Traceback" not in proc.stderr
+        assert (run / "config.yaml").read_text() == config
+
+
+def test_resume_from_a_checkpoint_lightning_did_not_write(tmp_path: Path) -> None:
+    run = tmp_path / "foreign"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    proc = run_cli("train", "--run", str(run), "--config", TINY, "--resume")
+    assert proc.returncode == 4, proc.stderr
+    line = last_line(proc.stderr)
+    assert line.startswith(f"error: cannot resume: {run}/checkpoints/last.ckpt is not a lightship")
+    assert "pytorch-lightning_version" in line and "Traceback" not in proc.stderr
+
+
+def test_resume_a_copied_run_keeps_to_its_own_checkpoints(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "copied"
+    shutil.copytree(tiny_run, run)
+    # max_epochs already reached: no new epoch, the best path restored is the old run's
+    run_cli("train", "--run", str(run), "--config", TINY, "--resume", check=True)
+    source = manifest(run)["checkpoint"]["source_checkpoint"]
+    assert source.startswith("checkpoints/epoch="), source
+    assert (run / "best.ckpt").read_bytes() == (run / source).read_bytes()
+
+
+def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> None:
+    run = tmp_path / "untrainable"
+    cases = [
+        (["--set", "model.name=torch.nn:Identity"], "has no trainable parameters"),
+        (
+            ["--set", "model.name=mlp", "--set", "model.kwargs={num_classes: 3}"],
+            "model.name=mlp model.kwargs={'num_classes': 3} outputs [2, 3] for 2 images, "
+            "expected [2, 10]",
+        ),
+        (["--set", "model.kwargs.stages=[[0]]"], "fails on a [2, 1, 16, 16] input: "),
+    ]
+    for extra, message in cases:
+        proc = run_cli("train", "--run", str(run), "--config", TINY, *extra)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert message in last_line(proc.stderr), proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not run.exists()

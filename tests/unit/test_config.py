@@ -78,3 +78,53 @@ def test_missing_and_bad_yaml(tmp_path: Path) -> None:
     broken.write_text("data: {source: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(broken)
+
+
+def test_yaml_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"data:\n  source: d\xefgits\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text .*save it as UTF-8"):
+        load_config(path)
+
+
+def test_yaml_syntax_error_names_problem_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "tab.yaml"
+    path.write_text("data:\n\timage_size: 20\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "found character '\\t' that cannot start any token at line 2, column 1" in msg
+    assert "\n" not in msg
+
+
+def test_empty_yaml_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+        load_config(path)
+
+
+def test_config_path_that_is_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
+        load_config(tmp_path)
+
+
+def test_malformed_yaml_in_set_names_the_set() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.kwargs={x: 1"])
+    msg = str(err.value)
+    assert msg.startswith("--set 'model.kwargs={x: 1': the value is not valid YAML")
+    assert "line 1, column 6" in msg and "\n" not in msg
+
+
+def test_mean_std_need_one_value_per_channel() -> None:
+    with pytest.raises(ConfigError, match="model.mean has 2 values but data.channels is 1"):
+        load_config(None, ["model.mean=[0.5, 0.5]"])
+    with pytest.raises(ConfigError, match="model.std has 1 values but data.channels is 3"):
+        load_config(None, ["data.channels=3", "model.std=[50]"])
+    assert load_config(None, ["data.channels=3", "model.mean=[1, 2, 3]"]).model.mean == [1, 2, 3]
+
+
+def test_std_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="'model.std' = \\[0\\].*every std must be > 0"):
+        load_config(None, ["model.std=[0]"])

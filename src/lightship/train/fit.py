@@ -21,7 +21,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightship import __version__, models
 from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
-from lightship.config import Config, dump_config
+from lightship.config import Config, dump_config, load_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
@@ -59,13 +59,131 @@ def _check_runtime_config(cfg: Config) -> None:
         )
 
 
-def _resume_path(run: RunDir) -> Path:
+def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
+    """last.ckpt, read and checked to be a lightship Lightning checkpoint, for `--resume`."""
     if not run.last_ckpt.is_file():
         raise RunError(
             f"cannot resume: no {run.last_ckpt}; train without RESUME=1 / --resume to start the run"
         )
-    read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
-    return run.last_ckpt
+    ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
+    hparams = ckpt.get("hyper_parameters")
+    lightning_keys = ("pytorch-lightning_version", "loops", "hyper_parameters")
+    missing = [k for k in lightning_keys if k not in ckpt]
+    missing += [k for k in _RESUME_HPARAMS if not isinstance(hparams, dict) or k not in hparams]
+    if missing:
+        raise RunError(
+            f"cannot resume: {run.last_ckpt} is not a lightship training checkpoint "
+            f"(it lacks {', '.join(missing)}): delete it and train without --resume"
+        )
+    return ckpt
+
+
+# What a checkpoint records about the model and data; resuming needs them all unchanged.
+_RESUME_HPARAMS = ("model_spec", "input_spec", "data_spec", "labels")
+
+
+def _changes(old: Any, new: Any, key: str) -> list[str]:
+    """Dotted 'key old -> new' for each leaf where two plain-typed trees differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in dict.fromkeys([*old, *new]):
+            out += _changes(old.get(k), new.get(k), f"{key}.{k}")
+        return out
+    return [] if old == new else [f"{key} {old!r} -> {new!r}"]
+
+
+def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunDir) -> None:
+    """Refuse a resume whose model or data differ from the checkpoint's (weights would not fit,
+    or would silently continue on other data)."""
+    # data first: a data setting is what the user changed; the model spec follows from it.
+    names = {"data_spec": "data", "labels": "labels", "model_spec": "model", "input_spec": "input"}
+    diffs: list[str] = []
+    for key, name in names.items():
+        old, new = hparams[key], lit.hparams[key]
+        if key == "labels" and old != new:
+            diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
+        else:
+            diffs += _changes(old, new, name)
+    if diffs:
+        shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+        raise ConfigError(
+            f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
+            f"train without --resume, or resume with the run's config ({run.config})"
+        )
+
+
+# Settings that fix how many optimizer steps `trainer.fit` plans (onecycle's total_steps).
+_SCHEDULE_KEYS = (
+    ("trainer", "max_epochs"),
+    ("trainer", "accumulate_grad_batches"),
+    ("trainer", "limit_train_batches"),
+    ("trainer", "devices"),
+    ("trainer", "num_nodes"),
+    ("data", "batch_size"),
+)
+
+
+def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+    """OneCycleLR stores its total_steps; a resume planning more steps fails mid-run, fewer
+    would cut the cycle short. Compare with the run's previous config, read before it is
+    overwritten."""
+    if (
+        cfg.optim.scheduler != "onecycle"
+        and ckpt["hyper_parameters"]["optim"].get("scheduler") != "onecycle"
+    ):
+        return
+    try:
+        prev = load_config(run.config)
+    except ConfigError:
+        raise ConfigError(
+            f"cannot resume {run.root}: its {run.config.name} is missing or invalid, so the "
+            "onecycle schedule length cannot be checked: restore it, or train without --resume"
+        ) from None
+    # Fewer epochs is allowed: the restored schedule runs on as planned and stops early
+    # (a killed 100-epoch run finished at 10). More would step past its end.
+    diffs = [
+        f"{section}.{key} {getattr(getattr(prev, section), key)!r} -> "
+        f"{getattr(getattr(cfg, section), key)!r}"
+        for section, key in _SCHEDULE_KEYS
+        if getattr(getattr(prev, section), key) != getattr(getattr(cfg, section), key)
+        and not (key == "max_epochs" and cfg.trainer.max_epochs < prev.trainer.max_epochs)
+    ]
+    if prev.optim.scheduler != cfg.optim.scheduler:
+        diffs.append(f"optim.scheduler {prev.optim.scheduler} -> {cfg.optim.scheduler}")
+    if diffs:
+        raise ConfigError(
+            f"cannot resume {run.root}: the onecycle learning-rate schedule cannot be stretched "
+            f"or changed on resume ({'; '.join(diffs)}): keep the run's values, "
+            "or train afresh without --resume"
+        )
+
+
+def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -> None:
+    """A model that builds may still be unable to train: catch it before anything is written."""
+    what = f"model.name={cfg.model.name} model.kwargs={dict(cfg.model.kwargs)}"
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"{what} has no trainable parameters: choose a model that can learn")
+    size, channels = cfg.data.image_size, cfg.data.channels
+    x = torch.zeros(2, channels, size, size, dtype=torch.uint8)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception as exc:  # any failure of user code: its message, on one line
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(
+            f"{what} fails on a [2, {channels}, {size}, {size}] input: {reason}; "
+            "fix model.kwargs or data.image_size/channels"
+        ) from None
+    finally:
+        model.train(was_training)
+    shape = list(getattr(out, "shape", []))
+    if not isinstance(out, torch.Tensor) or shape != [2, num_classes]:
+        raise ConfigError(
+            f"{what} outputs {shape or type(out).__name__} for 2 images, expected "
+            f"[2, {num_classes}] (one logit per class): fix model.kwargs (num_classes?)"
+        )
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
@@ -94,9 +212,26 @@ def _forget_derived(run: RunDir) -> None:
     )
 
 
+def _own_best(run: RunDir, best_model_path: str) -> Path:
+    """The best checkpoint in this run's own folder, or last.ckpt.
+
+    Resuming a copied or moved run restores the best path recorded in the old place; the copy
+    of that file here, under the same name, is the one to use (never the old run's file).
+    """
+    if not best_model_path:
+        return run.last_ckpt
+    best = Path(best_model_path)
+    if best.resolve().parent == run.checkpoints.resolve():
+        return best
+    here = run.checkpoints / best.name
+    return here if here.is_file() else run.last_ckpt
+
+
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     _check_runtime_config(cfg)
-    ckpt_path = _resume_path(run) if resume else None
+    resumed = _resume_checkpoint(run) if resume else None
+    if resumed is not None:
+        _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     use_cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
@@ -124,6 +259,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         optim=cfg.optim.model_dump(),
         augment=cfg.data.augment,
     )
+    _check_model_trains(lit.model, cfg, len(splits.labels))
+    if resumed is not None:
+        _check_resume_matches(resumed["hyper_parameters"], lit, run)
     if cfg.trainer.compile:
         lit.model.compile()
 
@@ -187,8 +325,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             old.unlink()
     atomic_write_text(run.config, dump_config(cfg))
     resumed_from_step = 0
-    if ckpt_path is not None:
-        resumed_from_step = int(read_checkpoint(ckpt_path).get("global_step", 0))
+    ckpt_path = run.last_ckpt if resumed is not None else None
+    if resumed is not None:
+        resumed_from_step = int(resumed.get("global_step", 0))
         print(f"resuming {run.root} from {ckpt_path} (global step {resumed_from_step})", flush=True)
     started = time.perf_counter()
     trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
@@ -196,7 +335,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     if not trainer.is_global_zero:
         return run  # DDP workers stop here; rank 0 writes best.ckpt and the manifest
 
-    best = Path(checkpoint.best_model_path) if checkpoint.best_model_path else run.last_ckpt
+    best = _own_best(run, checkpoint.best_model_path)
     if not best.is_file():
         raise RunError(
             f"training wrote no checkpoint in {run.checkpoints}: check the trainer settings"
