@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from lightship.errors import RunError
 from lightship.runtime import InputError, load_predictor, softmax
@@ -60,3 +65,127 @@ def test_unknown_or_corrupt_artifacts(tmp_path: Path) -> None:
     bad.write_bytes(b"garbage")
     with pytest.raises(RunError, match="bad.onnx"):
         load_predictor(bad)
+
+
+def _onnx(
+    path: Path,
+    inputs: list[tuple[str, int, list[Any]]],
+    output: tuple[int, list[Any]] = (TensorProto.FLOAT, ["N", 2]),
+    meta: dict[str, str] | None = None,
+) -> Path:
+    """A graph whose first input is cast, flattened and reshaped into the output; other inputs
+    pass through, so the graph is valid whatever their type or shape."""
+    name = inputs[0][0]
+    out_type, out_shape = output
+    nodes = [
+        helper.make_node("Cast", [name], ["xf"], to=out_type),
+        helper.make_node("Flatten", ["xf"], ["f"], axis=1),
+        helper.make_node("Reshape", ["f", "target"], ["y"]),
+    ]
+    nodes += [helper.make_node("Identity", [n], [f"{n}_out"]) for n, _, _ in inputs[1:]]
+    target = [0 if d == "N" else -1 if isinstance(d, str) else d for d in out_shape]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, e, s) for n, e, s in inputs],
+        [helper.make_tensor_value_info("y", out_type, out_shape)]
+        + [helper.make_tensor_value_info(f"{n}_out", e, s) for n, e, s in inputs[1:]],
+        initializer=[helper.make_tensor("target", TensorProto.INT64, [len(target)], target)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    for key, value in (meta or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+    return path
+
+
+IMAGE = ("x", TensorProto.UINT8, ["N", 1, 2, 2])
+
+
+def test_a_foreign_graph_with_one_dynamic_image_input_loads(tmp_path: Path) -> None:
+    p = load_predictor(_onnx(tmp_path / "ok.onnx", [IMAGE], (TensorProto.FLOAT, ["N", 4])))
+    assert p.chw == (1, 2, 2) and p.labels == ["0", "1", "2", "3"]
+    np.testing.assert_allclose(p.predict(np.ones((3, 1, 2, 2), np.uint8)), np.ones((3, 4)))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_fixed_batch_dimension_is_refused(tmp_path: Path, batch: int) -> None:
+    path = _onnx(tmp_path / "m.onnx", [("x", TensorProto.UINT8, [batch, 1, 2, 2])])
+    with pytest.raises(
+        RunError, match=f"m.onnx has a fixed batch dimension of {batch}: re-export it with a dyn"
+    ):
+        load_predictor(path)
+
+
+def test_a_second_required_input_is_refused(tmp_path: Path) -> None:
+    path = _onnx(tmp_path / "m.onnx", [IMAGE, ("b", TensorProto.FLOAT, ["N", 2])])
+    with pytest.raises(RunError, match=r"needs 2 inputs \(x uint8 \[N, 1, 2, 2\], b float32"):
+        load_predictor(path)
+
+
+def test_an_unsupported_input_type_is_refused(tmp_path: Path) -> None:
+    path = _onnx(tmp_path / "m.onnx", [("x", TensorProto.DOUBLE, ["N", 1, 2, 2])])
+    with pytest.raises(RunError, match=r"input x is float64 .*uint8, float32, float16, int8"):
+        load_predictor(path)
+
+
+def test_a_float16_input_is_fed_float16(tmp_path: Path) -> None:
+    path = _onnx(
+        tmp_path / "m.onnx",
+        [("x", TensorProto.FLOAT16, ["N", 1, 2, 2])],
+        (TensorProto.FLOAT, ["N", 4]),
+    )
+    p = load_predictor(path)
+    np.testing.assert_allclose(p.predict(np.full((2, 1, 2, 2), 255, np.uint8)), [[255] * 4] * 2)
+
+
+@pytest.mark.parametrize(
+    ("output", "described"),
+    [
+        ((TensorProto.INT64, ["N", 1]), r"int64 \[N, 1\]"),
+        ((TensorProto.FLOAT, ["N", 1, 2, 2]), r"float32 \[N, 1, 2, 2\]"),
+        ((TensorProto.FLOAT, ["N"]), r"float32 \[N\]"),
+    ],
+)
+def test_an_output_that_is_not_logits_is_refused(
+    tmp_path: Path, output: tuple[int, list[Any]], described: str
+) -> None:
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], output)
+    with pytest.raises(
+        RunError, match=rf"m.onnx's first output is {described}; lightship serves logits \[N, cl"
+    ):
+        load_predictor(path)
+
+
+def test_labels_that_do_not_match_the_output_are_refused(tmp_path: Path) -> None:
+    meta = {"lightship.labels": json.dumps(["a", "b", "c"])}
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], meta=meta)
+    with pytest.raises(RunError, match="has 3 labels in its metadata but its output has 2 class"):
+        load_predictor(path)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "input_spec is not valid JSON: re-export it"),
+        ('{"shape": [1, 2]}', r"input_spec is not valid \(needs a shape \[N, C, H, W\]"),
+        ('["x"]', "input_spec is not valid"),
+    ],
+)
+def test_malformed_metadata_is_refused(tmp_path: Path, value: str, message: str) -> None:
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], meta={"lightship.input_spec": value})
+    with pytest.raises(RunError, match=message):
+        load_predictor(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04truncated"])
+def test_a_corrupt_pt2_gives_one_error_and_no_torch_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes
+) -> None:
+    pytest.importorskip("torch")
+    path = tmp_path / "model.pt2"
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="cannot load pt2 model"):
+        load_predictor(path)
+    assert not [r for r in caplog.records if r.name.startswith("torch")]

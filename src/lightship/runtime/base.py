@@ -9,17 +9,54 @@ from typing import Any
 
 import numpy as np
 
+from lightship.errors import RunError
+
 # Keys every lightship artifact carries (ONNX metadata_props; an extra JSON file in .ts/.pt2).
 META_LABELS = "lightship.labels"
 META_INPUT_SPEC = "lightship.input_spec"
 META_FILE = "lightship.json"
 
 
-def read_metadata(meta: dict[str, str]) -> tuple[list[str] | None, dict[str, Any] | None]:
-    """(labels, input spec) from artifact metadata; None where absent (a foreign model)."""
-    labels = json.loads(meta[META_LABELS]) if META_LABELS in meta else None
-    spec = json.loads(meta[META_INPUT_SPEC]) if META_INPUT_SPEC in meta else None
+def read_metadata(
+    meta: dict[str, str], source: Path | str
+) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """(labels, input spec) from artifact metadata; None where absent (a foreign model).
+
+    RunError when present but malformed: a spec that is not `{"shape": [N, C, H, W]}` would
+    otherwise fail at the first request, long after the server said it was ready.
+    """
+    labels = _json_meta(meta, META_LABELS, source)
+    spec = _json_meta(meta, META_INPUT_SPEC, source)
+    if labels is not None and not (
+        isinstance(labels, list) and all(isinstance(x, str) for x in labels)
+    ):
+        raise RunError(
+            f"{source}: metadata {META_LABELS} is not valid (not a list of strings): re-export it"
+        )
+    if spec is not None and not _valid_spec(spec):
+        raise RunError(
+            f"{source}: metadata {META_INPUT_SPEC} is not valid "
+            "(needs a shape [N, C, H, W] with positive integer C, H, W): re-export it"
+        )
     return labels, spec
+
+
+def _json_meta(meta: dict[str, str], key: str, source: Path | str) -> Any:
+    if key not in meta:
+        return None
+    try:
+        return json.loads(meta[key])
+    except json.JSONDecodeError:
+        raise RunError(f"{source}: metadata {key} is not valid JSON: re-export it") from None
+
+
+def _valid_spec(spec: Any) -> bool:
+    shape = spec.get("shape") if isinstance(spec, dict) else None
+    return (
+        isinstance(shape, list)
+        and len(shape) == 4
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape[1:])
+    )
 
 
 class InputError(ValueError):

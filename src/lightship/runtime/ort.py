@@ -15,7 +15,13 @@ from lightship.runtime.base import Predictor, physical_cores, read_metadata
 
 log = logging.getLogger(__name__)
 
-_ORT_DTYPES = {"tensor(uint8)": np.uint8, "tensor(float)": np.float32, "tensor(int8)": np.int8}
+_ORT_DTYPES = {
+    "tensor(uint8)": np.uint8,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8,
+}
+_LOGIT_TYPES = {"tensor(float)", "tensor(float16)", "tensor(double)"}
 # Graph transformers a model asks onnxruntime to skip (comma-separated names in its
 # metadata_props). Static int8 models with an fp32 first conv set QDQPropagationTransformer:
 # it moves the QuantizeLinear after the fp32 MaxPool in front of it, turning a fast fp32 pool
@@ -83,6 +89,51 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
     return [*chosen, "CPUExecutionProvider"]
 
 
+def _describe(arg: Any) -> str:
+    """`float32 [N, 10]` for an input or output, as a user would write it."""
+    kind = _describe_type(str(arg.type))
+    dims = ", ".join("?" if d is None else str(d) for d in (arg.shape or []))
+    return f"{kind} [{dims}]"
+
+
+def _check_graph(path: Path, session: ort.InferenceSession) -> tuple[Any, Any]:
+    """The image input and logits output, or RunError: what the graph shows is wrong is
+    refused at load, not found by the first request (or never, for an int64 argmax output)."""
+    inputs = session.get_inputs()  # initializers are not listed: only what must be fed
+    if len(inputs) != 1:
+        names = ", ".join(f"{i.name} {_describe(i)}" for i in inputs)
+        raise RunError(
+            f"{path} needs {len(inputs)} inputs ({names}); lightship serves models with one "
+            "image input [N, C, H, W]"
+        )
+    inp = inputs[0]
+    if inp.type not in _ORT_DTYPES:
+        accepted = ", ".join(_describe_type(t) for t in _ORT_DTYPES)
+        raise RunError(
+            f"{path}'s input {inp.name} is {_describe(inp)}; lightship feeds images as "
+            f"{accepted}: re-export it with one of those input types"
+        )
+    shape = inp.shape or []
+    if len(shape) != 4:
+        raise RunError(f"{path}: input {inp.name} {_describe(inp)} is not [N, C, H, W]")
+    if isinstance(shape[0], int):
+        raise RunError(
+            f"{path} has a fixed batch dimension of {shape[0]}: re-export it with a dynamic "
+            "batch (lightship export does)"
+        )
+    out = session.get_outputs()[0]
+    if out.type not in _LOGIT_TYPES or len(out.shape or []) != 2:
+        raise RunError(
+            f"{path}'s first output is {_describe(out)}; lightship serves logits [N, classes]"
+        )
+    return inp, out
+
+
+def _describe_type(ort_type: str) -> str:
+    name = ort_type.removeprefix("tensor(").removesuffix(")")
+    return {"float": "float32", "double": "float64"}.get(name, name)
+
+
 class OrtPredictor(Predictor):
     kind = "onnxruntime"
 
@@ -106,20 +157,25 @@ class OrtPredictor(Predictor):
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             raise RunError(f"cannot load ONNX model {self.path} ({first}): re-export it") from None
-        inp = self.session.get_inputs()[0]
+        inp, out = _check_graph(self.path, self.session)
         self.input_name = inp.name
-        self.output_name = self.session.get_outputs()[0].name
-        self.input_dtype = _ORT_DTYPES.get(inp.type, np.float32)
-        labels, spec = read_metadata(self.session.get_modelmeta().custom_metadata_map)
+        self.output_name = out.name
+        self.input_dtype = _ORT_DTYPES[inp.type]
+        labels, spec = read_metadata(self.session.get_modelmeta().custom_metadata_map, self.path)
         if spec is None:  # a foreign ONNX file: take what the graph says
             dims = [d if isinstance(d, int) else "batch" for d in inp.shape]
-            if len(dims) != 4 or not all(isinstance(d, int) for d in dims[1:]):
+            if not all(isinstance(d, int) and d > 0 for d in dims[1:]):
                 raise RunError(f"{self.path}: input {inp.name} {inp.shape} is not [N, C, H, W]")
             spec = {"name": inp.name, "dtype": "uint8", "shape": dims, "layout": "NCHW"}
         self.input_spec = spec
+        width = out.shape[1]
         if labels is None:
-            n = self.session.get_outputs()[0].shape[-1]
-            labels = [str(i) for i in range(n if isinstance(n, int) else 0)]
+            labels = [str(i) for i in range(width if isinstance(width, int) else 0)]
+        elif isinstance(width, int) and len(labels) != width:
+            raise RunError(
+                f"{self.path} has {len(labels)} labels in its metadata but its output has "
+                f"{width} classes: re-export it"
+            )
         self.labels = labels
         self.providers = self.session.get_providers()
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,25 @@ def _device(device: str) -> str:
     return device
 
 
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Mute a logger for a moment: torch.export logs a long warning traceback for a corrupt
+    .pt2 before raising, which would bury the one-line error we print for it."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _read_meta(extra: dict[str, Any], path: Path) -> dict[str, Any]:
-    labels, spec = read_metadata(json.loads(extra.get(META_FILE) or "{}"))
+    try:
+        meta = json.loads(extra.get(META_FILE) or "{}")
+    except json.JSONDecodeError:
+        raise RunError(f"{path}: its {META_FILE} is not valid JSON: re-export it") from None
+    labels, spec = read_metadata(meta if isinstance(meta, dict) else {}, path)
     if labels is None or spec is None:
         raise RunError(
             f"{path} carries no {META_FILE} with labels and input spec: export it with lightship"
@@ -61,7 +81,8 @@ def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None)
             meta = _read_meta(extra, path)
         elif kind == "pt2":
             extra = {META_FILE: ""}
-            program = torch.export.load(str(path), extra_files=extra)
+            with _quiet("torch.export"):
+                program = torch.export.load(str(path), extra_files=extra)
             module = program.module().to(device)
             meta = _read_meta(extra, path)
         else:
