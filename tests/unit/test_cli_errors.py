@@ -68,6 +68,25 @@ def test_quantize_fails_when_every_method_fails(exported_run: Path, tmp_path: Pa
     assert "onnx-int8-dynamic" in manifest and "onnx-int8-qat" not in manifest
 
 
+def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    run = tmp_path / "swapped"
+    shutil.copytree(exported_run, run)
+    ckpt = torch.load(run / "best.ckpt", weights_only=True)
+    next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
+    torch.save(ckpt, run / "best.ckpt")
+    proc = run_cli("quantize", "--run", str(run), "--methods", "qat")
+    assert proc.returncode == 6, proc.stderr
+    assert (
+        f"error: qat: {run / 'best.ckpt'} is not the checkpoint {run / 'export' / 'model.onnx'} "
+        f"was exported from: re-run `make export RUN={run}`\n"
+    ) in proc.stderr
+    assert not (run / "quantize" / "model.int8-qat.onnx").exists()
+
+
 @pytest.mark.parametrize("steps", ["0", "-3"])
 def test_bench_train_needs_a_step(steps: str, tmp_path: Path) -> None:
     out = tmp_path / "train.json"

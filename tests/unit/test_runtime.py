@@ -103,10 +103,20 @@ def _onnx(
 IMAGE = ("x", TensorProto.UINT8, ["N", 1, 2, 2])
 
 
-def test_a_foreign_graph_with_one_dynamic_image_input_loads(tmp_path: Path) -> None:
+def test_a_foreign_graph_with_one_dynamic_image_input_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     p = load_predictor(_onnx(tmp_path / "ok.onnx", [IMAGE], (TensorProto.FLOAT, ["N", 4])))
     assert p.chw == (1, 2, 2) and p.labels == ["0", "1", "2", "3"]
     np.testing.assert_allclose(p.predict(np.ones((3, 1, 2, 2), np.uint8)), np.ones((3, 4)))
+    assert not caplog.messages  # uint8 in: raw pixels are what it takes
+    path = _onnx(tmp_path / "f.onnx", [("x", TensorProto.FLOAT, ["N", 1, 2, 2])])
+    load_predictor(path)
+    assert caplog.messages == [
+        f"{path} carries no lightship metadata: its float32 input is fed raw pixels 0..255, "
+        "unscaled; a model trained on 0..1 or normalised input answers wrongly (models exported "
+        "by lightship normalise inside the graph)"
+    ]
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -365,6 +365,14 @@ class Quantizer:
 
         s = self.settings
         final = self.run.quantize_dir / FILENAMES["qat"]
+        ckpt, source = self.run.best_ckpt, self.fp32_entry.get("source_checkpoint_sha256")
+        if source and ckpt.is_file() and sha256_file(ckpt) != source:
+            # QAT fine-tunes best.ckpt and is gated against export/model.onnx: one model, or
+            # the comparison means nothing
+            raise QuantizeError(
+                f"{ckpt} is not the checkpoint {self.fp32} was exported from: re-run "
+                f"`make export RUN={self.run.root}`"
+            )
         try:
             info = quantize_aware_train(
                 self.run,

@@ -167,6 +167,14 @@ class OrtPredictor(Predictor):
             if not all(isinstance(d, int) and d > 0 for d in dims[1:]):
                 raise RunError(f"{self.path}: input {inp.name} {inp.shape} is not [N, C, H, W]")
             spec = {"name": inp.name, "dtype": "uint8", "shape": dims, "layout": "NCHW"}
+            if self.input_dtype != np.uint8:
+                log.warning(
+                    "%s carries no lightship metadata: its %s input is fed raw pixels 0..255, "
+                    "unscaled; a model trained on 0..1 or normalised input answers wrongly "
+                    "(models exported by lightship normalise inside the graph)",
+                    self.path,
+                    _describe_type(inp.type),
+                )
         self.input_spec = spec
         width = out.shape[1]
         if labels is None:
