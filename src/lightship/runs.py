@@ -30,12 +30,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def check_recorded(path: Path, entry: dict[str, Any], fix: str) -> None:
-    """RunError when `path` is not the file its manifest `entry` recorded (sha256); `fix` says
-    what to re-run. Entries without a sha256 are taken as they are."""
+def check_recorded(path: Path, entry: dict[str, Any], fix: str) -> str:
+    """The sha256 of `path`; RunError when it is not the file its manifest `entry` recorded
+    (`fix` says what to re-run). Entries without a sha256 are taken as they are."""
+    actual = sha256_file(path)
     expected = entry.get("sha256")
-    if expected and sha256_file(path) != expected:
+    if expected and actual != expected:
         raise RunError(f"{path} differs from its manifest entry (sha256): {fix}")
+    return actual
 
 
 @contextlib.contextmanager

@@ -704,6 +704,20 @@ def test_a_dead_inference_worker_is_neither_live_nor_ready_and_answers_503(
     assert metric(text, 'lightship_rejections_total{reason="not_ready"}') == 0
 
 
+def post_scope(path: str, content_type: str, content_length: int, timeout_ms: int) -> Any:
+    """The ASGI scope of a POST, for tests that drive the body's arrival themselves."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "client": ("test", 1), "server": ("test", 80),
+        "headers": [
+            (b"content-type", content_type.encode()),
+            (b"content-length", str(content_length).encode()),
+            (b"x-request-timeout-ms", str(timeout_ms).encode()),
+        ],
+    }  # fmt: skip
+
+
 BOUNDARY = "b0undary"
 STALLED = [
     (INFER, "application/json", b'{"inputs": ['),
@@ -737,16 +751,7 @@ def test_a_body_that_stalls_is_answered_408_at_the_deadline(
             async def send(message: dict[str, Any]) -> None:
                 sent.append(message)
 
-            scope = {
-                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-                "root_path": "", "client": ("test", 1), "server": ("test", 80),
-                "headers": [
-                    (b"content-type", content_type.encode()),
-                    (b"content-length", b"5000"),
-                    (b"x-request-timeout-ms", b"50"),
-                ],
-            }  # fmt: skip
+            scope = post_scope(path, content_type, content_length=5000, timeout_ms=50)
             await asyncio.wait_for(app(scope, receive, send), 5)
             return (await client.get("/metrics")).text
 
@@ -776,23 +781,15 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
                 if parts:
                     if len(parts) == 1:
                         await asyncio.sleep(0.45)  # the body takes 0.45 s of the 0.6 s
-                    return {"type": "http.request", "body": parts.pop(0), "more_body": len(parts)}
+                    part = parts.pop(0)
+                    return {"type": "http.request", "body": part, "more_body": bool(parts)}
                 await asyncio.Event().wait()  # the client stays connected
                 raise AssertionError("unreachable")
 
             async def send(message: dict[str, Any]) -> None:
                 sent.append(message)
 
-            scope = {
-                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                "scheme": "http", "path": INFER, "raw_path": INFER.encode(), "query_string": b"",
-                "root_path": "", "client": ("test", 1), "server": ("test", 80),
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"x-request-timeout-ms", b"600"),
-                ],
-            }  # fmt: skip
+            scope = post_scope(INFER, "application/json", len(body), timeout_ms=600)
             started = time.monotonic()
             await asyncio.wait_for(app(scope, receive, send), 5)
             answered = time.monotonic() - started

@@ -92,14 +92,13 @@ def export(
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()
-    check_recorded(
+    source_sha = check_recorded(
         ckpt,
         run.artifact("checkpoint") or {},
         "it is not the checkpoint `lightship train` wrote for this run; train it again "
         f"(`make train RUN={run.root}`), or export the run that made it",
     )
     loaded = load_checkpoint(ckpt)
-    source_sha = sha256_file(ckpt)
     x_test = parity_inputs(loaded)
     with torch.inference_mode():
         reference = loaded.model(torch.from_numpy(x_test)).numpy()

@@ -33,7 +33,7 @@ def read_metadata(
         raise RunError(
             f"{source}: metadata {META_LABELS} is not valid (not a list of strings): re-export it"
         )
-    if spec is not None and not _valid_spec(spec):
+    if spec is not None and not valid_input_spec(spec):
         raise RunError(
             f"{source}: metadata {META_INPUT_SPEC} is not valid "
             "(needs a shape [N, C, H, W] with positive integer C, H, W): re-export it"
@@ -50,7 +50,8 @@ def _json_meta(meta: dict[str, str], key: str, source: Path | str) -> Any:
         raise RunError(f"{source}: metadata {key} is not valid JSON: re-export it") from None
 
 
-def _valid_spec(spec: Any) -> bool:
+def valid_input_spec(spec: Any) -> bool:
+    """Whether `spec` has a shape [N, C, H, W] with positive integer C, H, W."""
     shape = spec.get("shape") if isinstance(spec, dict) else None
     return (
         isinstance(shape, list)

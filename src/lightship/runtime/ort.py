@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from lightship.errors import RunError
-from lightship.runtime.base import Predictor, physical_cores, read_metadata
+from lightship.runtime.base import Predictor, physical_cores, read_metadata, valid_input_spec
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,9 @@ class OrtPredictor(Predictor):
         labels, spec = read_metadata(self.session.get_modelmeta().custom_metadata_map, self.path)
         if spec is None:  # a foreign ONNX file: take what the graph says
             dims = [d if isinstance(d, int) else "batch" for d in inp.shape]
-            if not all(isinstance(d, int) and d > 0 for d in dims[1:]):
-                raise RunError(f"{self.path}: input {inp.name} {inp.shape} is not [N, C, H, W]")
             spec = {"name": inp.name, "dtype": "uint8", "shape": dims, "layout": "NCHW"}
+            if not valid_input_spec(spec):
+                raise RunError(f"{self.path}: input {inp.name} {inp.shape} is not [N, C, H, W]")
             if self.input_dtype != np.uint8:
                 log.warning(
                     "%s carries no lightship metadata: its %s input is fed raw pixels 0..255, "
