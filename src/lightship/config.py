@@ -133,6 +133,31 @@ class Config(Section):
         return self
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load, but a key written twice in one mapping is an error: YAML keeps the last
+    one silently, so `lr: 0.1` lower down in a section would quietly undo an edit above it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue  # `<<: *base` merges may be overridden by the keys beside them
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key '{key_node.value}' appears twice in one section (keep one)",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
     key, sep, raw = dotted.partition("=")
     if not sep or not key.strip():
@@ -145,7 +170,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
             raise ConfigError(f"--set {dotted!r}: {part!r} is a value, not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(
             f"--set {dotted!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
@@ -206,7 +231,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass --config configs/digits.yaml")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = _load_yaml(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 YAML"

@@ -97,6 +97,26 @@ def test_yaml_syntax_error_names_problem_line_and_column(tmp_path: Path) -> None
     assert "\n" not in msg
 
 
+def test_a_key_written_twice_is_refused(tmp_path: Path) -> None:
+    # YAML keeps the last value silently: the edit on line 3 would be undone by line 4.
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 0.05\n  weight_decay: 0.0\n  lr: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert msg == (
+        f"{path} is not valid YAML: key 'lr' appears twice in one section (keep one) "
+        "at line 4, column 3"
+    )
+    with pytest.raises(ConfigError, match="key 'x' appears twice"):
+        load_config(None, ["model.kwargs={x: 1, x: 2}"])
+    # The same key in different sections, and a merge key beside its overrides, are fine.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("optim:\n  lr: 0.05\ntrainer:\n  max_epochs: 2\n")
+    assert load_config(ok).optim.lr == 0.05
+    assert load_config(None, ["model.kwargs={<<: {a: 1}, a: 2}"]).model.kwargs == {"a": 2}
+
+
 def test_empty_yaml_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing yet\n")
