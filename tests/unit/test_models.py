@@ -112,5 +112,29 @@ def test_bad_model_names(name: str, message: str) -> None:
 def test_bad_model_kwargs_say_which() -> None:
     with pytest.raises(ConfigError, match="check model.kwargs"):
         models.create(spec("digits_cnn", kwargs={"depth": 3}))
-    with pytest.raises(ConfigError, match="dropout probability.*check model.kwargs"):
+    with pytest.raises(ConfigError, match=r"dropout must be a number in \[0, 1\).*got 2; check"):
         models.create(spec("digits_cnn", kwargs={"dropout": 2}))  # a value it refuses
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        # `--set model.kwargs.stages=abc`: torch used to answer with its own error about sizes
+        ("digits_cnn", {"stages": "abc"}, "stages must be a list of lists of widths"),
+        ("digits_cnn", {"stages": []}, "stages must be a list of lists of widths"),
+        ("digits_cnn", {"stages": [[32], [0]]}, r"each of stages must be .*got \[0\]"),
+        ("digits_cnn", {"stages": [32, 64]}, r"each of stages must be .*got 32"),
+        ("digits_cnn", {"stages": [[32.5]]}, "each of stages must be a list of positive whole"),
+        ("resnet", {"width": "wide"}, "width must be a positive whole number, e.g. 64; got 'wide'"),
+        ("resnet", {"blocks": [2, -1]}, r"blocks must be .*\[2, 2, 2, 2\]; got \[2, -1\]"),
+        ("mlp", {"hidden": [True]}, r"hidden must be a list of positive whole numbers"),
+        ("mlp", {"dropout": "x"}, r"dropout must be a number in \[0, 1\)"),
+    ],
+)
+def test_built_in_models_name_the_bad_setting(
+    name: str, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message + ".*check model.kwargs"):
+        models.create(spec(name, kwargs=kwargs))
+    # and an empty hidden list is a linear model, not an error
+    assert isinstance(models.create(spec("mlp", kwargs={"hidden": []})), nn.Module)

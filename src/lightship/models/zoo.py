@@ -7,6 +7,26 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 
+def _widths(name: str, value: object, example: str, allow_empty: bool = False) -> list[int]:
+    """`value` as a list of positive ints, or a ValueError naming the setting and an example
+    (a typo in `--set model.kwargs...` would otherwise surface as a torch error deep inside)."""
+    if (
+        isinstance(value, (list, tuple))
+        and (allow_empty or len(value) > 0)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        return list(value)
+    raise ValueError(
+        f"{name} must be a list of positive whole numbers, e.g. {example}; got {value!r}"
+    )
+
+
+def _dropout(value: object) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1:
+        return float(value)
+    raise ValueError(f"dropout must be a number in [0, 1), e.g. 0.1; got {value!r}")
+
+
 def conv_bn_relu(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
@@ -32,6 +52,13 @@ class DigitsCNN(nn.Sequential):
         stages: Sequence[Sequence[int]] = ((32,), (64, 64), (128,)),
         dropout: float = 0.1,
     ) -> None:
+        example = "[[32], [64, 64], [128]]"
+        if not isinstance(stages, (list, tuple)) or not stages:
+            raise ValueError(
+                f"stages must be a list of lists of widths, e.g. {example}; got {stages!r}"
+            )
+        stages = [_widths("each of stages", stage, example) for stage in stages]
+        dropout = _dropout(dropout)
         layers: list[nn.Module] = []
         cin, size = in_channels, image_size
         for stage in stages:
@@ -85,6 +112,9 @@ class ResNet18(nn.Module):
         blocks: Sequence[int] = (2, 2, 2, 2),
     ) -> None:
         super().__init__()
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"width must be a positive whole number, e.g. 64; got {width!r}")
+        blocks = _widths("blocks", blocks, "[2, 2, 2, 2]")
         self.stem = conv_bn_relu(in_channels, width)
         stages: list[nn.Module] = []
         cin = width
@@ -113,6 +143,8 @@ class MLP(nn.Sequential):
         hidden: Sequence[int] = (256, 256),
         dropout: float = 0.1,
     ) -> None:
+        hidden = _widths("hidden", hidden, "[256, 256]", allow_empty=True)
+        dropout = _dropout(dropout)
         layers: list[nn.Module] = [nn.Flatten()]
         cin = in_channels * image_size * image_size
         for h in hidden:
