@@ -189,20 +189,19 @@ class Service:
 
     def timeout_s(self, request: Request, requested_s: float | None = None) -> float:
         """Seconds left until the request's deadline: the server's, shortened by the client's
-        header or V2 parameter, counted from the request's arrival."""
-        timeout = self.settings.timeout_ms / 1000
-        header = request.headers.get(TIMEOUT_HEADER)
-        if header is not None:
-            value = _client_timeout_s(header)
-            if value is None:
-                raise ProtocolError(
-                    f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got {header!r}"
-                )
-            timeout = min(timeout, value)
+        header or V2 parameter, counted from the request's arrival (`BodyLimit` sets it)."""
+        now = time.monotonic()
+        deadline, bad_header = request.scope.get("state", {}).get(
+            "deadline", (now + self.settings.timeout_ms / 1000, None)
+        )
+        if bad_header is not None:
+            raise ProtocolError(
+                f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got {bad_header!r}"
+            )
         if requested_s is not None:
-            timeout = min(timeout, requested_s)
+            deadline = min(deadline, now + requested_s)
         # What is left of it: reading and parsing the body took some (<= 0: already passed).
-        return timeout - (time.monotonic() - getattr(request.state, "arrived", time.monotonic()))
+        return deadline - now
 
     async def predict(self, x: np.ndarray, timeout_s: float, receive: Receive) -> np.ndarray:
         """Logits for checked input through the batcher; drops the request if its client left."""
@@ -273,12 +272,16 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        # request.state.arrived: the deadline counts from here, body reading included
-        scope.setdefault("state", {})["arrived"] = time.monotonic()
+        arrived = time.monotonic()
         timeout_s = self.timeout_s
+        bad_header = None  # answered 400 by the route (`Service.timeout_s`), after the body
         for key, value in scope["headers"]:
             if key == TIMEOUT_HEADER_BYTES:
-                timeout_s = min(timeout_s, _client_timeout_s(value) or timeout_s)
+                client_s = _client_timeout_s(value)
+                if client_s is None:
+                    bad_header = value.decode("latin-1")
+                else:
+                    timeout_s = min(timeout_s, client_s)
             elif key == b"content-length" and (not value.isdigit() or int(value) > self.limit):
                 self.metrics.rejected("body_too_large")
                 too_large = _error(
@@ -289,6 +292,8 @@ class BodyLimit:
                 )
                 await too_large(scope, receive, send)
                 return
+        # The deadline counts from arrival, body reading included; the routes read it here.
+        scope.setdefault("state", {})["deadline"] = (arrived + timeout_s, bad_header)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         seen = 0
