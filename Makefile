@@ -68,7 +68,7 @@ test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
 	$(BIN)/ruff format --check src tests deploy
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile Dockerfile.gpu
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest -m "not slow" --durations=15
 
 test-slow: $(STAMP) ## run only the tests marked slow
 	$(BIN)/pytest -m slow
