@@ -207,6 +207,15 @@ def write_half(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def write_long_extra_field(path: Path) -> None:
+    # A flipped bit in the first member's extra-field length: the reader skips past the data
+    # and zipfile raises EOFError with no message ("cannot read d.npz: ; write it again").
+    np.savez(path, x=X20, y=np.repeat([0, 1], 10))
+    data = bytearray(path.read_bytes())
+    data[29] ^= 0b10
+    path.write_bytes(bytes(data))
+
+
 def write_npy(path: Path) -> None:
     with path.open("wb") as f:  # a bare .npy, named .npz
         np.save(f, X20)
@@ -218,6 +227,7 @@ def write_npy(path: Path) -> None:
         (write_half, r"not an \.npz archive \(truncated"),
         (lambda p: p.write_text("x,y\n1,2\n"), r"not an \.npz archive"),
         (write_npy, r"not an \.npz archive"),
+        (write_long_extra_field, r"cannot read .*d\.npz: it ends before its data \(EOFError\); "),
         (lambda p: np.savez(p, images=X20), r"arrays 'x' .* and 'y' .*found \['images'\]"),
         (
             lambda p: np.savez(p, x=X20, y=np.zeros(19, dtype=np.int64)),
@@ -252,6 +262,7 @@ def write_npy(path: Path) -> None:
         "truncated",
         "text",
         "npy",
+        "short-member",
         "no-x",
         "lengths",
         "negative",

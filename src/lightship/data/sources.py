@@ -156,8 +156,12 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
             x, y = npz["x"], npz["y"]
             names = npz.get("labels")
     except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as exc:
+        # zipfile's EOFError has no message: say what it means
+        reason = str(exc) or (
+            "it ends before its data (EOFError)" if isinstance(exc, EOFError) else repr(exc)
+        )
         raise DataError(
-            f"cannot read {path}: {exc}; "
+            f"cannot read {path}: {reason}; "
             "write it again with np.savez(path, x=uint8_images, y=labels)"
         ) from None
     labels = None
