@@ -309,7 +309,15 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
             "model.name=mlp model.kwargs={'num_classes': 3} outputs [2, 3] for 2 images, "
             "expected [2, 10]",
         ),
-        (["--set", "model.kwargs.stages=[[0]]"], "fails on a [2, 1, 16, 16] input: "),
+        (
+            [
+                "--set",
+                "model.name=torch.nn:Linear",
+                "--set",
+                "model.kwargs={in_features: 5, out_features: 10}",
+            ],
+            "fails on a [2, 1, 16, 16] input: ",
+        ),
     ]
     for extra, message in cases:
         proc = run_cli("train", "--run", str(run), "--config", TINY, *extra)
