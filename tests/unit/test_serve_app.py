@@ -765,6 +765,38 @@ def test_a_body_that_stalls_is_answered_408_at_the_deadline(
     assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 1
 
 
+def test_a_request_cancelled_while_its_body_arrives_is_not_a_body_timeout(tmp_path: Path) -> None:
+    # The body's deadline cancels the task reading it; a cancel from elsewhere (uvicorn's
+    # shutdown, the client's task group) must stay a cancel, not turn into a 408.
+    app, _ = make_app(tmp_path)
+    reading = asyncio.Event()
+
+    async def main() -> str:
+        async with serving(app) as client:
+            messages = [{"type": "http.request", "body": b'{"inputs": [', "more_body": True}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                reading.set()
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                raise AssertionError(f"nothing is sent for a cancelled request: {message}")
+
+            scope = post_scope(INFER, "application/json", content_length=5000, timeout_ms=60000)
+            task = asyncio.ensure_future(app(scope, receive, send))
+            await asyncio.wait_for(reading.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 0
+
+
 def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path: Path) -> None:
     app, gate = make_app(tmp_path, gate=True)
     assert gate is not None
