@@ -67,8 +67,8 @@ CLIENT_CLOSED = 499
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). An
 # inference thread back from the model waits that long for the busy event loop before it can
 # hand its batch over, and every request in the batch waits with it. At 1 ms the digits model
-# at concurrency 16 answered ~30 % more requests per second (in-process, same run); a model
-# releases the GIL while it computes, so the shorter slice costs nothing otherwise.
+# at concurrency 16 answered 20-40 % more requests per second (in-process and over HTTP, same
+# runs); a model releases the GIL while it computes, so the shorter slice costs little else.
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -223,7 +223,7 @@ class _DisconnectWatch:
     """Abandons a queued request when its client disconnects.
 
     After the body, an ASGI `receive()` returns only on disconnect, but awaiting it takes a task
-    (~20 µs to make, run and cancel: a tenth of a small model's request on the event loop).
+    (tens of µs to make, run and cancel: a fifth of a small model's request on the event loop).
     Requests are answered within a few batches, so the task starts only for one still waiting
     after `WATCH_AFTER_S`: those are the ones a backlog holds, where dropping them saves compute.
     At 5 ms most requests of the digits model at concurrency 16 (p50 ~8 ms) paid for a watch;
@@ -310,7 +310,7 @@ class BodyLimit:
             if body_done:  # after the body only a disconnect comes, whenever it comes
                 return await receive()
             # asyncio.timeout_at() does the same with a context object per call; this is the
-            # hot path of every request (a few µs each, measured with the no-model benchmark).
+            # hot path of every request (20-40 µs less per request, measured in-process).
             task = asyncio.current_task()
             assert task is not None
             timer = loop.call_at(deadline, expire, task)
