@@ -59,6 +59,17 @@ def _check_runtime_config(cfg: Config) -> None:
         )
 
 
+# What a checkpoint records about the model and data, and what the user calls each; resuming
+# needs them all unchanged. Data first: a data setting is what the user changed, and the model
+# spec follows from it.
+_RESUME_HPARAMS = {
+    "data_spec": "data",
+    "labels": "labels",
+    "model_spec": "model",
+    "input_spec": "input",
+}
+
+
 def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
     """last.ckpt, read and checked to be a lightship Lightning checkpoint, for `--resume`."""
     if not run.last_ckpt.is_file():
@@ -78,10 +89,6 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
     return ckpt
 
 
-# What a checkpoint records about the model and data; resuming needs them all unchanged.
-_RESUME_HPARAMS = ("model_spec", "input_spec", "data_spec", "labels")
-
-
 def _changes(old: Any, new: Any, key: str) -> list[str]:
     """Dotted 'key old -> new' for each leaf where two plain-typed trees differ."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -95,10 +102,8 @@ def _changes(old: Any, new: Any, key: str) -> list[str]:
 def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunDir) -> None:
     """Refuse a resume whose model or data differ from the checkpoint's (weights would not fit,
     or would silently continue on other data)."""
-    # data first: a data setting is what the user changed; the model spec follows from it.
-    names = {"data_spec": "data", "labels": "labels", "model_spec": "model", "input_spec": "input"}
     diffs: list[str] = []
-    for key, name in names.items():
+    for key, name in _RESUME_HPARAMS.items():
         old, new = hparams[key], lit.hparams[key]
         if key == "labels" and old != new:
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
@@ -141,13 +146,11 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> No
         ) from None
     # Fewer epochs is allowed: the restored schedule runs on as planned and stops early
     # (a killed 100-epoch run finished at 10). More would step past its end.
-    diffs = [
-        f"{section}.{key} {getattr(getattr(prev, section), key)!r} -> "
-        f"{getattr(getattr(cfg, section), key)!r}"
-        for section, key in _SCHEDULE_KEYS
-        if getattr(getattr(prev, section), key) != getattr(getattr(cfg, section), key)
-        and not (key == "max_epochs" and cfg.trainer.max_epochs < prev.trainer.max_epochs)
-    ]
+    diffs = []
+    for section, key in _SCHEDULE_KEYS:
+        old, new = getattr(getattr(prev, section), key), getattr(getattr(cfg, section), key)
+        if old != new and not (key == "max_epochs" and new < old):
+            diffs.append(f"{section}.{key} {old!r} -> {new!r}")
     if prev.optim.scheduler != cfg.optim.scheduler:
         diffs.append(f"optim.scheduler {prev.optim.scheduler} -> {cfg.optim.scheduler}")
     if diffs:
@@ -325,8 +328,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             old.unlink()
     atomic_write_text(run.config, dump_config(cfg))
     resumed_from_step = 0
-    ckpt_path = run.last_ckpt if resumed is not None else None
+    ckpt_path = None
     if resumed is not None:
+        ckpt_path = run.last_ckpt
         resumed_from_step = int(resumed.get("global_step", 0))
         print(f"resuming {run.root} from {ckpt_path} (global step {resumed_from_step})", flush=True)
     started = time.perf_counter()
