@@ -68,3 +68,13 @@ def rerecord_checkpoint(run: Path) -> None:
     entry = rd.artifact("checkpoint")
     assert entry is not None
     rd.record("checkpoint", {**entry, "sha256": sha256_file(rd.best_ckpt)})
+
+
+def swap_checkpoint(run: Path) -> None:
+    """Put another model's weights in RUN/best.ckpt by hand (one weight changed), unrecorded:
+    what a user does when copying a checkpoint into a run."""
+    import torch
+
+    ckpt = torch.load(run / "best.ckpt", weights_only=True)
+    next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
+    torch.save(ckpt, run / "best.ckpt")

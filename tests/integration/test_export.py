@@ -21,7 +21,14 @@ from lightship.export.core import export
 from lightship.export.parity import check_parity
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
-from tests.conftest import CONFIGS, ROOT, last_line, rerecord_checkpoint, run_cli
+from tests.conftest import (
+    CONFIGS,
+    ROOT,
+    last_line,
+    rerecord_checkpoint,
+    run_cli,
+    swap_checkpoint,
+)
 
 TINY = str(CONFIGS / "tiny.yaml")
 FILES = {"onnx-fp32": "model.onnx", "torchscript": "model.ts", "pt2": "model.pt2"}
@@ -259,9 +266,7 @@ def test_labels_must_match_the_logits(tiny_run: Path, tmp_path: Path) -> None:
 def test_a_checkpoint_the_run_did_not_record_is_refused(exported_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "swapped"
     shutil.copytree(exported_run, run)
-    ckpt = torch.load(run / "best.ckpt", weights_only=True)  # another model, by hand
-    next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
-    torch.save(ckpt, run / "best.ckpt")
+    swap_checkpoint(run)
     before = (run / "manifest.json").read_bytes()
     proc = run_cli("export", "--run", str(run), "--formats", "onnx")
     assert proc.returncode == 4, proc.stderr

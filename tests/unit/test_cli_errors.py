@@ -10,7 +10,7 @@ import pytest
 
 from lightship import cli
 from lightship.errors import RunError
-from tests.conftest import last_line, run_cli
+from tests.conftest import last_line, run_cli, swap_checkpoint
 
 
 @pytest.mark.parametrize(("value", "shown"), [(".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")])
@@ -71,13 +71,9 @@ def test_quantize_fails_when_every_method_fails(exported_run: Path, tmp_path: Pa
 def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
     exported_run: Path, tmp_path: Path
 ) -> None:
-    import torch
-
     run = tmp_path / "swapped"
     shutil.copytree(exported_run, run)
-    ckpt = torch.load(run / "best.ckpt", weights_only=True)
-    next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
-    torch.save(ckpt, run / "best.ckpt")
+    swap_checkpoint(run)
     proc = run_cli("quantize", "--run", str(run), "--methods", "qat")
     assert proc.returncode == 6, proc.stderr
     assert (
