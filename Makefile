@@ -40,8 +40,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install lightship with all extras
 
+# RESUME=1 continues with the run's own config.yaml unless CONFIG is given.
+TRAIN_CONFIG = $(if $(and $(RESUME),$(filter file,$(origin CONFIG))),,--config $(CONFIG))
+
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
-	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(if $(RESUME),--resume) $(ARGS)
+	$(BIN)/lightship train --run $(RUN) $(TRAIN_CONFIG) $(if $(RESUME),--resume) $(ARGS)
 
 # A later stage builds what it needs when it is missing, so any target works on a fresh clone.
 $(RUN)/best.ckpt: | $(STAMP)

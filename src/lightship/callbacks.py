@@ -15,7 +15,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
+from lightship.errors import ConfigError
 from lightship.runs import atomic_path
 
 
@@ -93,3 +95,20 @@ def evaluate(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch: int = 
             logits = model(torch.from_numpy(x[i : i + batch]))
             correct += int((logits.argmax(1).numpy() == y[i : i + batch]).sum())
     return correct / max(len(x), 1)
+
+
+def fit_trainer(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    """`trainer.fit`, with Ctrl-C a KeyboardInterrupt again (exit 130, "interrupted").
+
+    Lightning catches the interrupt, tears down and calls `sys.exit(1)`: a bare exit code 1 that
+    looks like a crash. A setting only Lightning checks (it does so as fitting starts) is a
+    one-line ConfigError instead of a traceback.
+    """
+    try:
+        trainer.fit(*args, **kwargs)
+    except SystemExit:
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    except MisconfigurationException as exc:
+        raise ConfigError(f"Lightning refused the settings: {exc}") from None

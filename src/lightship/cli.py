@@ -75,10 +75,14 @@ def train(
         bool, typer.Option("--resume", help="continue from RUN/checkpoints/last.ckpt")
     ] = False,
 ) -> None:
-    """Train a model with Lightning; writes RUN/best.ckpt, checkpoints/, logs/ and manifest.json."""
+    """Train a model with Lightning; writes RUN/best.ckpt, checkpoints/, logs/ and manifest.json.
+
+    With --resume and no --config, the run's own config.yaml is the starting point."""
     from lightship.config import load_config
     from lightship.runs import RunDir
 
+    if resume and config is None and RunDir(run).config.is_file():
+        config = RunDir(run).config
     cfg = load_config(config, overrides)
     from lightship.train import fit
 

@@ -86,8 +86,9 @@ class TrainerConfig(Section):
     profiler: Literal["simple", "advanced", "pytorch"] | None = None
     progress_bar: Literal["auto", "rich", "none"] = "auto"
     log_every_n_steps: int = Field(10, ge=1)
-    limit_train_batches: float | int | None = None
-    limit_val_batches: float | int | None = None
+    # > 0: checkpoints and early stopping read validation metrics every epoch
+    limit_train_batches: float | int | None = Field(None, gt=0)
+    limit_val_batches: float | int | None = Field(None, gt=0)
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -95,8 +96,13 @@ class TrainerConfig(Section):
         return str(v) if isinstance(v, int) else v
 
 
+# The epoch-level metrics the training module logs; Lightning would only find a typo once the
+# first validation ended, after the run directory had changed.
+Monitor = Literal["val_acc", "val_loss"]
+
+
 class CheckpointConfig(Section):
-    monitor: str = "val_acc"
+    monitor: Monitor = "val_acc"
     mode: Literal["max", "min"] = "max"
     save_top_k: int = Field(2, ge=-1)
 
@@ -105,7 +111,7 @@ class EarlyStoppingConfig(Section):
     enabled: bool = True
     # val_loss, not val_acc: accuracy on a small validation split saturates long before training
     # has converged, and stopping on it cuts the learning-rate schedule short.
-    monitor: str = "val_loss"
+    monitor: Monitor = "val_loss"
     mode: Literal["max", "min"] = "min"
     patience: int = Field(6, ge=0)
     min_delta: float = Field(0.0, ge=0)

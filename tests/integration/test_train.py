@@ -325,3 +325,51 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
         assert message in last_line(proc.stderr), proc.stderr
         assert "Traceback" not in proc.stderr
         assert not run.exists()
+
+
+def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_was(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "again"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    config = (run / "config.yaml").read_text()
+    fails = ["--set", "model.name=tests.failing_models:FailsWhileFitting"]
+
+    # Ctrl-C while fitting (Lightning catches it and calls sys.exit(1)): exit 130, one line
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
+                   "--set", "model.kwargs={steps: 3, error: interrupt}")  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert last_line(proc.stderr) == "interrupted"
+    assert f"training stopped before its first checkpoint: {run} is as it was" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert (run / "config.yaml").read_text() == config
+    assert not list(run.glob(".previous.*"))
+
+    # an error: its traceback (a bug), and the same promise kept
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
+                   "--set", "model.kwargs={steps: 3, error: runtime}")  # fmt: skip
+    assert proc.returncode == 1 and "failed on purpose at training step 3" in proc.stderr
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert (run / "config.yaml").read_text() == config
+
+    # after its first checkpoint the new training is what a --resume continues
+    steps = 3 * 7 + 2  # tiny: 7 steps an epoch (880 images, batch 128)
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
+                   "--set", f"model.kwargs={{steps: {steps}, error: interrupt}}")  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert f"continue it with `lightship train --run {run} --resume`" in proc.stderr
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["hyper_parameters"]["model_spec"]["name"].endswith("FailsWhileFitting")
+    assert "FailsWhileFitting" in (run / "config.yaml").read_text()
+    assert manifest(run)["checkpoint"] == manifest(tiny_run)["checkpoint"]  # best.ckpt: the old
+
+
+def test_resume_without_a_config_continues_with_the_runs_own(tmp_path: Path) -> None:
+    run = tmp_path / "own"
+    run_cli("train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=2",
+            "--set", "optim.scheduler=cosine", check=True)  # fmt: skip
+    # built-in defaults (batch 64, 28x28 digits) would be refused as a different data spec
+    proc = run_cli("train", "--run", str(run), "--resume", "--set", "trainer.max_epochs=3",
+                   check=True)  # fmt: skip
+    assert manifest(run)["checkpoint"]["epochs"] == 3, proc.stdout

@@ -62,6 +62,22 @@ def test_bad_literal_lists_choices() -> None:
         load_config(None, ["trainer.precision=64"])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("checkpoint.monitor=val_los", "Input should be 'val_acc' or 'val_loss'"),
+        ("early_stopping.monitor=acc", "Input should be 'val_acc' or 'val_loss'"),
+        ("trainer.limit_val_batches=0", "greater than 0"),
+    ],
+)
+def test_settings_lightning_checks_only_while_fitting_are_checked_here(
+    override: str, message: str
+) -> None:
+    # Lightning finds these once the first validation ends, after the run directory changed
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
 def test_set_without_equals() -> None:
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(None, ["trainer.max_epochs"])

@@ -33,7 +33,13 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt
 from torchao.quantization.pt2e.quantizer import QuantizationConfig, QuantizationSpec
 from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
 
-from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
+from lightship.callbacks import (
+    AtomicCheckpointIO,
+    LatestBestCheckpoint,
+    evaluate,
+    fit_trainer,
+    progress,
+)
 from lightship.data import DataSpec
 from lightship.data.module import ImageDataModule, config_from_spec
 from lightship.errors import QuantizeError
@@ -311,7 +317,7 @@ def fine_tune(
         num_sanity_val_steps=0,  # observers have seen no batch yet: the scales are meaningless
         plugins=[AtomicCheckpointIO()],
     )
-    trainer.fit(lit, datamodule=dm)
+    fit_trainer(trainer, lit, datamodule=dm)
     if not checkpoint.best_model_path:
         raise QuantizeError(f"QAT fine-tuning wrote no checkpoint in {workdir}")
     return trainer, Path(checkpoint.best_model_path)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shlex
+import shutil
+import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,9 +25,16 @@ from pytorch_lightning.callbacks import (
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from lightship import __version__, models
-from lightship.callbacks import AtomicCheckpointIO, LatestBestCheckpoint, evaluate, progress
+from lightship.callbacks import (
+    AtomicCheckpointIO,
+    LatestBestCheckpoint,
+    evaluate,
+    fit_trainer,
+    progress,
+)
 from lightship.config import Config, dump_config, load_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
@@ -193,7 +207,8 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
     """pl.Trainer, its refusals (devices=0, an unknown accelerator...) as one-line ConfigErrors."""
     try:
         return pl.Trainer(**kwargs)
-    except (MisconfigurationException, ValueError, TypeError) as exc:
+    except (MisconfigurationException, ValueError, TypeError, ImportError) as exc:
+        # ImportError: an accelerator whose package is missing (tpu needs torch_xla)
         raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
 
 
@@ -213,6 +228,50 @@ def _forget_derived(run: RunDir) -> None:
         f"re-run `make export quantize RUN={run.root}`",
         flush=True,
     )
+
+
+@contextlib.contextmanager
+def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
+    """A new training replaces the run's checkpoints and config.yaml, but only once it has a
+    checkpoint of its own: until then the old ones wait in a hidden folder, and a failure (a
+    setting Lightning refuses as fitting starts, Ctrl-C, a full disk) puts them back. A failure
+    after the first checkpoint keeps the new ones, so `--resume` continues the new training.
+    `keep` (resuming): nothing is replaced. DDP workers leave the files to rank 0.
+    """
+    if keep or getattr(rank_zero_only, "rank", 0) != 0:
+        yield
+        return
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    stash = Path(tempfile.mkdtemp(prefix=".previous.", dir=run.root))
+    try:
+        for old in [*run.checkpoints.glob("*.ckpt"), run.config]:
+            if old.is_file():
+                os.replace(old, stash / old.name)
+        try:
+            yield
+        except BaseException:
+            if not run.last_ckpt.is_file():
+                for new in run.checkpoints.glob("*.ckpt"):
+                    new.unlink()
+                for old in stash.iterdir():
+                    os.replace(
+                        old, run.config if old.suffix == ".yaml" else run.checkpoints / old.name
+                    )
+                print(
+                    f"training stopped before its first checkpoint: {run.root} is as it was",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                print(
+                    f"training stopped: continue it with `lightship train --run "
+                    f"{shlex.quote(str(run.root))} --resume`",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise
+    finally:
+        shutil.rmtree(stash, ignore_errors=True)
 
 
 def _own_best(run: RunDir, best_model_path: str) -> Path:
@@ -269,7 +328,14 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         lit.model.compile()
 
     # Fail now, not after the last epoch, when an output cannot be written.
-    check_writable(run.config, run.manifest_path, run.best_ckpt, run.last_ckpt)
+    check_writable(
+        run.config,
+        run.manifest_path,
+        run.best_ckpt,
+        run.last_ckpt,
+        run.logs / "tensorboard" / "events",
+        run.logs / "csv" / "metrics.csv",
+    )
     t = cfg.trainer
     checkpoint = LatestBestCheckpoint(
         dirpath=run.checkpoints,
@@ -322,11 +388,6 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         limit_val_batches=t.limit_val_batches,
         plugins=[AtomicCheckpointIO()],
     )
-    # Only now, with the settings accepted, does the run directory change.
-    if not resume:
-        for old in run.checkpoints.glob("*.ckpt"):
-            old.unlink()
-    atomic_write_text(run.config, dump_config(cfg))
     resumed_from_step = 0
     ckpt_path = None
     if resumed is not None:
@@ -334,7 +395,10 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         resumed_from_step = int(resumed.get("global_step", 0))
         print(f"resuming {run.root} from {ckpt_path} (global step {resumed_from_step})", flush=True)
     started = time.perf_counter()
-    trainer.fit(lit, datamodule=dm, ckpt_path=ckpt_path)
+    # Only now, with the settings accepted, does the run directory change.
+    with _replacing_previous(run, keep=resume):
+        atomic_write_text(run.config, dump_config(cfg))
+        fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
     train_seconds = time.perf_counter() - started
     if not trainer.is_global_zero:
         return run  # DDP workers stop here; rank 0 writes best.ckpt and the manifest
