@@ -6,6 +6,7 @@ and `lightship serve` on an ONNX model never imports torch.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import warnings
@@ -15,7 +16,7 @@ from typing import Annotated
 import typer
 
 from lightship.errors import LightshipError, QuantizeError
-from lightship.runs import run_path
+from lightship.runs import run_path, watch_interrupts
 
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
@@ -257,6 +258,7 @@ def _invoke(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
+    watch_interrupts()
     try:
         sys.exit(_invoke())
     except LightshipError as exc:
@@ -267,6 +269,15 @@ def main() -> None:
         name = exc.filename2 if exc.filename2 is not None else exc.filename
         print(
             f"error: cannot write/read {name}: {exc.strerror}: check the path and its permissions",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise  # anything else is a bug: keep its traceback
+        print(
+            f"error: no space left on the device writing {exc.filename or 'a file'}: "
+            "make room and run again",
             file=sys.stderr,
         )
         sys.exit(1)

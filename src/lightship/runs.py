@@ -11,7 +11,10 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,35 @@ from typing import Any
 from lightship.errors import RunError
 
 MANIFEST_SCHEMA = 1
+
+
+def _file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (0o644 under 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+# mkstemp makes 0600 files: renamed into place, a run would be unreadable to anyone else, e.g.
+# the serving image's own user reading a run mounted into it.
+FILE_MODE = _file_mode()
+_interrupted = threading.Event()
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: a library that swallows the
+    exception (a lazy import half done, a fallback that catches everything) can no longer turn
+    it into a different artifact; `atomic_path` refuses to rename anything after it."""
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupted() -> bool:
+    return _interrupted.is_set()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -57,6 +89,9 @@ def atomic_path(final: Path) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, FILE_MODE)
+        if interrupted():
+            raise KeyboardInterrupt
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -85,6 +120,18 @@ def check_writable(*paths: Path) -> None:
             raise RunError(
                 f"cannot write {path}: {exc.strerror}: check the path and its permissions"
             ) from None
+
+
+def check_space(folder: Path, needed: int, what: str) -> None:
+    """RunError unless `folder`'s file system has `needed` bytes free: some writers (torch's C++
+    ones) abort the process on a full disk instead of raising."""
+    probe = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise RunError(
+            f"{what} needs about {needed / 1e6:.0f} MB in {folder} but {free / 1e6:.0f} MB are "
+            "free: make room and run again"
+        )
 
 
 def run_path(value: str | Path) -> Path:

@@ -234,3 +234,38 @@ def test_quantize_refuses_an_export_changed_after_it_was_recorded(
         f"after `lightship export` wrote it; re-run `make export RUN={run}`"
     )
     assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
+
+
+def test_a_report_that_fails_to_write_leaves_the_old_one_whole(
+    quantized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "full"
+    shutil.copytree(quantized, run)
+    report(RunDir(run), FAST)
+    old = {p.name: p.read_bytes() for p in (run / "report").iterdir()}
+
+    def disk_full(result: dict, path: Path) -> None:
+        path.write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr("lightship.report.render.pareto", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        report(RunDir(run), FAST)
+    # not a new report.json beside the old plot: the old set, and no temporary files
+    assert {p.name: p.read_bytes() for p in (run / "report").iterdir()} == old
+
+
+def test_a_failed_quantization_leaves_no_scratch_folder(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "scratch"
+    shutil.copytree(exported_run, run)
+
+    def disk_full(fp32: Path, out: Path) -> Path:
+        out.write_bytes(b"half")
+        raise OSError(28, "No space left on device", str(out))
+
+    monkeypatch.setattr("lightship.quantize.ptq.preprocess", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        quantize(RunDir(run), "static")
+    assert not list(run.glob(".quantize.*")) and not (run / "quantize").exists()

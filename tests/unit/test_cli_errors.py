@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -114,6 +115,22 @@ def test_unwritable_paths_are_one_line(
     name = exc.filename2 or exc.filename
     assert capsys.readouterr().err == (
         f"error: cannot write/read {name}: {exc.strerror}: check the path and its permissions\n"
+    )
+
+
+def test_a_full_disk_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def invoke() -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/report/.pareto.tmp.png")
+
+    monkeypatch.setattr(cli, "_invoke", invoke)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == (
+        "error: no space left on the device writing runs/x/report/.pareto.tmp.png: "
+        "make room and run again\n"
     )
 
 

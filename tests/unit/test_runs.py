@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
+import threading
 from pathlib import Path
 
 import pytest
 
+from lightship import runs
 from lightship.errors import RunError
-from lightship.runs import RunDir, atomic_path, check_writable, sha256_file
+from lightship.runs import RunDir, atomic_path, check_space, check_writable, sha256_file
 
 
 def test_atomic_path_leaves_old_file_on_failure(tmp_path: Path) -> None:
@@ -24,6 +28,35 @@ def test_atomic_path_replaces_on_success(tmp_path: Path) -> None:
     with atomic_path(target) as tmp:
         tmp.write_bytes(b"new")
     assert target.read_bytes() == b"new"
+
+
+def test_atomic_path_files_get_the_umask_mode_not_mkstemps_0600(tmp_path: Path) -> None:
+    # a run mounted read-only into the serving image is read by another user
+    mask = os.umask(0o022)
+    os.umask(mask)
+    target = tmp_path / "model.onnx"
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"x")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~mask
+
+
+def test_nothing_is_renamed_into_place_after_ctrl_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as if a library swallowed the KeyboardInterrupt and finished writing something else
+    monkeypatch.setattr(runs, "_interrupted", threading.Event())
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"old")
+    runs._interrupted.set()
+    with pytest.raises(KeyboardInterrupt), atomic_path(target) as tmp:
+        tmp.write_bytes(b"made after the interrupt")
+    assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_check_space_says_how_much_is_needed(tmp_path: Path) -> None:
+    check_space(tmp_path / "not" / "yet", 1, "export")
+    with pytest.raises(RunError, match=r"export needs about \d+ MB in .* MB are free: make room"):
+        check_space(tmp_path, 1 << 60, "export")
 
 
 def test_manifest_record_and_sha(tmp_path: Path) -> None:

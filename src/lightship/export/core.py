@@ -20,7 +20,14 @@ from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.parity import Parity, check_parity
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
+from lightship.runs import (
+    RunDir,
+    atomic_path,
+    check_recorded,
+    check_space,
+    check_writable,
+    sha256_file,
+)
 from lightship.runtime import load_predictor
 from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
 
@@ -113,6 +120,9 @@ def export(
     meta = metadata(loaded, source_sha)
     writers = _writers(opset)
     check_writable(run.manifest_path, *(run.export_dir / FILENAMES[fmt] for fmt in chosen))
+    # torch's C++ writers abort the process on a full disk; each artifact is about a third of
+    # the checkpoint (which also holds the optimizer's state)
+    check_space(run.export_dir, len(chosen) * ckpt.stat().st_size // 3 + 4_000_000, "export")
     artifacts: list[Artifact] = []
     for fmt in chosen:
         final = run.export_dir / FILENAMES[fmt]

@@ -12,6 +12,7 @@ import onnx.defs
 import torch
 
 from lightship.errors import ConfigError
+from lightship.runs import interrupted
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def write(
     try:
         _dynamo(model, example, path, opset)
     except Exception as exc:  # dynamo raises many types; the legacy exporter may still work
+        if interrupted():  # Ctrl-C, caught and re-raised as something else inside torch
+            raise KeyboardInterrupt from None
         log.warning(
             "dynamo ONNX export failed (%s); trying the legacy exporter",
             str(exc).splitlines()[0][:200],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -184,14 +185,16 @@ class Quantizer:
             self.fp32, self.splits.test_x, self.splits.test_y
         )
         self.work = Path(tempfile.mkdtemp(prefix=".quantize.", dir=run.root))
-        self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
+        try:
+            self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
+        except BaseException:
+            self.close()
+            raise
         self.cache = self.work / f"calibration.{settings.calibration_method}.json"
         self.calibration: dict[str, Any] = {}
 
     def close(self) -> None:
-        for p in sorted(self.work.glob("**/*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
-        self.work.rmdir()
+        shutil.rmtree(self.work, ignore_errors=True)
 
     def _gate(self, accuracy: float) -> bool:
         return accuracy >= self.settings.gate * self.fp32_acc

@@ -78,6 +78,8 @@ def preprocess(fp32: Path, out: Path) -> Path:
     try:
         with _quiet():
             quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+    except OSError:  # a full disk or an unwritable folder, not a graph it cannot handle
+        raise
     except Exception as exc:  # pre-processing is an optimisation; quantization still works
         log.warning("quant_pre_process failed (%s): quantizing the exported graph as is", exc)
         onnx.save(onnx.load(str(fp32)), str(out))

@@ -17,7 +17,7 @@ from lightship.quantize import isa
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits, sqnr_db
 from lightship.report.measure import measure
-from lightship.runs import RunDir, atomic_write_text, check_writable
+from lightship.runs import RunDir, atomic_path, check_writable
 from lightship.runtime import physical_cores
 
 
@@ -139,7 +139,15 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "variants": rows,
     }
     report_json, report_md, pareto_png = outputs
-    atomic_write_text(report_json, json.dumps(result, indent=2) + "\n")
-    atomic_write_text(report_md, render.markdown(result))
-    render.pareto(result, pareto_png)
+    # All three written before any is renamed into place: a failure (a full disk) leaves the
+    # old set, never a new report.json beside an old plot. report.json, which `serve` reads,
+    # is renamed last.
+    with (
+        atomic_path(report_json) as tmp_json,
+        atomic_path(report_md) as tmp_md,
+        atomic_path(pareto_png) as tmp_png,
+    ):
+        tmp_json.write_text(json.dumps(result, indent=2) + "\n")
+        tmp_md.write_text(render.markdown(result))
+        render.pareto(result, tmp_png)
     return result

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightship.runs import atomic_path
-
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
@@ -137,6 +135,5 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+    fig.savefig(path, format="png")
     plt.close(fig)
