@@ -294,3 +294,17 @@ def test_unwritable_output_fails_before_anything_is_exported(
     assert "Traceback" not in proc.stderr
     assert [p.name for p in (run / "export").iterdir()] == ["model.ts"]  # no ONNX either
     assert "onnx-fp32" not in json.loads((run / "manifest.json").read_text())["artifacts"]
+
+
+def test_a_new_model_onnx_unlists_the_int8_models_made_from_the_old(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "reexport"
+    shutil.copytree(exported_run, run)
+    data = json.loads((run / "manifest.json").read_text())
+    data["artifacts"]["onnx-int8-static"] = {"file": "q.onnx", "source_sha256": "0" * 64}
+    data["artifacts"]["foreign"] = {"file": "f.onnx"}  # says nothing of its source: kept
+    (run / "manifest.json").write_text(json.dumps(data))
+    export(RunDir(run), "onnx")
+    artifacts = json.loads((run / "manifest.json").read_text())["artifacts"]
+    assert "onnx-int8-static" not in artifacts and "foreign" in artifacts

@@ -182,7 +182,7 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         run = tmp_path / args[1].replace(",", "_")
         shutil.copytree(exported_run, run)
         proc = run_cli("quantize", "--run", str(run), *args)
-        assert proc.returncode == 6, (args, proc.stderr)
+        assert proc.returncode == 2, (args, proc.stderr)  # usage, as the README says
         assert message in last_line(proc.stderr) and last_line(proc.stderr).startswith("error:")
         assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from lightship.config import DataConfig
 from lightship.data import DataSpec, Splits, load_splits
+from lightship.data.module import spec_from_config
 from lightship.data.sources import resize_uint8, stratified_split
 from lightship.errors import DataError
 
@@ -300,3 +302,12 @@ def test_too_few_images_for_the_split(tmp_path: Path) -> None:
         DataError, match=r"3 images leaves an empty split \(train 3, val 0, test 0\)"
     ):
         load_npz(tmp_path / "d.npz", x=x, y=y)
+
+
+def test_a_relative_data_path_is_recorded_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # quantize and report rebuild the split from the recorded spec, from any folder
+    monkeypatch.chdir(tmp_path)
+    spec = spec_from_config(DataConfig(source="npz", path=Path("data/d.npz")))
+    assert spec.path == str(tmp_path / "data" / "d.npz")

@@ -131,7 +131,7 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
     from tests.conftest import last_line, run_cli
 
     proc = run_cli("bench", "serve", "--concurrency", "1,sixteen")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert last_line(proc.stderr) == (
         "error: --concurrency must list connection counts, e.g. 1,16,64; got '1,sixteen'"
     )
@@ -140,6 +140,11 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), models="digits,vgg")
     with pytest.raises(LightshipError, match="--rounds and --instances must be at least 1"):
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)
+    # checked before the benchmark trains the runs it lacks (minutes), not after
+    proc = run_cli("bench", "serve", "--threads", "0", "--digits-run", "/nonexistent/run")
+    assert proc.returncode == 2 and last_line(proc.stderr) == (
+        "error: --threads must be 1 to 256 (default: cores / instances), got 0"
+    )
 
 
 def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendation(

@@ -17,7 +17,8 @@ from lightship.data.sources import DataSpec, Splits, load_splits
 def spec_from_config(cfg: DataConfig) -> DataSpec:
     return DataSpec(
         source=cfg.source,
-        path=str(cfg.path) if cfg.path else None,
+        # absolute: later stages (quantize, report) may run from another folder
+        path=str(cfg.path.absolute()) if cfg.path else None,
         image_size=cfg.image_size,
         channels=cfg.channels,
         val_fraction=cfg.val_fraction,

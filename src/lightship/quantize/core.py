@@ -87,7 +87,7 @@ class Variant:
 
 
 def parse_methods(methods: Sequence[str] | str | None) -> list[str]:
-    return parse_choices(methods, METHODS, "quantization method", QuantizeError)
+    return parse_choices(methods, METHODS, "quantization method", ConfigError)
 
 
 def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
@@ -172,7 +172,7 @@ class Quantizer:
         try:
             self.target = isa.resolve_target(target)
         except ValueError as exc:
-            raise QuantizeError(str(exc)) from None
+            raise ConfigError(str(exc)) from None
         self.scheme = isa.SCHEMES[self.target]
         self.cpu = isa.host_cpu()
         ckpt = run.artifact("checkpoint") or {}
@@ -439,12 +439,12 @@ def quantize(
     chosen = parse_methods(methods)
     settings = settings or QuantizeSettings()
     if settings.calibration_method not in ptq.CALIBRATION_METHODS:
-        raise QuantizeError(
+        raise ConfigError(
             f"unknown calibration method '{settings.calibration_method}': "
             f"choose from {', '.join(ptq.CALIBRATION_METHODS)}"
         )
     if "static" in chosen and settings.calibration_samples <= 0:
-        raise QuantizeError(
+        raise ConfigError(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
     q = Quantizer(run, target, settings)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from lightship.config import parse_choices
-from lightship.errors import LightshipError, RunError
+from lightship.errors import ConfigError, LightshipError, RunError
 from lightship.report.measure import time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
@@ -554,13 +554,16 @@ def bench(
     threads: int | None = None,
     instances: int = 1,
 ) -> dict[str, Any]:
+    # usage errors (exit 2), before wrk is looked for or any run is trained
     if not concurrency or min(concurrency) < 1:
-        raise LightshipError("--concurrency must list positive connection counts, e.g. 1,16,64")
+        raise ConfigError("--concurrency must list positive connection counts, e.g. 1,16,64")
     if rounds < 1 or duration <= 0 or instances < 1:
-        raise LightshipError(
+        raise ConfigError(
             "--rounds and --instances must be at least 1 and --duration positive, e.g. 3, 1, 4"
         )
-    labels = parse_choices(models, MODELS, "--models", LightshipError)
+    if threads is not None and not 1 <= threads <= 256:
+        raise ConfigError(f"--threads must be 1 to 256 (default: cores / instances), got {threads}")
+    labels = parse_choices(models, MODELS, "--models", ConfigError)
     if shutil.which("wrk") is None:
         raise LightshipError(f"wrk not found: {WRK_HINT}")
     from lightship.quantize.isa import host_cpu

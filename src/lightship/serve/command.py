@@ -152,13 +152,13 @@ def bench_serve(
     Both endpoints run as their own processes; every cell is measured once per round, server
     and no-model alternating, and the table gives medians and within-round ratios.
     """
-    from lightship.errors import LightshipError
+    from lightship.errors import ConfigError
     from lightship.serve.bench import bench
 
     try:
         connections = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:
-        raise LightshipError(
+        raise ConfigError(
             f"--concurrency must list connection counts, e.g. 1,16,64; got {concurrency!r}"
         ) from None
     bench(
