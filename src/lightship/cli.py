@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -108,7 +109,7 @@ def export(
     artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
-    print(f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)")
+    print(f"next: make quantize RUN={_q(run)}   (or `lightship quantize --run {_q(run)}`)")
 
 
 @app.command()
@@ -168,7 +169,7 @@ def quantize(
             f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
             f"{note}), target {v.entry['target']}"
         )
-    print(f"next: make report RUN={run}   (or `lightship report --run {run}`)")
+    print(f"next: make report RUN={_q(run)}   (or `lightship report --run {_q(run)}`)")
 
 
 @app.command()
@@ -212,7 +213,7 @@ def report(
     Console().print(table)
     print(f"report: {run}/report/report.md (+ report.json, pareto.png)")
     print(f"recommended: {r['recommended']}")
-    print(f"next: make serve RUN={run}")
+    print(f"next: make serve RUN={_q(run)}")
 
 
 @bench_app.command("train")
@@ -235,6 +236,11 @@ from lightship.serve.command import bench_serve, serve  # noqa: E402  (commands 
 
 app.command()(serve)
 bench_app.command("serve")(bench_serve)
+
+
+def _q(path: Path) -> str:
+    """A path as a shell word: the hints printed after a stage can be pasted as they are."""
+    return shlex.quote(str(path))
 
 
 def _invoke(argv: list[str] | None = None) -> int:

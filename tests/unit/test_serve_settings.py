@@ -164,3 +164,12 @@ def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
     handmade_onnx(run / "export" / "onnx-fp32.onnx", bias=5.0)  # rewritten behind the manifest
     with pytest.raises(RunError, match="differs from its manifest entry"):
         verify(choose(ServeSettings(run=run)))
+
+
+def test_a_folder_name_that_is_no_model_name_is_made_one(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {"onnx-fp32": {}})
+    spaced = run.rename(tmp_path / "my run (v2)")
+    assert choose(ServeSettings(run=spaced)).name == "my-run-v2"
+    odd = spaced.rename(tmp_path / "###")
+    with pytest.raises(ConfigError, match="'###' cannot be a model name.*pass --model-name"):
+        choose(ServeSettings(run=odd))

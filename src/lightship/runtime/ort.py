@@ -156,7 +156,10 @@ class OrtPredictor(Predictor):
             raise
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise RunError(f"cannot load ONNX model {self.path} ({first}): re-export it") from None
+            raise RunError(
+                f"cannot load ONNX model {self.path} ({first}): make it again "
+                "(`lightship export`, or `lightship quantize` for an int8 model)"
+            ) from None
         inp, out = _check_graph(self.path, self.session)
         self.input_name = inp.name
         self.output_name = out.name

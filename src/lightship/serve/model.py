@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,14 +106,18 @@ def choose(settings: ServeSettings) -> ServedModel:
         )
     path = run.root / str(entry["file"])
     if not path.is_file():
-        raise RunError(f"{path} is in the manifest but missing: re-run `make export RUN={target}`")
+        hint = "make quantize" if variant.startswith("onnx-int8") else "make export"
+        raise RunError(f"{path} is in the manifest but missing: re-run `{hint} RUN={target}`")
     name = settings.model_name or _safe_name(run.name)
     return ServedModel(name, variant, path, dict(entry))
 
 
 def _safe_name(name: str) -> str:
-    if MODEL_NAME.match(name):
-        return name
+    """The model name a folder or file name gives: other characters become '-' ("my run" is
+    served as "my-run", a name a URL and the V2 protocol take as it is)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("._-")[:128]
+    if MODEL_NAME.match(safe):
+        return safe
     raise ConfigError(
         f"'{name}' cannot be a model name (letters, digits, '.', '_', '-'): pass --model-name"
     )

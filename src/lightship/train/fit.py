@@ -448,7 +448,8 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         f"\ntrained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} epochs, "
         f"step {trainer.global_step}): test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
-        f"next: make export RUN={run.root}   (or `lightship export --run {run.root}`)",
+        f"next: make export RUN={shlex.quote(str(run.root))}   "
+        f"(or `lightship export --run {shlex.quote(str(run.root))}`)",
         flush=True,
     )
     return run
