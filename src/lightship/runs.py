@@ -201,6 +201,10 @@ class RunDir:
             return {"schema": MANIFEST_SCHEMA, "artifacts": {}}
         try:
             data = json.loads(path.read_text())
+        except PermissionError as exc:  # deleting it, as below, would lose the run's record
+            raise RunError(
+                f"{path} is unreadable ({exc.strerror}): check its permissions"
+            ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RunError(
                 f"{path} is unreadable ({exc}): delete it and re-run the stages"
@@ -219,6 +223,16 @@ class RunDir:
     def artifact(self, key: str) -> dict[str, Any] | None:
         entry = self.manifest()["artifacts"].get(key)
         return dict(entry) if entry is not None else None
+
+    def data_spec(self) -> dict[str, Any]:
+        """The data set and split training used (the checkpoint entry's `data_spec`)."""
+        spec = (self.artifact("checkpoint") or {}).get("data_spec")
+        if not isinstance(spec, dict):
+            raise RunError(
+                f"{self.manifest_path} has no data spec for its checkpoint: re-run "
+                f"`make train RUN={self.root}`"
+            )
+        return spec
 
     def record(self, key: str, entry: dict[str, Any]) -> None:
         """Add or replace one manifest entry (read-modify-write, atomically replaced)."""

@@ -121,3 +121,12 @@ def test_check_writable_reports_the_os_reason(
         f"cannot write {tmp_path / 'model.onnx'}: Permission denied: "
         "check the path and its permissions"
     )
+
+
+def test_a_checkpoint_entry_without_its_data_spec_is_a_run_error(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    (tmp_path / "manifest.json").write_text(
+        '{"schema": 1, "artifacts": {"checkpoint": {"file": "b"}}}'
+    )
+    with pytest.raises(RunError, match="no data spec for its checkpoint: re-run `make train RUN="):
+        run.data_spec()

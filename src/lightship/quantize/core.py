@@ -175,12 +175,10 @@ class Quantizer:
             raise ConfigError(str(exc)) from None
         self.scheme = isa.SCHEMES[self.target]
         self.cpu = isa.host_cpu()
-        ckpt = run.artifact("checkpoint") or {}
-        if "data_spec" not in ckpt:
-            raise RunError(f"{run.manifest_path} has no data spec: re-run `make train`")
-        self.splits = load_splits(DataSpec.from_dict(ckpt["data_spec"]))
+        self.splits = load_splits(DataSpec.from_dict(run.data_spec()))
         self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
-        self.input_name = str(entry["input_spec"].get("name", "input"))
+        spec = entry.get("input_spec")
+        self.input_name = str(spec.get("name", "input") if isinstance(spec, dict) else "input")
         self.fp32_acc, self.fp32_logits = _accuracy(
             self.fp32, self.splits.test_x, self.splits.test_y
         )
