@@ -24,22 +24,32 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain help: typer's panels show every flag as `<bool>`
 )
 bench_app = typer.Typer(
-    help="Benchmarks: they print and save what they measured.", no_args_is_help=True
+    help="Benchmarks: they print and save what they measured.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 
 RunOpt = Annotated[
-    Path, typer.Option("--run", "-r", help="run directory", show_default=True, parser=run_path)
+    Path,
+    typer.Option(
+        "--run", "-r", help="run directory", show_default=True, parser=run_path, metavar="DIR"
+    ),
 ]
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults)")
+    Path | None,
+    typer.Option("--config", "-c", help="YAML config (default: built-in defaults)", metavar="FILE"),
 ]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--set", "-s", help="override a config key, e.g. --set trainer.max_epochs=3 (repeatable)"
+        "--set",
+        "-s",
+        help="override a config key, e.g. --set trainer.max_epochs=3 (repeatable)",
+        metavar="KEY=VALUE",
     ),
 ]
 

@@ -40,15 +40,18 @@ def serve(
         typer.Option(
             "--run",
             "-r",
-            help=f"run directory, or one .onnx file ({ENV}RUN; default runs/default)",
+            help="run directory, or one model file (.onnx, .ts, .pt2, .ckpt) "
+            f"({ENV}RUN; default runs/default)",
             parser=run_path,
+            metavar="DIR|FILE",
         ),
     ] = None,
     variant: Annotated[
         str | None,
         typer.Option(
             help="auto (the report's recommendation, else onnx-fp32), onnx-fp32, "
-            f"onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2 ({ENV}VARIANT)"
+            "onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2, checkpoint "
+            f"({ENV}VARIANT)"
         ),
     ] = None,
     device: Annotated[str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE)")] = None,
