@@ -173,3 +173,15 @@ def test_a_folder_name_that_is_no_model_name_is_made_one(tmp_path: Path) -> None
     odd = spaced.rename(tmp_path / "###")
     with pytest.raises(ConfigError, match="'###' cannot be a model name.*pass --model-name"):
         choose(ServeSettings(run=odd))
+
+
+def test_a_lightship_variable_that_is_no_setting_is_warned_about() -> None:
+    from lightship.serve.settings import unknown_variables
+
+    env = {"LIGHTSHIP_MAX_BATCH_ROW": "8", "LIGHTSHIP_PORT": "1", "LIGHTSHIP_TRT_CACHE": "/c",
+           "LIGHTSHIP_ZZZ": "1", "PATH": "/bin"}  # fmt: skip
+    assert unknown_variables(env) == [
+        "LIGHTSHIP_MAX_BATCH_ROW is not a serve setting and is ignored "
+        "(did you mean LIGHTSHIP_MAX_BATCH_ROWS?)",
+        "LIGHTSHIP_ZZZ is not a serve setting and is ignored",
+    ]

@@ -6,6 +6,8 @@ import this file, and must not pay for FastAPI, onnxruntime or torch.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,8 +23,10 @@ def _settings(**given: Any) -> Any:
     from pydantic import ValidationError
 
     from lightship.errors import ConfigError
-    from lightship.serve.settings import ServeSettings
+    from lightship.serve.settings import ServeSettings, unknown_variables
 
+    for warning in unknown_variables(os.environ):
+        logging.getLogger("lightship.serve").warning(warning)
     try:
         return ServeSettings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -118,3 +120,23 @@ class ServeSettings(BaseSettings):
                 f"({self.timeout_ms:g}): a request alone would wait out its deadline"
             )
         return self
+
+
+# Read elsewhere (lightship.runtime.ort), not settings of the server.
+OTHER_VARIABLES = {"LIGHTSHIP_TENSORRT", "LIGHTSHIP_TRT_CACHE"}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each `LIGHTSHIP_*` variable that is no setting: pydantic-settings ignores
+    them, so a typo in a container's environment would silently leave the default in force."""
+    prefix = "LIGHTSHIP_"
+    known = {name.upper() for name in ServeSettings.model_fields}
+    known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES}
+    warnings = []
+    for name in sorted(environ):
+        key = name.upper().removeprefix(prefix)
+        if name.upper().startswith(prefix) and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            warnings.append(f"{name} is not a serve setting and is ignored{hint}")
+    return warnings
