@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from lightship.errors import QuantizeError
+from lightship.errors import ConfigError
 from lightship.quantize import isa, ptq
 from lightship.quantize.core import parse_methods
 from lightship.report.render import pareto_front
@@ -49,7 +49,7 @@ def test_compatibility_warns_about_saturation() -> None:
 def test_unknown_target_and_method() -> None:
     with pytest.raises(ValueError, match="unknown target 'sse'"):
         isa.resolve_target("sse")
-    with pytest.raises(QuantizeError, match=r"unknown quantization method \['fp4'\]"):
+    with pytest.raises(ConfigError, match=r"unknown quantization method \['fp4'\]"):
         parse_methods("static,fp4")
     assert parse_methods("qat, static,static") == ["qat", "static"]
 
