@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,8 @@ def test_ratios_are_taken_within_each_round_then_the_median() -> None:
     in_process = [1000.0, 500.0, 1000.0]
     load, ratios = bench.summarise(cells, in_process, [16])
     # Per round 0.9, 0.5, 1.8: the median is 0.9 (a ratio of the medians would say 1.0).
-    assert ratios["server_vs_no_model"] == {"json": {"16": 0.9}, "binary": {"16": 0.8}}
+    assert ratios["server_vs_no_model"]["json"]["16"] == 0.9
+    assert ratios["server_vs_no_model"]["binary"]["16"] == 0.8
     assert ratios["server_vs_in_process"] == {"json": {"16": 0.9}, "binary": {"16": 1.2}}
     assert ratios["binary_vs_json"]["server"] == {"16": 1.333}
     assert ratios["binary_vs_json"]["no-model ceiling"] == {"16": 1.5}
@@ -81,6 +83,29 @@ def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:
     _, ratios = bench.summarise(cells, [1000.0, 1000.0], [1])
     assert ratios["server_vs_no_model"]["json"]["1"] == 0.5
     assert ratios["server_vs_in_process"]["json"]["1"] == 0.55
+
+
+def test_peak_ratio_is_each_endpoints_best_concurrency_within_a_round() -> None:
+    # Round 0: the server peaks at 64 connections (900), the no-model endpoint at 16 (1000).
+    # Round 1: both at 16; the no-model endpoint is slow that round. A missing cell is skipped.
+    rates = {
+        ("server", 16): [800.0, 700.0],
+        ("server", 64): [900.0, 600.0],
+        ("no-model ceiling", 16): [1000.0, 800.0],
+        ("no-model ceiling", 64): [700.0, math.nan],
+    }
+    cells = [
+        _cell(endpoint, protocol, c, r, rps[r])
+        for (endpoint, c), rps in rates.items()
+        for protocol in ("json", "binary")
+        for r in range(2)
+        if not math.isnan(rps[r])
+    ]
+    _, ratios = bench.summarise(cells, [1000.0, 1000.0], [16, 64])
+    # per round 900/1000 and 700/800: the median of 0.9 and 0.875
+    assert ratios["server_vs_no_model"]["json"]["peak"] == 0.887
+    assert ratios["server_vs_no_model"]["binary"]["peak"] == 0.887
+    assert ratios["server_vs_no_model"]["json"]["16"] == 0.838  # 0.8 and 0.875
 
 
 def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -> None:
@@ -124,6 +149,7 @@ def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios()
     )
     assert "9000 rows/s at batch 64" in table
     assert "c=16: 1.25 (no-model 1.33)" in table
+    assert "against the no-model endpoint's best: JSON 0.40, binary 0.38" in table
     assert "first answer 0.81 s" in table
 
 
