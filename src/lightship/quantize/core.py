@@ -339,7 +339,7 @@ class Quantizer:
         final = self.run.quantize_dir / FILENAMES["dynamic"]
         flops = ptq.flop_share(self.pre)
         with atomic_path(final) as tmp:
-            ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme)
+            ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme, conv_heavy=flops["conv"] > 0.5)
             ptq.copy_metadata(self.fp32, tmp, self._meta("dynamic"))
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
             share = int8_share(tmp)
