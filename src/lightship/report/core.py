@@ -16,7 +16,7 @@ from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits, sqnr_db
-from lightship.report.measure import measure
+from lightship.report.measure import keep_freed_memory, measure
 from lightship.runs import RunDir, atomic_path, check_writable
 from lightship.runtime import physical_cores
 
@@ -73,6 +73,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     ref = logits(next(c for c in found if c.name == "eager").predictor, x)
     ref_acc = float(np.mean(ref.argmax(1) == y))
 
+    kept = keep_freed_memory()  # a steady eager baseline: see its docstring
     with Progress(transient=True) as bar:
         task = bar.add_task("measuring variants", total=len(found) * s.rounds)
         timings = measure(
@@ -130,6 +131,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "batch": s.batch,
         "rounds": s.rounds,
         "test_images": len(x),
+        "malloc_keeps_freed_memory": kept,
         "gate": s.gate,
         "fp32_accuracy": ref_acc,
         "versions": _versions(),

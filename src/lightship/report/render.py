@@ -20,7 +20,12 @@ def markdown(r: dict[str, Any]) -> str:
         f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
         f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
         f" variants interleaved over {r['rounds']} rounds (order shuffled per round), median"
-        " throughput; a speed-up is the median of its within-round ratios",
+        " throughput; a speed-up is the median of its within-round ratios"
+        + (
+            "; freed memory kept in the heap (glibc), so eager PyTorch is not slowed by page faults"
+            if r.get("malloc_keeps_freed_memory")
+            else ""
+        ),
         f"- accuracy gate: a variant keeps >= {r['gate']:.0%} of fp32 accuracy "
         f"({r['fp32_accuracy']:.4f})",
     ]
