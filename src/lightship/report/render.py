@@ -136,7 +136,10 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     ax.set_ylim(min(accs) - 1.0, min(max(accs) + 1.0, 100.5))
     ax.set_xlabel("latency p50 at batch 1 (ms, log scale, lower is better)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{r['cpu']['model']}, {r['threads']} threads", fontsize=9)
+    cpu = r["cpu"]
+    ax.set_title(
+        f"{cpu['model']} (int8 target {cpu['target']}), {r['threads']} threads", fontsize=9
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
