@@ -339,7 +339,9 @@ def summarise(
     # best may come at another (batching grows with connections): peak against peak, per round.
     for protocol in ("json", "binary"):
         for endpoint in ("server", "no-model ceiling"):
-            cells_of = [series[k] for k in series if k[:2] == (endpoint, protocol)]
+            cells_of = [
+                series[key] for c in concurrency if (key := (endpoint, protocol, c)) in series
+            ]
             series[(endpoint, protocol, "peak")] = [
                 max((v[i] for v in cells_of if math.isfinite(v[i])), default=math.nan)
                 for i in range(len(rounds))
@@ -531,7 +533,7 @@ def markdown(results: dict[str, Any]) -> str:
     for m in results["models"]:
         ceiling = m["in_process_ceiling"]
         binary = m["ratios"]["binary_vs_json"]
-        peak = m["ratios"]["server_vs_no_model"]
+        vs_no_model = m["ratios"]["server_vs_no_model"]
         per_c = ", ".join(
             f"c={c}: {binary['server'][c]:.2f} (no-model {binary['no-model ceiling'][c]:.2f})"
             for c in binary["server"]
@@ -543,11 +545,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"- {m['model']}{setup}: in-process ceiling {ceiling['rows_per_s']:.0f} rows/s at "
             f"batch {ceiling['best_batch']}; binary V2 / JSON req/s {per_c}"
         )
-        if "peak" in peak.get("json", {}):
+        if "peak" in vs_no_model.get("json", {}):
             lines.append(
                 f"- {m['model']}: best server req/s at any concurrency against the no-model "
-                f"endpoint's best: JSON {peak['json']['peak']:.2f}, "
-                f"binary {peak['binary']['peak']:.2f}"
+                f"endpoint's best: JSON {vs_no_model['json']['peak']:.2f}, "
+                f"binary {vs_no_model['binary']['peak']:.2f}"
             )
         if start := m.get("startup"):
             verdict = "correct" if start["correct"] else "WRONG"
