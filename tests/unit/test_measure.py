@@ -92,7 +92,9 @@ def test_bad_report_options_exit_with_one_line(
     assert not (tmp_path / "report").exists()
 
 
-# Page faults per eager forward pass of the digits CNN at batch 64, after warm-up.
+# Page faults of the median eager forward pass of the digits CNN at batch 64, after warm-up: the
+# median, since the kernel's page reclaim (kdamond runs here) can fault a few pages back into any
+# one call (78 a call on average over 10 calls once in CI, against 0 usually).
 FAULTS_PER_CALL = """
 import resource, sys, torch
 from lightship.models.zoo import DigitsCNN
@@ -101,13 +103,15 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.set_num_threads(1)
 model, x = DigitsCNN().eval(), torch.zeros(64, 1, 28, 28)
+counts = []
 with torch.inference_mode():
     for _ in range(3):
         model(x)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
+    for _ in range(15):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model(x)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(counts)[len(counts) // 2])
 """
 
 
