@@ -78,9 +78,18 @@ def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None
     assert v["scheme"]["weight_range"] == [-64, 63] and v["per_channel"] is True
     parity = v["parity"]
     assert parity["argmax_agreement"] >= 0.995 and 0 <= parity["max_abs_logit_diff"] < 1.0
-    assert parity["samples"] == len(
-        load_splits(DataSpec.from_dict(e["checkpoint"]["data_spec"])).test_y
-    )
+    x = load_splits(DataSpec.from_dict(e["checkpoint"]["data_spec"])).test_x
+    assert parity["samples"] == len(x)
+    # float logits from the int8 head, as static PTQ's: the Gemm feeds the output directly
+    # (no QuantizeLinear -> DequantizeLinear) and ORT runs it as QGemm with an int32 bias
+    graph = onnx.load(str(path)).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    head = producer[graph.output[0].name]
+    assert head.op_type == "Gemm"
+    bias = producer[head.input[2]]
+    assert bias.op_type == "DequantizeLinear"
+    assert {t.name: t.data_type for t in graph.initializer}[bias.input[0]] == onnx.TensorProto.INT32
+    assert len(np.unique(load_predictor(path).predict(x))) > 256  # quantized: <= 256 values
     assert 1 <= v["epochs"] <= 3 and v["lr"] == 1e-4 and v["fine_tune_seconds"] > 0
     assert v["accuracy"] >= 0.99 * v["fp32_accuracy"] and v["gate"]["passed"]
     assert abs(v["fake_quant_accuracy"] - v["accuracy"]) <= 0.02
@@ -199,9 +208,8 @@ def test_qat_resnet_runs_every_conv_in_int8_in_onnxruntime(tmp_path: Path) -> No
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     from lightship import models
-    from lightship.export import onnx as onnx_export
     from lightship.quantize.core import int8_share
-    from lightship.quantize.qat import ExportedNet, prepare
+    from lightship.quantize.qat import ExportedNet, export_onnx, prepare
 
     torch.manual_seed(0)
     spec = {"name": "resnet", "kwargs": {"width": 8, "blocks": [1, 1]}, "in_channels": 3}
@@ -219,7 +227,7 @@ def test_qat_resnet_runs_every_conv_in_int8_in_onnxruntime(tmp_path: Path) -> No
     move_exported_model_to_eval(prepared)
     converted = ExportedNet(convert_pt2e(prepared)).eval()
     path = tmp_path / "qat.onnx"
-    onnx_export.write(converted, x[:2], path, {})
+    export_onnx(converted, x[:2], path)
 
     share = int8_share(path)
     # stem (fp32: thin), 2 blocks x 2 convs, 1 projection shortcut, the classifier
