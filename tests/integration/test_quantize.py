@@ -93,6 +93,21 @@ def test_static_int8_logits_leave_the_model_in_float(quantized: Path) -> None:
     assert np.abs(int8 - fp32).max() < 0.05 * np.abs(fp32).max()
 
 
+def test_static_int8_flattens_channels_last_so_onnxruntime_transposes_once(
+    quantized: Path, tmp_path: Path
+) -> None:
+    static = entries(quantized)["onnx-int8-static"]
+    (flatten,) = static["flattens_channels_last"]
+    assert flatten.startswith("node_Reshape"), flatten  # the exporter's name for the flatten
+    so = onnxruntime.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    onnxruntime.InferenceSession(str(quantized / static["file"]), so)
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    # ORT's channels-last int8 convs need one transpose in (NCHW -> NHWC); the one it put
+    # back before the NCHW flatten now cancels against lightship's explicit NHWC transpose
+    assert ops.count("Transpose") == 1 and ops.index("Transpose") < ops.index("QLinearConv")
+
+
 def test_calibration_method_changes_the_scales(exported_run: Path, tmp_path: Path) -> None:
     digests = {}
     for method in ("minmax", "entropy", "percentile"):

@@ -89,3 +89,53 @@ def test_a_thin_first_conv_is_offered_to_fp32_with_its_input_chain_relu_and_pool
     thin = ptq.thin_first_conv(_conv_net(tmp_path / "thin.onnx", 1))
     assert sorted(thin) == ["cast", "conv1", "pool1", "relu1"]
     assert ptq.thin_first_conv(_conv_net(tmp_path / "wide.onnx", 16)) == []
+
+
+def _flatten_gemm(path: Path, hw: int, trans_b: int, op: str = "Reshape") -> None:
+    """input [N, 3, hw, hw] -> flatten -> Gemm -> 5 logits, shapes inferred (as after
+    `ptq.preprocess`)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    k = 3 * hw * hw
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(5, k) if trans_b else (k, 5)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(5, np.float32), "b")]
+    if op == "Reshape":
+        inits.append(numpy_helper.from_array(np.array([-1, k], np.int64), "shape"))
+        flat = helper.make_node("Reshape", ["x", "shape"], ["flat"], name="flatten")
+    else:
+        flat = helper.make_node("Flatten", ["x"], ["flat"], name="flatten", axis=1)
+    gemm = helper.make_node("Gemm", ["flat", "w", "b"], ["y"], name="head", transB=trans_b)
+    graph = helper.make_graph(
+        [flat, gemm],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, hw, hw])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
+
+
+@pytest.mark.parametrize(("trans_b", "op"), [(1, "Reshape"), (0, "Reshape"), (1, "Flatten")])
+def test_flatten_channels_last_keeps_the_function(tmp_path: Path, trans_b: int, op: str) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    src, out = tmp_path / "pre.onnx", tmp_path / "nhwc.onnx"
+    _flatten_gemm(src, 4, trans_b, op)
+    assert ptq.flatten_channels_last(src, out) == ["flatten"]
+    graph = onnx.load(str(out)).graph
+    transpose = next(n for n in graph.node if n.op_type == "Transpose")
+    assert list(transpose.attribute[0].ints) == [0, 2, 3, 1]
+    x = np.random.default_rng(1).normal(size=(7, 3, 4, 4)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p)).run(None, {"x": x})[0] for p in (src, out))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flatten_channels_last_leaves_a_one_pixel_map_alone(tmp_path: Path) -> None:
+    src, out = tmp_path / "pre.onnx", tmp_path / "nhwc.onnx"
+    _flatten_gemm(src, 1, 1)  # after a global pool: NCHW and NHWC order are the same
+    assert ptq.flatten_channels_last(src, out) == []
+    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Reshape", "Gemm"]

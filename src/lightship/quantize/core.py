@@ -185,6 +185,9 @@ class Quantizer:
         self.work = Path(tempfile.mkdtemp(prefix=".quantize.", dir=run.root))
         try:
             self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
+            # what static int8 quantizes (and the fallback compares against): see its docstring
+            self.pre_static = self.work / "pre-static.onnx"
+            self.flattens_nhwc = ptq.flatten_channels_last(self.pre, self.pre_static)
         except BaseException:
             self.close()
             raise
@@ -204,7 +207,7 @@ class Quantizer:
             _reset_peak_rss()
             t0 = time.perf_counter()
         ptq.quantize_static_onnx(
-            self.pre,
+            self.pre_static,
             out,
             self.calib,
             scheme,
@@ -248,12 +251,12 @@ class Quantizer:
                 if self._gate(acc) or round_ == s.fallback_budget:
                     break
                 ranked = fallback.rank_nodes(
-                    self.pre, tmp, self.calib[:64], self.input_name, frozenset(exclude)
+                    self.pre_static, tmp, self.calib[:64], self.input_name, frozenset(exclude)
                 )
                 if not ranked:
                     break
                 worst = ranked[0]
-                island = ptq.fp32_island(self.pre, worst.node)
+                island = ptq.fp32_island(self.pre_static, worst.node)
                 log.info("gate failed: keeping %s in fp32 (%s)", island, worst.as_dict())
                 exclude.extend(n for n in island if n not in exclude)
                 fallback_nodes.append({**worst.as_dict(), "island": island, "accuracy_before": acc})
@@ -272,6 +275,7 @@ class Quantizer:
         entry = {
             **self._entry(final, "static", acc),
             "per_channel": s.per_channel,
+            "flattens_channels_last": self.flattens_nhwc,
             "calibration": {**self.calibration, "scales_sha256": scales},
             "nodes_fp32_by_fallback": fallback_nodes,
             "first_conv_fp32": speed,
@@ -295,7 +299,7 @@ class Quantizer:
         Replaces `current` with that model when it is kept; None when the model has no thin
         first conv (`ptq.thin_first_conv`).
         """
-        island = [n for n in ptq.thin_first_conv(self.pre) if n not in exclude]
+        island = [n for n in ptq.thin_first_conv(self.pre_static) if n not in exclude]
         if not island:
             return None
         candidate = self.work / "first-conv-fp32.onnx"

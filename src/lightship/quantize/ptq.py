@@ -214,6 +214,73 @@ def float_outputs(path: Path) -> list[str]:
     return changed
 
 
+def _dims(value: onnx.ValueInfoProto) -> list[int]:
+    """A tensor's inferred shape, -1 for a symbolic or unknown dimension."""
+    dims = value.type.tensor_type.shape.dim
+    return [d.dim_value if d.HasField("dim_value") else -1 for d in dims]
+
+
+def flatten_channels_last(pre: Path, out: Path) -> list[str]:
+    """Write `pre` to `out` with each NCHW -> (N, C*H*W) flatten feeding a Gemm done in NHWC
+    order, the Gemm's weight columns permuted to match; returns the flattens changed.
+
+    ONNX Runtime runs int8 convolutions and pools channels-last and, before an NCHW flatten,
+    transposes their uint8 output back with a slow generic kernel. An explicit NHWC transpose
+    there cancels against it: measured on digits (VNNI, batch 64) +2.6 % img/s, same accuracy.
+    The function is unchanged (same products, summed in another order). Static int8 only: in an
+    fp32 or dynamic graph the transpose would be real work.
+    """
+    model = onnx.load(str(pre))
+    graph = model.graph
+    shapes = {v.name: _dims(v) for v in [*graph.value_info, *graph.input, *graph.output]}
+    inits = {t.name: t for t in graph.initializer}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            users.setdefault(name, []).append(n)
+    changed = []
+    for node in list(graph.node):
+        if node.op_type not in ("Flatten", "Reshape"):
+            continue
+        in_shape = shapes.get(node.input[0], [])
+        if len(in_shape) != 4 or min(in_shape[1:]) < 1 or in_shape[2] * in_shape[3] == 1:
+            continue
+        _, c, h, w = in_shape
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Flatten" and attrs.get("axis", 1) != 1:
+            continue
+        if node.op_type == "Reshape":
+            target = inits.get(node.input[1])
+            dims = numpy_helper.to_array(target).tolist() if target is not None else []
+            if len(dims) != 2 or dims[0] not in (-1, 0) or dims[1] != c * h * w:
+                continue
+        consumers = users.get(node.output[0], [])
+        gemm = consumers[0] if len(consumers) == 1 else None
+        if gemm is None or gemm.op_type != "Gemm" or gemm.input[0] != node.output[0]:
+            continue
+        g_attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
+        weight = inits.get(gemm.input[1])
+        if g_attrs.get("transA", 0) or weight is None or len(users[gemm.input[1]]) != 1:
+            continue
+        wt = numpy_helper.to_array(weight)
+        w_nk = wt if g_attrs.get("transB", 0) else wt.T  # [outputs, c*h*w]
+        w_nk = w_nk.reshape(-1, c, h, w).transpose(0, 2, 3, 1).reshape(len(w_nk), -1)
+        permuted = w_nk if g_attrs.get("transB", 0) else w_nk.T
+        weight.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(permuted), weight.name))
+        transpose = onnx.helper.make_node(
+            "Transpose",
+            [node.input[0]],
+            [f"{node.input[0]}_nhwc"],
+            name=f"{node.name or node.output[0]}_nhwc",
+            perm=[0, 2, 3, 1],
+        )
+        graph.node.insert(list(graph.node).index(node), transpose)
+        node.input[0] = transpose.output[0]
+        changed.append(node.name or node.output[0])
+    onnx.save(model, str(out))
+    return changed
+
+
 def quantize_gemm_bias(path: Path) -> list[str]:
     """Give each Gemm between DequantizeLinear inputs a float bias an int32 bias, its scale the
     product of the input and weight scales (the QDQ convention); returns the Gemms changed.
