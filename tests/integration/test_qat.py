@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from onnx import numpy_helper
@@ -90,6 +91,14 @@ def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None
     assert bias.op_type == "DequantizeLinear"
     assert {t.name: t.data_type for t in graph.initializer}[bias.input[0]] == onnx.TensorProto.INT32
     assert len(np.unique(load_predictor(path).predict(x))) > 256  # quantized: <= 256 values
+    # flattened channels-last, as static int8: ORT transposes once, into the first int8 conv
+    (flatten,) = v["flattens_channels_last"]
+    assert flatten.startswith("node_Reshape"), flatten
+    so = onnxruntime.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    onnxruntime.InferenceSession(str(path), so)
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    assert ops.count("Transpose") == 1 and ops.index("Transpose") < ops.index("QLinearConv")
     assert 1 <= v["epochs"] <= 3 and v["lr"] == 1e-4 and v["fine_tune_seconds"] > 0
     assert v["accuracy"] >= 0.99 * v["fp32_accuracy"] and v["gate"]["passed"]
     assert abs(v["fake_quant_accuracy"] - v["accuracy"]) <= 0.02

@@ -436,9 +436,11 @@ def quantize_aware_train(
 
 def export_onnx(converted: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
     """Write the converted model as QDQ ONNX whose classifier ORT runs as QGemm with float
-    logits: the logits' Gemm gets an int32 bias (`ptq.quantize_gemm_bias`)."""
+    logits (its Gemm gets an int32 bias: `ptq.quantize_gemm_bias`), flattening channels-last
+    as static int8 does (`ptq.flatten_channels_last`)."""
     exported = onnx_export.write(converted, example, path, {})
     ptq.quantize_gemm_bias(path)
+    exported["flattens_channels_last"] = ptq.flatten_channels_last(path, path)
     return exported
 
 
