@@ -91,26 +91,35 @@ def test_a_thin_first_conv_is_offered_to_fp32_with_its_input_chain_relu_and_pool
     assert ptq.thin_first_conv(_conv_net(tmp_path / "wide.onnx", 16)) == []
 
 
-def _flatten_gemm(path: Path, hw: int, trans_b: int, op: str = "Reshape") -> None:
-    """input [N, 3, hw, hw] -> flatten -> Gemm -> 5 logits, shapes inferred (as after
-    `ptq.preprocess`)."""
+def _flatten_gemm(
+    path: Path, hw: int, trans_b: int, op: str = "Reshape", channels: int = 3, conv: bool = True
+) -> None:
+    """input [N, C, hw, hw] -> 1x1 conv (or none) -> flatten -> Gemm -> 5 logits, shapes
+    inferred (as after `ptq.preprocess`)."""
     import numpy as np
     from onnx import numpy_helper
 
-    k = 3 * hw * hw
+    k = channels * hw * hw
     rng = np.random.default_rng(0)
     w = rng.normal(size=(5, k) if trans_b else (k, 5)).astype(np.float32)
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(5, np.float32), "b")]
+    conv_w = rng.normal(size=(channels, channels, 1, 1)).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(np.ones(5, np.float32), "b"),
+        numpy_helper.from_array(conv_w, "conv_w"),
+    ]
+    nodes = [helper.make_node("Conv", ["x", "conv_w"], ["map"], name="conv")] if conv else []
+    map_ = "map" if conv else "x"
     if op == "Reshape":
         inits.append(numpy_helper.from_array(np.array([-1, k], np.int64), "shape"))
-        flat = helper.make_node("Reshape", ["x", "shape"], ["flat"], name="flatten")
+        nodes.append(helper.make_node("Reshape", [map_, "shape"], ["flat"], name="flatten"))
     else:
-        flat = helper.make_node("Flatten", ["x"], ["flat"], name="flatten", axis=1)
-    gemm = helper.make_node("Gemm", ["flat", "w", "b"], ["y"], name="head", transB=trans_b)
+        nodes.append(helper.make_node("Flatten", [map_], ["flat"], name="flatten", axis=1))
+    nodes.append(helper.make_node("Gemm", ["flat", "w", "b"], ["y"], name="head", transB=trans_b))
     graph = helper.make_graph(
-        [flat, gemm],
+        nodes,
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, hw, hw])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, hw, hw])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])],
         inits,
     )
@@ -134,8 +143,18 @@ def test_flatten_channels_last_keeps_the_function(tmp_path: Path, trans_b: int, 
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_flatten_channels_last_leaves_a_one_pixel_map_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"hw": 1},  # after a global pool: NCHW and NHWC order are the same
+        {"hw": 4, "channels": 1},  # one channel: the same order too
+        {"hw": 4, "conv": False},  # an MLP's flatten of its input: nothing runs channels-last
+    ],
+)
+def test_flatten_channels_last_leaves_alone_what_it_cannot_speed_up(
+    tmp_path: Path, case: dict
+) -> None:
     src, out = tmp_path / "pre.onnx", tmp_path / "nhwc.onnx"
-    _flatten_gemm(src, 1, 1)  # after a global pool: NCHW and NHWC order are the same
+    _flatten_gemm(src, trans_b=1, **case)
     assert ptq.flatten_channels_last(src, out) == []
-    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Reshape", "Gemm"]
+    assert "Transpose" not in [n.op_type for n in onnx.load(str(out)).graph.node]

@@ -251,6 +251,19 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
         scale = inits.get(node.input[1])
         return scale is not None and int(np.prod(scale.dims)) == 1
 
+    def after_a_conv(name: str) -> bool:
+        """Whether a Conv runs upstream of `name` (else ORT has no NHWC tensor to transpose)."""
+        todo, seen = [name], set()
+        while todo:
+            node = producer.get(todo.pop())
+            if node is None or node.output[0] in seen:
+                continue
+            if node.op_type == "Conv":
+                return True
+            seen.add(node.output[0])
+            todo.extend(node.input)
+        return False
+
     changed = []
     for node in list(graph.node):
         if node.op_type not in ("Flatten", "Reshape"):
@@ -259,6 +272,8 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
         if len(in_shape) != 4 or min(in_shape[1:]) < 1 or in_shape[2] * in_shape[3] == 1:
             continue
         _, c, h, w = in_shape
+        if c == 1 or not after_a_conv(node.input[0]):
+            continue  # the same order either way, or nothing channels-last to cancel
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Flatten" and attrs.get("axis", 1) != 1:
             continue
