@@ -158,3 +158,58 @@ def test_flatten_channels_last_leaves_alone_what_it_cannot_speed_up(
     _flatten_gemm(src, trans_b=1, **case)
     assert ptq.flatten_channels_last(src, out) == []
     assert "Transpose" not in [n.op_type for n in onnx.load(str(out)).graph.node]
+
+
+def test_quantize_gemm_bias_gives_each_gemm_its_own_int32_bias(tmp_path: Path) -> None:
+    """Two Gemms on one dequantized input, per-channel int8 weights, sharing one float bias
+    (QAT's export leaves biases float): each gets an int32 bias, ORT runs both as QGemm, and
+    the outputs move by at most half a bias step."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from lightship.quantize.core import int8_share
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "x_scale"),
+        numpy_helper.from_array(np.array(128, np.uint8), "x_zp"),
+        numpy_helper.from_array(rng.normal(size=5).astype(np.float32), "bias"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"]),
+    ]
+    for i in (1, 2):
+        w = rng.integers(-127, 128, size=(5, 4)).astype(np.int8)
+        inits += [
+            numpy_helper.from_array(w, f"w{i}"),
+            numpy_helper.from_array(rng.uniform(0.01, 0.02, 5).astype(np.float32), f"w{i}_s"),
+            numpy_helper.from_array(np.zeros(5, np.int8), f"w{i}_zp"),
+        ]
+        nodes += [
+            helper.make_node(
+                "DequantizeLinear", [f"w{i}", f"w{i}_s", f"w{i}_zp"], [f"w{i}d"], axis=0
+            ),
+            helper.make_node("Gemm", ["xd", f"w{i}d", "bias"], [f"y{i}"], name=f"g{i}", transB=1),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["batch", 5]) for i in (1, 2)],
+        inits,
+    )
+    src, out = tmp_path / "float-bias.onnx", tmp_path / "int32-bias.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    out.write_bytes(src.read_bytes())
+    assert ptq.quantize_gemm_bias(out) == ["g1", "g2"]
+    model = onnx.load(str(out))
+    onnx.checker.check_model(model)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert "bias" not in types and list(types.values()).count(TensorProto.INT32) == 4  # q + zp
+    assert int8_share(out)["int8_op_types"] == ["QGemm"] and int8_share(out)["float_nodes"] == 0
+    x = rng.uniform(-6, 6, size=(8, 4)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p)).run(None, {"x": x}) for p in (src, out))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=0.5 * 0.05 * 0.02 + 1e-5)

@@ -187,7 +187,7 @@ class Quantizer:
             self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
             # what static int8 quantizes (and the fallback compares against): see its docstring
             self.pre_static = self.work / "pre-static.onnx"
-            self.flattens_nhwc = ptq.flatten_channels_last(self.pre, self.pre_static)
+            self.flattens_channels_last = ptq.flatten_channels_last(self.pre, self.pre_static)
         except BaseException:
             self.close()
             raise
@@ -275,7 +275,7 @@ class Quantizer:
         entry = {
             **self._entry(final, "static", acc),
             "per_channel": s.per_channel,
-            "flattens_channels_last": self.flattens_nhwc,
+            "flattens_channels_last": self.flattens_channels_last,
             "calibration": {**self.calibration, "scales_sha256": scales},
             "nodes_fp32_by_fallback": fallback_nodes,
             "first_conv_fp32": speed,

@@ -321,8 +321,9 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
 
 
 def quantize_gemm_bias(path: Path) -> list[str]:
-    """Give each Gemm between DequantizeLinear inputs a float bias an int32 bias, its scale the
-    product of the input and weight scales (the QDQ convention); returns the Gemms changed.
+    """Replace the float bias of each Gemm whose input and weight are dequantized by an int32
+    bias, its scale the input scale times the weight scale (the QDQ convention); returns the
+    Gemms changed.
 
     ONNX Runtime fuses DQ -> Gemm into QGemm only when every input is dequantized: a Gemm with a
     float bias runs in fp32 unless a QuantizeLinear follows it. PyTorch's PT2E flow (QAT) leaves
@@ -370,7 +371,7 @@ def quantize_gemm_bias(path: Path) -> list[str]:
             continue  # per-channel along the reduced axis: no single scale per output
         scale = np.broadcast_to(scale_a.astype(np.float64) * scale_w.astype(np.float64), b.shape)
         q = np.clip(np.round(b / scale), -(2**31), 2**31 - 1).astype(np.int32)
-        stem = f"{node.input[2]}_int32"
+        stem = f"{node.output[0]}_bias_int32"  # per Gemm: two Gemms may share a bias
         graph.initializer.extend(
             [
                 numpy_helper.from_array(q, stem),
