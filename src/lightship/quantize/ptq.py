@@ -166,6 +166,20 @@ def quantize_static_onnx(
     float_outputs(out)
 
 
+def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Each tensor's producing node, by tensor name."""
+    return {out: n for n in graph.node for out in n.output}
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Each tensor's consuming nodes (once per use), by tensor name."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+    return consumers
+
+
 def float_outputs(path: Path) -> list[str]:
     """Drop the QuantizeLinear -> DequantizeLinear pair on each graph output fed by a Gemm or
     MatMul, so the logits leave the model in float; returns the outputs changed.
@@ -180,11 +194,7 @@ def float_outputs(path: Path) -> list[str]:
     """
     model = onnx.load(str(path))
     graph = model.graph
-    producer = {out: n for n in graph.node for out in n.output}
-    users: dict[str, int] = {}
-    for n in graph.node:
-        for name in n.input:
-            users[name] = users.get(name, 0) + 1
+    producer, users = _producers(graph), _consumers(graph)
     changed, unused = [], set()
     for output in graph.output:
         dq = producer.get(output.name)
@@ -198,7 +208,7 @@ def float_outputs(path: Path) -> list[str]:
         node = producer.get(q.input[0])
         if node is None or node.op_type not in ("Gemm", "MatMul"):
             continue
-        if users.get(q.input[0]) != 1 or users.get(q.output[0]) != 1:
+        if len(users.get(q.input[0], [])) != 1 or len(users.get(q.output[0], [])) != 1:
             continue  # the quantized tensor feeds something else too: keep the pair
         node.output[list(node.output).index(q.input[0])] = output.name
         graph.node.remove(q)
@@ -237,11 +247,7 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
     graph = model.graph
     shapes = {v.name: _dims(v) for v in [*graph.value_info, *graph.input, *graph.output]}
     inits = {t.name: t for t in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for name in n.input:
-            users.setdefault(name, []).append(n)
+    producer, users = _producers(graph), _consumers(graph)
 
     def only_user(name: str) -> onnx.NodeProto | None:
         found = users.get(name, [])
@@ -334,7 +340,7 @@ def quantize_gemm_bias(path: Path) -> list[str]:
     model = onnx.load(str(path))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    producer = {out: n for n in graph.node for out in n.output}
+    producer = _producers(graph)
 
     def constant(name: str) -> np.ndarray | None:
         if name in inits:
@@ -466,7 +472,7 @@ def fp32_island(path: Path, node: str) -> list[str]:
     node stays a float Conv.
     """
     graph = onnx.load(str(path)).graph
-    producer = {out: n for n in graph.node for out in n.output}
+    producer = _producers(graph)
     by_name = {n.name: n for n in graph.node}
     island, stack = [node], [by_name[node].input[0]] if node in by_name else []
     while stack:
@@ -500,10 +506,7 @@ def thin_first_conv(path: Path) -> list[str]:
     if shape is None or len(shape) != 4 or shape[1] * shape[2] * shape[3] > THIN_CONV_K:
         return []
     island = fp32_island(path, conv.name)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    consumers = _consumers(graph)
     out = conv.output[0]
     while len(users := consumers.get(out, [])) == 1 and users[0].op_type not in COMPUTE_OPS:
         island.append(users[0].name)
