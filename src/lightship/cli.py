@@ -197,6 +197,7 @@ def report(
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
+    from lightship.report.render import speedup
     from lightship.runs import RunDir
 
     r = report_run(
@@ -216,8 +217,8 @@ def report(
             f"{v['accuracy']:.4f}",
             f"{v['latency_ms']['p50']:.3f}",
             f"{v['throughput_per_s']:.0f}",
-            f"{v['speedup_vs_eager']:.2f}",
-            "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
+            speedup(v, "eager"),
+            speedup(v, "onnx_fp32"),
             "pass" if v["gate_passed"] else "FAIL",
         )
     Console().print(table)

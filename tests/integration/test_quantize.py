@@ -170,6 +170,11 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
         assert v["speedup_vs_eager"] == pytest.approx(
             np.median(rounds / eager["throughput_rounds"]), rel=1e-3
         )
+        for base, key in ((eager, "speedup_vs_eager"), (fp32, "speedup_vs_onnx_fp32")):
+            ratios = rounds / np.asarray(base["throughput_rounds"])
+            low, high = v[f"{key}_iqr"]
+            assert [low, high] == pytest.approx(np.percentile(ratios, [25, 75]), rel=1e-3)
+            assert low <= v[key] <= high
     assert fp32["max_abs_diff"] < 1e-3 and fp32["sqnr_db"] > 60
     eligible = [v for v in r["variants"] if v["gate_passed"] and v["recommendable"]]
     best = max(eligible, key=lambda v: v["throughput_per_s"])
@@ -177,6 +182,8 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     assert r["recommended"] not in ("eager", "onnx-int8-dynamic")  # dynamic: conv net
     md = (quantized / "report" / "report.md").read_text()
     assert r["cpu"]["model"] in md and "★" in md and "Scheme check" in md
+    low, high = best["speedup_vs_eager_iqr"]
+    assert f"{best['speedup_vs_eager']:.2f} ({low:.2f}–{high:.2f})" in md
     assert r["malloc_keeps_freed_memory"] == (platform.libc_ver()[0] == "glibc")
     png = (quantized / "report" / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

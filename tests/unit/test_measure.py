@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lightship.report.measure import Timing, measure
+from lightship.report.render import speedup
 from lightship.runtime import Predictor
 from tests.conftest import ROOT, last_line, run_cli
 
@@ -35,6 +36,21 @@ def test_speedup_is_the_median_of_within_round_ratios() -> None:
     # ratios 2.0, 1.5, 3.0: median 2.0, where the ratio of medians would say 2.4
     assert fast.speedup_over(base) == pytest.approx(2.0)
     assert fast.throughput_per_s / base.throughput_per_s == pytest.approx(2.4)
+
+
+def test_speedup_spread_is_the_middle_half_of_the_within_round_ratios() -> None:
+    fast = Timing(throughput=[100.0, 300.0, 120.0, 90.0, 200.0])
+    base = Timing(throughput=[50.0, 200.0, 40.0, 90.0, 50.0])
+    # ratios 2.0, 1.5, 3.0, 1.0, 4.0: 25th percentile 1.5, 75th 3.0 (numpy's linear rule)
+    assert fast.speedup_spread(base) == pytest.approx([1.5, 3.0])
+    assert base.speedup_spread(base) == pytest.approx([1.0, 1.0])
+
+
+def test_speedups_print_with_their_spread_or_a_dash() -> None:
+    v = {"speedup_vs_eager": 5.584, "speedup_vs_eager_iqr": [5.214, 5.936]}
+    assert speedup(v, "eager") == "5.58 (5.21–5.94)"
+    assert speedup({"speedup_vs_eager": 2.0}, "eager") == "2.00"  # a report from before spreads
+    assert speedup({"speedup_vs_onnx_fp32": None}, "onnx_fp32") == "—"
 
 
 def test_rounds_time_every_variant_once_in_shuffled_orders() -> None:

@@ -55,9 +55,11 @@ def test_ratios_are_taken_within_each_round_then_the_median() -> None:
             _cell("no-model ceiling", "binary", 16, r, 1500 * k),
         ]
     in_process = [1000.0, 500.0, 1000.0]
-    load, ratios = bench.summarise(cells, in_process, [16])
+    load, ratios, ranges = bench.summarise(cells, in_process, [16])
     # Per round 0.9, 0.5, 1.8: the median is 0.9 (a ratio of the medians would say 1.0).
     assert ratios["server_vs_no_model"]["json"]["16"] == 0.9
+    assert ranges["server_vs_no_model"]["json"]["16"] == [0.5, 1.8]
+    assert ranges["server_vs_in_process"]["json"]["16"] == [0.9, 0.9]
     assert ratios["server_vs_no_model"]["binary"]["16"] == 0.8
     assert ratios["server_vs_in_process"] == {"json": {"16": 0.9}, "binary": {"16": 1.2}}
     assert ratios["binary_vs_json"]["server"] == {"16": 1.333}
@@ -80,8 +82,9 @@ def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:
         _cell("server", "json", 1, 1, 600.0),
         _cell("no-model ceiling", "json", 1, 1, 0.0),  # wrk got nothing through
     ]
-    _, ratios = bench.summarise(cells, [1000.0, 1000.0], [1])
+    _, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0], [1])
     assert ratios["server_vs_no_model"]["json"]["1"] == 0.5
+    assert ranges["server_vs_no_model"]["json"]["1"] == [0.5, 0.5]
     assert ratios["server_vs_in_process"]["json"]["1"] == 0.55
 
 
@@ -101,11 +104,12 @@ def test_peak_ratio_is_each_endpoints_best_concurrency_within_a_round() -> None:
         for r in range(2)
         if not math.isnan(rps[r])
     ]
-    _, ratios = bench.summarise(cells, [1000.0, 1000.0], [16, 64])
+    _, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0], [16, 64])
     # per round 900/1000 and 700/800: the median of 0.9 and 0.875
     assert ratios["server_vs_no_model"]["json"]["peak"] == 0.887
     assert ratios["server_vs_no_model"]["binary"]["peak"] == 0.887
     assert ratios["server_vs_no_model"]["json"]["16"] == 0.838  # 0.8 and 0.875
+    assert ranges["server_vs_no_model"]["json"]["peak"] == [0.875, 0.9]
 
 
 def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -> None:
@@ -124,7 +128,7 @@ def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios()
         _cell("server", "json", 16, 0, 1200.0),
         _cell("no-model ceiling", "json", 16, 0, 3000.0),
     ]
-    load, ratios = bench.summarise(cells, [9000.0], [16])
+    load, ratios, _ = bench.summarise(cells, [9000.0], [16])
     results = {
         "cpu": "Test CPU",
         "cores": 2,
@@ -151,6 +155,31 @@ def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios()
     assert "c=16: 1.25 (no-model 1.33)" in table
     assert "against the no-model endpoint's best: JSON 0.40, binary 0.38" in table
     assert "first answer 0.81 s" in table
+
+
+def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
+    cells = []
+    for r, (server, no_model) in enumerate([(1000.0, 2000.0), (900.0, 1000.0), (800.0, 1000.0)]):
+        for protocol in ("json", "binary"):
+            cells += [
+                _cell("server", protocol, 16, r, server),
+                _cell("no-model ceiling", protocol, 16, r, no_model),
+            ]
+    load, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0, 1000.0], [16])
+    model = {
+        "model": "resnet18",
+        "variant": "onnx-int8-static",
+        "in_process_ceiling": {"rows_per_s": 1000.0, "best_batch": 32},
+        "load": load,
+        "ratios": ratios,
+        "ratio_ranges": ranges,
+    }
+    table = bench.markdown(
+        {"cpu": "Test CPU", "cores": 2, "duration_s": 4.0, "rounds": 3, "models": [model]}
+    )
+    # × no-model per round 0.5, 0.9, 0.8; × in-process 1.0, 0.9, 0.8
+    assert "| 1000 | 0.80 (0.50–0.90) | 0.90 (0.80–1.00) |" in table
+    assert "c=16: 1.00 (no-model 1.00)" in table  # the same every round: no range
 
 
 def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:

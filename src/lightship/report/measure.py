@@ -40,7 +40,16 @@ class Timing:
 
     def speedup_over(self, base: Timing) -> float:
         """Median over rounds of this variant's throughput / `base`'s in the same round."""
-        return float(np.median(np.asarray(self.throughput) / np.asarray(base.throughput)))
+        return float(np.median(self._ratios(base)))
+
+    def speedup_spread(self, base: Timing) -> list[float]:
+        """The middle half (25th and 75th percentiles) of the within-round ratios: how far one
+        figure of `speedup_over` can be trusted on a machine whose speed drifts."""
+        low, high = np.percentile(self._ratios(base), [25, 75])
+        return [float(low), float(high)]
+
+    def _ratios(self, base: Timing) -> np.ndarray:
+        return np.asarray(self.throughput) / np.asarray(base.throughput)
 
 
 # glibc mallopt parameters (malloc.h)

@@ -10,6 +10,16 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
+def speedup(v: dict[str, Any], base: str) -> str:
+    """`5.58 (5.21-5.94)`: a variant's speed-up over `base` with the middle half of its rounds,
+    or a dash where the report has no such baseline."""
+    value = v.get(f"speedup_vs_{base}")
+    if value is None:
+        return "—"
+    spread = v.get(f"speedup_vs_{base}_iqr")
+    return f"{value:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+
+
 def markdown(r: dict[str, Any]) -> str:
     cpu = r["cpu"]
     lines = [
@@ -20,7 +30,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
         f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
         f" variants interleaved over {r['rounds']} rounds (order shuffled per round), median"
-        " throughput; a speed-up is the median of its within-round ratios"
+        " throughput; a speed-up is the median of its within-round ratios (in brackets: their"
+        " middle half, 25th to 75th percentile)"
         + (
             "; freed memory kept in the heap (glibc), so eager PyTorch is not slowed by page faults"
             if r.get("malloc_keeps_freed_memory")
@@ -46,13 +57,11 @@ def markdown(r: dict[str, Any]) -> str:
         name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
         sqnr = "—" if v["sqnr_db"] is None else f"{v['sqnr_db']:.1f}"
         lat = v["latency_ms"]
-        fp32 = v.get("speedup_vs_onnx_fp32")
-        vs_fp32 = "—" if fp32 is None else f"{fp32:.2f}"
         lines.append(
             f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
             f"{100 * v['delta_vs_fp32']:+.2f} pt | {sqnr} | {v['int8_share']:.0%} | "
             f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
-            f"{v['throughput_per_s']:.0f} | {v['speedup_vs_eager']:.2f} | {vs_fp32} | "
+            f"{v['throughput_per_s']:.0f} | {speedup(v, 'eager')} | {speedup(v, 'onnx_fp32')} | "
             f"{'pass' if v['gate_passed'] else 'FAIL'}"
             f"{'' if v['recommendable'] else ' (not recommended)'} |"
         )

@@ -273,8 +273,9 @@ def _median(values: list[float]) -> float:
 
 def summarise(
     cells: list[LoadResult], in_process: list[float], concurrency: list[int]
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Median of each (endpoint, protocol, concurrency) cell over the rounds, and the ratios.
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Median of each (endpoint, protocol, concurrency) cell over the rounds, the ratios, and
+    each ratio's range (least and greatest of its rounds, keyed as the ratios are).
 
     A ratio is taken within each round (the server beside the no-model endpoint, the
     in-process ceiling and the other protocol measured minutes apart at most), then the median
@@ -312,28 +313,25 @@ def summarise(
         per_round = {x.round: x.req_per_s for x in runs}
         series[key] = [per_round.get(r, math.nan) for r in rounds]
 
-    def ratio(num: Any, den: Any) -> float:
+    kinds = ("server_vs_in_process", "server_vs_no_model", "binary_vs_json")
+    ratios: dict[str, dict[str, dict[str, float]]] = {k: {} for k in kinds}
+    ranges: dict[str, dict[str, dict[str, list[float]]]] = {k: {} for k in kinds}
+
+    def ratio(kind: str, group: str, cell: str, num: Any, den: Any) -> None:
         pairs = zip(series.get(num, []), series.get(den, []), strict=False)
         values = [n / d for n, d in pairs if d > 0 and math.isfinite(n / d)]
-        return round(_median(values), 3)
+        ratios[kind].setdefault(group, {})[cell] = round(_median(values), 3)
+        spread = [round(min(values), 3), round(max(values), 3)] if values else []
+        ranges[kind].setdefault(group, {})[cell] = spread
 
-    ratios: dict[str, dict[str, dict[str, float]]] = {
-        "server_vs_in_process": {},
-        "server_vs_no_model": {},
-        "binary_vs_json": {},
-    }
     for c in concurrency:
         for protocol in ("json", "binary"):
             server = ("server", protocol, c)
-            ratios["server_vs_in_process"].setdefault(protocol, {})[str(c)] = ratio(
-                server, "in-process"
-            )
-            ratios["server_vs_no_model"].setdefault(protocol, {})[str(c)] = ratio(
-                server, ("no-model ceiling", protocol, c)
-            )
+            ratio("server_vs_in_process", protocol, str(c), server, "in-process")
+            ratio("server_vs_no_model", protocol, str(c), server, ("no-model ceiling", protocol, c))
         for endpoint in ("server", "no-model ceiling"):
-            ratios["binary_vs_json"].setdefault(endpoint, {})[str(c)] = ratio(
-                (endpoint, "binary", c), (endpoint, "json", c)
+            ratio(
+                "binary_vs_json", endpoint, str(c), (endpoint, "binary", c), (endpoint, "json", c)
             )
     # The no-model endpoint's ceiling is its best rate at any concurrency, and the server's
     # best may come at another (batching grows with connections): peak against peak, per round.
@@ -346,10 +344,14 @@ def summarise(
                 max((v[i] for v in cells_of if math.isfinite(v[i])), default=math.nan)
                 for i in range(len(rounds))
             ]
-        ratios["server_vs_no_model"].setdefault(protocol, {})["peak"] = ratio(
-            ("server", protocol, "peak"), ("no-model ceiling", protocol, "peak")
+        ratio(
+            "server_vs_no_model",
+            protocol,
+            "peak",
+            ("server", protocol, "peak"),
+            ("no-model ceiling", protocol, "peak"),
         )
-    return load, ratios
+    return load, ratios, ranges
 
 
 def bench_model(
@@ -447,7 +449,7 @@ def bench_model(
     finally:
         for proc in procs.values():
             proc.stop()
-    load, ratios = summarise(cells, in_process, concurrency)
+    load, ratios, ranges = summarise(cells, in_process, concurrency)
     return {
         "model": label,
         "variant": served.variant,
@@ -464,6 +466,7 @@ def bench_model(
         "startup": startup,
         "load": load,
         "ratios": ratios,
+        "ratio_ranges": ranges,
     }
 
 
@@ -505,11 +508,21 @@ def _cell(
     )
 
 
+def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
+    """`0.86 (0.81-0.90)`: a ratio's median and, over more than one round, its range."""
+    text = f"{m['ratios'][kind][group][cell]:.2f}"
+    spread = m.get("ratio_ranges", {}).get(kind, {}).get(group, {}).get(cell)
+    if spread and spread[0] != spread[1]:
+        text += f" ({spread[0]:.2f}–{spread[1]:.2f})"
+    return text
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"CPU: {results['cpu']}, {results['cores']} cores; one image per request; wrk "
         f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds, medians; "
-        "ratios taken within each round, then the median.",
+        "ratios taken within each round, then the median (in brackets: the least and greatest"
+        " round).",
         "",
         "| model | protocol | conc. | server req/s | p50 ms | p99 ms | mean batch "
         "| no-model req/s | × no-model | × in-process |",
@@ -517,7 +530,6 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for m in results["models"]:
         by_key = {(r["endpoint"], r["protocol"], r["concurrency"]): r for r in m["load"]}
-        ratios = m["ratios"]
         for (endpoint, protocol, c), r in by_key.items():
             if endpoint != "server":
                 continue
@@ -526,8 +538,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {m['model']} ({m['variant']}) | {protocol} | {c} | {r['req_per_s']:.0f} "
                 f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
                 f"| {nm.get('req_per_s', math.nan):.0f} "
-                f"| {ratios['server_vs_no_model'][protocol][str(c)]:.2f} "
-                f"| {ratios['server_vs_in_process'][protocol][str(c)]:.2f} |"
+                f"| {_ratio(m, 'server_vs_no_model', protocol, str(c))} "
+                f"| {_ratio(m, 'server_vs_in_process', protocol, str(c))} |"
             )
     lines.append("")
     for m in results["models"]:
@@ -535,7 +547,8 @@ def markdown(results: dict[str, Any]) -> str:
         binary = m["ratios"]["binary_vs_json"]
         vs_no_model = m["ratios"]["server_vs_no_model"]
         per_c = ", ".join(
-            f"c={c}: {binary['server'][c]:.2f} (no-model {binary['no-model ceiling'][c]:.2f})"
+            f"c={c}: {_ratio(m, 'binary_vs_json', 'server', c)} "
+            f"(no-model {_ratio(m, 'binary_vs_json', 'no-model ceiling', c)})"
             for c in binary["server"]
         )
         setup = ""
@@ -548,8 +561,8 @@ def markdown(results: dict[str, Any]) -> str:
         if "peak" in vs_no_model.get("json", {}):
             lines.append(
                 f"- {m['model']}: best server req/s at any concurrency against the no-model "
-                f"endpoint's best: JSON {vs_no_model['json']['peak']:.2f}, "
-                f"binary {vs_no_model['binary']['peak']:.2f}"
+                f"endpoint's best: JSON {_ratio(m, 'server_vs_no_model', 'json', 'peak')}, "
+                f"binary {_ratio(m, 'server_vs_no_model', 'binary', 'peak')}"
             )
         if start := m.get("startup"):
             verdict = "correct" if start["correct"] else "WRONG"
