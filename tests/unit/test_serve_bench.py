@@ -35,6 +35,72 @@ def test_batch_rows_are_read_from_the_metrics_exposition() -> None:
     assert bench._batch_rows("") == (0.0, 0.0)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_cpu_sample_tells_the_main_thread_from_the_others() -> None:
+    import os
+    import threading
+    import time
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    first = bench.cpu_sample(os.getpid())
+    worker = threading.Thread(target=burn, args=(0.4,))
+    worker.start()
+    worker.join()
+    second = bench.cpu_sample(os.getpid())
+    burn(0.3)
+    third = bench.cpu_sample(os.getpid())
+    assert first is not None and second is not None and third is not None
+    # /proc counts in clock ticks (10 ms): allow two of them either way
+    assert second.others_s - first.others_s >= 0.38
+    assert second.main_s - first.main_s < 0.2  # the main thread only waited
+    assert third.main_s - second.main_s >= 0.28
+    assert 0 < third.busy - first.busy <= third.total - first.total
+    assert bench.cpu_sample(2**22 + 7) is None  # no such process
+
+
+def test_each_cell_reports_its_median_cpu_figures_and_the_table_shows_them() -> None:
+    cells = []
+    for r, (loop_us, cores, busy) in enumerate([(200.0, 1.7, 0.96), (260.0, 1.8, 0.98)]):
+        for endpoint, loop in (("server", loop_us), ("no-model ceiling", loop_us / 2)):
+            cell = _cell(endpoint, "binary", 16, r, 600.0)
+            cell.loop_us_per_request = loop
+            cell.other_threads_cores = cores if endpoint == "server" else 0.0
+            cell.machine_busy = busy
+            cells.append(cell)
+    load, _, _ = bench.summarise(cells, [700.0, 700.0], [16])
+    server = next(x for x in load if x["endpoint"] == "server")
+    assert server["loop_us_per_request"] == 230.0
+    assert server["other_threads_cores"] == 1.75
+    assert server["machine_busy"] == 0.97
+    assert "| 0.86 | 230 (115) | 1.75 | 97% |" in _table(cells, [700.0, 700.0], 2)
+    # figures that could not be measured (no /proc) print as a dash
+    unmeasured = [
+        _cell("server", "binary", 16, 0, 600.0),
+        _cell("no-model ceiling", "binary", 16, 0, 900.0),
+    ]
+    assert "| 0.86 | - (-) | - | - |" in _table(unmeasured, [700.0], 1)
+
+
+def _table(cells: list[bench.LoadResult], in_process: list[float], rounds: int) -> str:
+    """The benchmark's markdown for one ResNet-18 model measured as `cells` at 16 connections."""
+    load, ratios, ranges = bench.summarise(cells, in_process, [16])
+    model = {
+        "model": "resnet18",
+        "variant": "onnx-int8-static",
+        "in_process_ceiling": {"rows_per_s": in_process[0], "best_batch": 64},
+        "load": load,
+        "ratios": ratios,
+        "ratio_ranges": ranges,
+    }
+    return bench.markdown(
+        {"cpu": "Test CPU", "cores": 2, "duration_s": 4.0, "rounds": rounds, "models": [model]}
+    )
+
+
 def _cell(endpoint: str, protocol: str, c: int, r: int, rps: float) -> bench.LoadResult:
     batch = 12.0 + r if endpoint == "server" else None
     return bench.LoadResult(
@@ -165,18 +231,7 @@ def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
                 _cell("server", protocol, 16, r, server),
                 _cell("no-model ceiling", protocol, 16, r, no_model),
             ]
-    load, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0, 1000.0], [16])
-    model = {
-        "model": "resnet18",
-        "variant": "onnx-int8-static",
-        "in_process_ceiling": {"rows_per_s": 1000.0, "best_batch": 32},
-        "load": load,
-        "ratios": ratios,
-        "ratio_ranges": ranges,
-    }
-    table = bench.markdown(
-        {"cpu": "Test CPU", "cores": 2, "duration_s": 4.0, "rounds": 3, "models": [model]}
-    )
+    table = _table(cells, [1000.0, 1000.0, 1000.0], 3)
     # × no-model per round 0.5, 0.9, 0.8; × in-process 1.0, 0.9, 0.8
     assert "| 1000 | 0.80 (0.50–0.90) | 0.90 (0.80–1.00) |" in table
     assert "c=16: 1.00 (no-model 1.00)" in table  # the same every round: no range

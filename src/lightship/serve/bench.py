@@ -10,7 +10,9 @@ same run, on the same machine:
   the same shape without a model (`lightship.serve.ceiling`), under the same wrk load — what
   HTTP and the protocol cost alone.
 
-wrk and the server share the machine's cores: on a 2-core box the figures are a floor.
+wrk and the server share the machine's cores: on a 2-core box the figures are a floor. Where
+the time goes is measured too (Linux): the CPU each endpoint's event loop spends per request,
+the cores its other threads (the model's) use, and how busy the whole machine was.
 """
 
 from __future__ import annotations
@@ -77,6 +79,39 @@ class LoadResult:
     non2xx: int
     socket_errors: int
     mean_batch_rows: float | None = None
+    loop_us_per_request: float | None = None  # the endpoint's event loop (main thread) CPU
+    other_threads_cores: float | None = None  # its other threads: inference, ORT's pool
+    machine_busy: float | None = None  # share of all cores busy (wrk, server, anything else)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds a process's main thread and its other threads have used, and the machine's
+    busy and total jiffies (/proc/stat), at one moment."""
+
+    main_s: float
+    others_s: float
+    busy: int
+    total: int
+
+
+def cpu_sample(pid: int) -> CpuSample | None:
+    """From Linux's /proc; None where there is none (the benchmark then leaves it out)."""
+
+    def ticks(stat_file: str) -> int:  # utime + stime; the name in (...) may hold spaces
+        stat = Path(stat_file).read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return int(fields[11]) + int(fields[12])
+
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        # The process's figure includes threads that have ended: the others are the rest.
+        process, main = ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
+        jiffies = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = jiffies[3] + jiffies[4]  # idle + iowait
+    return CpuSample(main / tick, (process - main) / tick, sum(jiffies) - idle, sum(jiffies))
 
 
 def _free_port() -> int:
@@ -271,6 +306,12 @@ def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else math.nan
 
 
+def _median_of(runs: list[LoadResult], key: str) -> float | None:
+    """The median of a per-run figure over the runs that have it, or None."""
+    values = [v for r in runs if (v := getattr(r, key)) is not None]
+    return round(_median(values), 3) if values else None
+
+
 def summarise(
     cells: list[LoadResult], in_process: list[float], concurrency: list[int]
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -304,6 +345,10 @@ def summarise(
                 "non2xx": sum(r.non2xx for r in runs),
                 "socket_errors": sum(r.socket_errors for r in runs),
                 "mean_batch_rows": round(_median(batches), 2) if batches else None,
+                **{
+                    key: _median_of(runs, key)
+                    for key in ("loop_us_per_request", "other_threads_cores", "machine_busy")
+                },
             }
         )
 
@@ -445,6 +490,11 @@ def bench_model(
                                 if cell.mean_batch_rows
                                 else ""
                             )
+                            + (
+                                f"  event loop {cell.loop_us_per_request:.0f} µs/req"
+                                if cell.loop_us_per_request is not None
+                                else ""
+                            )
                         )
     finally:
         for proc in procs.values():
@@ -482,15 +532,25 @@ def _cell(
     header_length: int,
     duration: float,
 ) -> LoadResult:
-    """One wrk run against one endpoint; the server's mean batch from its metrics."""
+    """One wrk run against one endpoint; the server's mean batch from its metrics, and the CPU
+    the endpoint's threads and the machine used while wrk ran."""
     server = endpoint == "server"
     before = _batch_rows(proc.get("/metrics")) if server else None
+    cpu_before = cpu_sample(proc.proc.pid)
     r = _wrk(url, body, header_length, concurrency, duration)
+    cpu_after = cpu_sample(proc.proc.pid)
     mean_rows = None
     if before is not None:
         after = _batch_rows(proc.get("/metrics"))
         batches = after[1] - before[1]
         mean_rows = round((after[0] - before[0]) / batches, 2) if batches else None
+    loop_us = others = busy = None
+    seconds = r["duration_us"] / 1e6
+    if cpu_before is not None and cpu_after is not None and r["requests"] and seconds > 0:
+        loop_us = round(1e6 * (cpu_after.main_s - cpu_before.main_s) / r["requests"], 1)
+        others = round((cpu_after.others_s - cpu_before.others_s) / seconds, 3)
+        total = cpu_after.total - cpu_before.total
+        busy = round((cpu_after.busy - cpu_before.busy) / total, 3) if total else None
     return LoadResult(
         label,
         endpoint,
@@ -505,6 +565,9 @@ def _cell(
         r["non2xx"],
         r["socket_errors"],
         mean_rows,
+        loop_us,
+        others,
+        busy,
     )
 
 
@@ -522,12 +585,19 @@ def markdown(results: dict[str, Any]) -> str:
         f"CPU: {results['cpu']}, {results['cores']} cores; one image per request; wrk "
         f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds, medians; "
         "ratios taken within each round, then the median (in brackets: the least and greatest"
-        " round).",
+        " round). Event loop: CPU its thread spent per request (the no-model endpoint's in"
+        " brackets); model threads: cores the server's other threads used; machine: share of"
+        " all cores busy while wrk ran.",
         "",
         "| model | protocol | conc. | server req/s | p50 ms | p99 ms | mean batch "
-        "| no-model req/s | × no-model | × in-process |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| no-model req/s | × no-model | × in-process | event loop µs/req | model threads "
+        "| machine |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def figure(value: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
     for m in results["models"]:
         by_key = {(r["endpoint"], r["protocol"], r["concurrency"]): r for r in m["load"]}
         for (endpoint, protocol, c), r in by_key.items():
@@ -539,7 +609,11 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
                 f"| {nm.get('req_per_s', math.nan):.0f} "
                 f"| {_ratio(m, 'server_vs_no_model', protocol, str(c))} "
-                f"| {_ratio(m, 'server_vs_in_process', protocol, str(c))} |"
+                f"| {_ratio(m, 'server_vs_in_process', protocol, str(c))} "
+                f"| {figure(r.get('loop_us_per_request'), '.0f')} "
+                f"({figure(nm.get('loop_us_per_request'), '.0f')}) "
+                f"| {figure(r.get('other_threads_cores'), '.2f')} "
+                f"| {figure(r.get('machine_busy'), '.0%')} |"
             )
     lines.append("")
     for m in results["models"]:
