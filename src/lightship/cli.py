@@ -217,13 +217,20 @@ def report(
             f"{v['accuracy']:.4f}",
             f"{v['latency_ms']['p50']:.3f}",
             f"{v['throughput_per_s']:.0f}",
-            speedup(v, "eager"),
-            speedup(v, "onnx_fp32"),
+            f"{v['speedup_vs_eager']:.2f}",
+            "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
             "pass" if v["gate_passed"] else "FAIL",
         )
     Console().print(table)
     print(f"report: {run}/report/report.md (+ report.json, pareto.png)")
-    print(f"recommended: {r['recommended']}")
+    best = next((v for v in r["variants"] if v["recommended"]), None)
+    if best is None:
+        print("recommended: none")
+    else:  # its speed-ups with their spread over the rounds (too wide for the table)
+        print(
+            f"recommended: {best['name']}: x eager {speedup(best, 'eager')}, x ONNX fp32 "
+            f"{speedup(best, 'onnx_fp32')} (medians; in brackets the middle half of the rounds)"
+        )
     print(f"next: make serve RUN={_q(run)}")
 
 

@@ -251,6 +251,25 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     )
 
 
+def test_report_command_names_the_recommendation_with_its_spread(
+    quantized: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "again"
+    shutil.copytree(quantized, run)
+    proc = run_cli("report", "--run", str(run), "--rounds", "4", "--batch", "16", check=True)
+    r = json.loads((run / "report" / "report.json").read_text())
+    best = next(v for v in r["variants"] if v["recommended"])
+    (low, high), (fp32_low, fp32_high) = (
+        best["speedup_vs_eager_iqr"],
+        best["speedup_vs_onnx_fp32_iqr"],
+    )
+    assert (
+        f"recommended: {best['name']}: x eager {best['speedup_vs_eager']:.2f} ({low:.2f}–"
+        f"{high:.2f}), x ONNX fp32 {best['speedup_vs_onnx_fp32']:.2f} ({fp32_low:.2f}–"
+        f"{fp32_high:.2f})" in proc.stdout
+    ), proc.stdout
+
+
 def test_report_checks_its_outputs_before_measuring(quantized: Path, tmp_path: Path) -> None:
     run = tmp_path / "blocked"
     shutil.copytree(quantized, run)
