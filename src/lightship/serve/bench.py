@@ -103,12 +103,12 @@ def cpu_sample(pid: int) -> CpuSample | None:
         fields = stat[stat.rindex(")") + 2 :].split()
         return int(fields[11]) + int(fields[12])
 
-    tick = os.sysconf("SC_CLK_TCK")
     try:
+        tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
         # The process's figure includes threads that have ended: the others are the rest.
         process, main = ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
         jiffies = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
+    except (AttributeError, OSError, ValueError, IndexError):
         return None
     idle = jiffies[3] + jiffies[4]  # idle + iowait
     return CpuSample(main / tick, (process - main) / tick, sum(jiffies) - idle, sum(jiffies))
