@@ -30,7 +30,11 @@ from torchao.quantization.pt2e import (
     move_exported_model_to_train,
 )
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
-from torchao.quantization.pt2e.quantizer import QuantizationConfig, QuantizationSpec
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationConfig,
+    QuantizationSpec,
+    SharedQuantizationSpec,
+)
 from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
 
 from lightship.callbacks import (
@@ -102,7 +106,10 @@ class _Quantizer(X86InductorQuantizer):
     ResNet-18's 20) stay fp32 in ORT:
     - each Linear's output is quantized, but for the model's output: logits stay float (as in
       static PTQ, `ptq.float_outputs`) and `export_onnx` gives their Gemm an int32 bias instead;
-    - each annotated residual add quantizes all its inputs, not only the shortcut.
+    - each annotated residual add quantizes all its inputs, not only the shortcut;
+    - a Linear fed through flatten / view / dropout by a quantized op (the last pool) shares that
+      op's output scale, as static PTQ's graph does: else ORT requantizes between them
+      (DequantizeLinear -> Reshape -> QuantizeLinear, ~1 % of digits' int8 time).
     """
 
     def __init__(self, config: QuantizationConfig, float_first_conv: bool = False) -> None:
@@ -121,14 +128,44 @@ class _Quantizer(X86InductorQuantizer):
             if a is None:
                 continue
             self.annotated += 1
-            if node.target == torch.ops.aten.linear.default and a.output_qspec is None:
-                if all(user.op != "output" for user in node.users):
+            if node.target == torch.ops.aten.linear.default:
+                if a.output_qspec is None and all(user.op != "output" for user in node.users):
                     a.output_qspec = self.config.output_activation
+                _share_input_scale(node, a)
             elif node.target == torch.ops.aten.add.Tensor:
                 for arg in node.args:
                     if isinstance(arg, torch.fx.Node) and arg not in a.input_qspec_map:
                         a.input_qspec_map[arg] = self.config.input_activation
         return model
+
+
+# Ops that move or drop values without changing the ones that pass: a quantized tensor can
+# go through them with its scale.
+_RESHAPES = (
+    torch.ops.aten.flatten.using_ints,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.dropout.default,
+)
+
+
+def _share_input_scale(linear: torch.fx.Node, annotation: Any) -> None:
+    """Give `linear`'s input the output scale of the quantized op that feeds it through
+    `_RESHAPES` only. (Training's dropout scales kept values by 1/(1-p): the shared observer
+    widens its range by that much at most.)"""
+    x = linear.args[0]
+    if not isinstance(x, torch.fx.Node) or x not in annotation.input_qspec_map:
+        return
+    source = x
+    while source.target in _RESHAPES and isinstance(source.args[0], torch.fx.Node):
+        if len(source.users) != 1:
+            return
+        source = source.args[0]
+    if source is x:
+        return
+    producer = source.meta.get("quantization_annotation")
+    if producer is not None and producer.output_qspec is not None:
+        annotation.input_qspec_map[x] = SharedQuantizationSpec(source)
 
 
 CONV_OPS = (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default)
