@@ -180,6 +180,11 @@ def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return consumers
 
 
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    """A node's attributes as Python values, by name."""
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
 def float_outputs(path: Path) -> list[str]:
     """Drop the QuantizeLinear -> DequantizeLinear pair on each graph output fed by a Gemm or
     MatMul, so the logits leave the model in float; returns the outputs changed.
@@ -280,7 +285,7 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
         _, c, h, w = in_shape
         if c == 1 or not after_a_conv(node.input[0]):
             continue  # the same order either way, or nothing channels-last to cancel
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _attrs(node)
         if node.op_type == "Flatten" and attrs.get("axis", 1) != 1:
             continue
         if node.op_type == "Reshape":
@@ -297,12 +302,12 @@ def flatten_channels_last(src: Path, out: Path) -> list[str]:
             gemm = only_user(flat) if flat else None
         if gemm is None or gemm.op_type != "Gemm" or gemm.input[0] != flat:
             continue
-        g_attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
+        g_attrs = _attrs(gemm)
         trans_b = bool(g_attrs.get("transB", 0))
         weight = inits.get(gemm.input[1])
         if weight is None and (w_dq := producer.get(gemm.input[1])) is not None:
             # a dequantized weight: per-tensor, or per-channel along the outputs
-            axis = {a.name: a.i for a in w_dq.attribute}.get("axis", 1)
+            axis = _attrs(w_dq).get("axis", 1)
             if w_dq.op_type == "DequantizeLinear" and (per_tensor(w_dq) or axis == 1 - trans_b):
                 weight = inits.get(w_dq.input[0])
         if g_attrs.get("transA", 0) or weight is None or len(users[weight.name]) != 1:
@@ -354,7 +359,7 @@ def quantize_gemm_bias(path: Path) -> list[str]:
     for node in list(graph.node):
         if node.op_type != "Gemm" or len(node.input) < 3:
             continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _attrs(node)
         if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
             continue
         dq_a, dq_w = producer.get(node.input[0]), producer.get(node.input[1])
@@ -371,7 +376,7 @@ def quantize_gemm_bias(path: Path) -> list[str]:
         b = numpy_helper.to_array(bias).astype(np.float64)
         if scale_a is None or scale_w is None or scale_a.size != 1 or b.ndim != 1:
             continue
-        w_axis = {a.name: a.i for a in dq_w.attribute}.get("axis", 1)
+        w_axis = _attrs(dq_w).get("axis", 1)
         out_axis = 0 if attrs.get("transB", 0) else 1
         if scale_w.size != 1 and (scale_w.size != b.size or w_axis != out_axis):
             continue  # per-channel along the reduced axis: no single scale per output

@@ -306,10 +306,10 @@ def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else math.nan
 
 
-def _median_of(runs: list[LoadResult], key: str) -> float | None:
+def _median_of(runs: list[LoadResult], key: str, digits: int = 3) -> float | None:
     """The median of a per-run figure over the runs that have it, or None."""
     values = [v for r in runs if (v := getattr(r, key)) is not None]
-    return round(_median(values), 3) if values else None
+    return round(_median(values), digits) if values else None
 
 
 def summarise(
@@ -327,7 +327,6 @@ def summarise(
         by_key.setdefault((cell.endpoint, cell.protocol, cell.concurrency), []).append(cell)
     load = []
     for (endpoint, protocol, c), runs in by_key.items():
-        batches = [r.mean_batch_rows for r in runs if r.mean_batch_rows is not None]
         load.append(
             {
                 "model": runs[0].model,
@@ -344,7 +343,7 @@ def summarise(
                 "p99_ms_max": max(r.p99_ms for r in runs),
                 "non2xx": sum(r.non2xx for r in runs),
                 "socket_errors": sum(r.socket_errors for r in runs),
-                "mean_batch_rows": round(_median(batches), 2) if batches else None,
+                "mean_batch_rows": _median_of(runs, "mean_batch_rows", 2),
                 **{
                     key: _median_of(runs, key)
                     for key in ("loop_us_per_request", "other_threads_cores", "machine_busy")
