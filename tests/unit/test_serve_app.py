@@ -834,3 +834,31 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
     assert json.loads(sent[1]["body"]) == {"error": "deadline passed before the answer was ready"}
     # 0.6 s after it began, not 0.6 s after its body was read (1.05 s)
     assert 0.55 < answered < 0.95, answered
+
+
+def test_tensor_routes_answer_other_methods_405_and_label_each_route(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> None:
+        async with serving(app) as client:
+            for path in (INFER, "/v2/models/hand/versions/1/infer", "/v1/predict"):
+                r = await client.get(path)
+                assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+                assert "use POST" in r.json()["error"]
+            r = await client.post("/v2/models/hand/versions/1/infer", json=v2_json(X))
+            assert r.status_code == 200
+            r = await client.post("/v2/models/hand/versions/2/infer", json=v2_json(X))
+            assert r.status_code == 404 and "version" in r.json()["error"]
+            text = (await client.get("/metrics")).text
+            versioned = "/v2/models/{model_name}/versions/{version}/infer"
+            assert (
+                metric(text, f'lightship_requests_total{{route="{versioned}",status="200"}}') == 1
+            )
+            assert (
+                metric(text, f'lightship_requests_total{{route="{versioned}",status="404"}}') == 1
+            )
+            assert (
+                metric(text, f'lightship_requests_total{{route="{versioned}",status="405"}}') == 1
+            )
+
+    run(main())

@@ -110,8 +110,8 @@ class MetricsMiddleware:
     """Counts and times each HTTP request under its route template (bounded label values).
 
     Plain ASGI, not Starlette's BaseHTTPMiddleware, which costs a task per request. FastAPI
-    puts its routes in `scope["route"]` but not plain Starlette ones: `paths` names those by
-    endpoint.
+    puts its routes in `scope["route"]`; the server's `HotRoutes` puts its handler's name in
+    `scope["endpoint"]`, which `paths` maps to the route template.
     """
 
     def __init__(self, app: ASGIApp, metrics: Metrics, paths: dict[Any, str] | None = None) -> None:
