@@ -727,17 +727,12 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
 
     for cls, respond in answers.items():
         app.add_exception_handler(cls, handler(respond))
-    client_disconnect = answers[ClientDisconnect]
 
     async def http_error(request: Request, exc: Any) -> Response:
         # FastAPI turns any error while parsing a form into "400 error parsing the body";
-        # these are not the client's malformed upload.
-        if isinstance(exc.__cause__, BodyTooLarge):
-            return _error(413, str(exc.__cause__))
-        if isinstance(exc.__cause__, BodyTimeout):
-            return _error(408, str(exc.__cause__), {"connection": "close"})
-        if isinstance(exc.__cause__, ClientDisconnect):
-            return client_disconnect(exc.__cause__)
+        # these are not the client's malformed upload: answer them as the table does.
+        if isinstance(exc.__cause__, (BodyTooLarge, BodyTimeout, ClientDisconnect)):
+            return answers[type(exc.__cause__)](exc.__cause__)
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     async def validation_error(request: Request, exc: Any) -> Response:
