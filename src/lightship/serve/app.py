@@ -731,8 +731,12 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
     async def http_error(request: Request, exc: Any) -> Response:
         # FastAPI turns any error while parsing a form into "400 error parsing the body";
         # these are not the client's malformed upload: answer them as the table does.
-        if isinstance(exc.__cause__, (BodyTooLarge, BodyTimeout, ClientDisconnect)):
-            return answers[type(exc.__cause__)](exc.__cause__)
+        cause = exc.__cause__
+        if (
+            isinstance(cause, (BodyTooLarge, BodyTimeout, ClientDisconnect))
+            and (response := _answer_for(answers, cause)) is not None
+        ):
+            return response
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     async def validation_error(request: Request, exc: Any) -> Response:
