@@ -339,3 +339,52 @@ def test_a_failed_quantization_leaves_no_scratch_folder(
     with pytest.raises(OSError, match="No space left"):
         quantize(RunDir(run), "static")
     assert not list(run.glob(".quantize.*")) and not (run / "quantize").exists()
+
+
+def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(
+    quantized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AMX step on the tiny model, every conv made "deep" and its 0.05 ms run "long": the
+    rewrite is exact, it is timed both ways, and the model on disk is the one the rule keeps,
+    with the spin-inside-runs metadata exactly when routed. With the real run-time floor the
+    tiny model is never routed; on a CPU without AMX the step is not tried."""
+    import dataclasses
+
+    from lightship.quantize import core, ptq
+    from lightship.quantize.core import Quantizer
+    from lightship.runtime.ort import SPIN_IN_RUN
+
+    run = tmp_path / "run"
+    shutil.copytree(quantized, run)
+    q = Quantizer(RunDir(run), "auto", QuantizeSettings())
+    try:
+        q.target = "vnni"
+        q.cpu = dataclasses.replace(q.cpu, flags=q.cpu.flags - {"amx_int8"})
+        static = run / "quantize/model.int8-static.onnx"
+        acc = entries(run)["onnx-int8-static"]["accuracy"]
+        assert q._gemm_convs(static, acc) is None
+        q.cpu = dataclasses.replace(q.cpu, flags=q.cpu.flags | {"amx_int8"})
+        monkeypatch.setattr(ptq, "GEMM_CONV_MIN_K", 1)
+        real = q._gemm_convs(static, acc)
+        assert real is not None and real["kept"] is False  # its runs are far below the floor
+        assert real["batch1_p50_ms"]["direct"] < core.SPIN_MIN_RUN_MS
+        monkeypatch.setattr(core, "SPIN_MIN_RUN_MS", 0.0)
+        before = onnx.load(str(static)).graph
+        dequantized = {o for n in before.node if n.op_type == "DequantizeLinear" for o in n.output}
+        convs = [n.name for n in before.node if n.op_type == "Conv" and n.input[1] in dequantized]
+        e = q._gemm_convs(static, acc)
+    finally:
+        q.close()
+    assert e is not None and e["convs"] == convs and e["accuracy"] == acc  # bit-exact rewrite
+    times = e["batch1_p50_ms"]
+    assert e["kept"] == (e["speedup"] > 1.05 and times["gemm"] <= times["direct"])
+    model = onnx.load(str(static))
+    zero_points = [
+        onnx.numpy_helper.to_array(t)
+        for t in model.graph.initializer
+        if t.name.endswith("_zero_point")
+    ]
+    assert any((z == -1).all() for z in zero_points) == e["kept"]
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta.get(SPIN_IN_RUN) == ("1" if e["kept"] else None)
+    assert load_predictor(static).predict(np.zeros((1, 1, 16, 16), np.uint8)).shape == (1, 10)

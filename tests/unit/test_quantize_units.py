@@ -213,3 +213,78 @@ def test_quantize_gemm_bias_gives_each_gemm_its_own_int32_bias(tmp_path: Path) -
     want, got = (ort.InferenceSession(str(p)).run(None, {"x": x}) for p in (src, out))
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(b, a, atol=0.5 * 0.05 * 0.02 + 1e-5)
+
+
+def test_route_convs_to_gemm_rewrites_only_deep_convs_and_keeps_every_output_bit(
+    tmp_path: Path,
+) -> None:
+    """Three QDQ convs on one uint8-quantized input, symmetric per-channel int8 weights: the
+    deep one (K = 64 x 3 x 3) is stored as q - 1 with zero point -1 and ORT's QLinearConv gives
+    the same bits; the shallow one (K = 36) and one holding -128 (no room for q - 1) stay."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from lightship.quantize.core import int8_share
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "x_s"),
+        numpy_helper.from_array(np.array(128, np.uint8), "x_zp"),
+        numpy_helper.from_array(np.array(0.2, np.float32), "y_s"),
+        numpy_helper.from_array(np.array(128, np.uint8), "y_zp"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_s", "x_zp"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "x_s", "x_zp"], ["xd"]),
+    ]
+    weights = {}
+    for name, cin in [("deep", 64), ("shallow", 4), ("full", 64)]:
+        w = rng.integers(-127, 128, size=(8, cin, 3, 3)).astype(np.int8)
+        if name == "full":
+            w[0, 0, 0, 0] = -128
+        weights[name] = w
+        inits += [
+            numpy_helper.from_array(w, f"{name}_w"),
+            numpy_helper.from_array(rng.uniform(0.001, 0.002, 8).astype(np.float32), f"{name}_s"),
+            numpy_helper.from_array(np.zeros(8, np.int8), f"{name}_zp"),
+        ]
+        src = "xd" if cin == 64 else "xd4"
+        nodes += [
+            helper.make_node(
+                "DequantizeLinear", [f"{name}_w", f"{name}_s", f"{name}_zp"], [f"{name}_wd"], axis=0
+            ),
+            helper.make_node("Conv", [src, f"{name}_wd"], [f"{name}_c"], name=name, pads=[1] * 4),
+            helper.make_node("QuantizeLinear", [f"{name}_c", "y_s", "y_zp"], [f"{name}_q"]),
+            helper.make_node("DequantizeLinear", [f"{name}_q", "y_s", "y_zp"], [f"{name}_y"]),
+        ]
+    nodes.insert(2, helper.make_node("Slice", ["xd", "zero", "four", "one"], ["xd4"]))
+    inits += [
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([4], np.int64), "four"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64, 8, 8])],
+        [
+            helper.make_tensor_value_info(f"{n}_y", TensorProto.FLOAT, ["batch", 8, 8, 8])
+            for n in weights
+        ],
+        inits,
+    )
+    src_path, out = tmp_path / "direct.onnx", tmp_path / "gemm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src_path))
+    assert ptq.route_convs_to_gemm(src_path, out, min_k=512) == ["deep"]
+    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    np.testing.assert_array_equal(stored["deep_w"], weights["deep"].astype(np.int16) - 1)
+    np.testing.assert_array_equal(stored["deep_zp"], np.full(8, -1, np.int8))
+    for name in ("shallow", "full"):
+        np.testing.assert_array_equal(stored[f"{name}_w"], weights[name])
+        assert not stored[f"{name}_zp"].any()
+    assert int8_share(out)["int8_op_types"] == ["QLinearConv"]  # ORT fused every conv
+    x = rng.uniform(-6, 6, size=(4, 64, 8, 8)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p)).run(None, {"x": x}) for p in (src_path, out))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b, a)

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from lightship.errors import RunError
 from lightship.runtime import InputError, load_predictor, softmax
-from lightship.runtime.ort import OrtPredictor
+from lightship.runtime.ort import SPIN_IN_RUN, OrtPredictor
 from tests.handmade import expected_logits, handmade_onnx
 
 
@@ -199,3 +199,21 @@ def test_a_corrupt_pt2_gives_one_error_and_no_torch_warning(
     with caplog.at_level(logging.WARNING), pytest.raises(RunError, match="cannot load pt2 model"):
         load_predictor(path)
     assert not [r for r in caplog.records if r.name.startswith("torch")]
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_a_model_asking_to_spin_inside_runs_gets_a_pool_that_stops_after_each(
+    tmp_path: Path, asks: bool
+) -> None:
+    """`lightship.ort.spin_in_run` = 1 (set by the quantizer where it measured it paying):
+    the pool's threads spin inside a run and stop when it returns; any other model's never
+    spin, so an idle server burns no CPU."""
+    meta = {SPIN_IN_RUN: "1"} if asks else {}
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], (TensorProto.FLOAT, ["N", 4]), meta=meta)
+    p = load_predictor(path)
+    assert isinstance(p, OrtPredictor)
+    options = p.session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == str(int(asks))
+    if asks:
+        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    np.testing.assert_array_equal(p.predict(np.ones((1, 1, 2, 2), np.uint8)), [[1, 1, 1, 1]])

@@ -519,6 +519,47 @@ def thin_first_conv(path: Path) -> list[str]:
     return island
 
 
+# The depth (input channels x kernel area) from which a conv gains from ORT's im2col + GEMM path
+# on an AMX CPU: ResNet-18's 3x3 convs from 64 channels (K = 576) up. Below it the direct
+# VNNI conv kernels win (measured with every conv of the digits model routed: 0.73x).
+GEMM_CONV_MIN_K = 512
+
+
+def route_convs_to_gemm(src: Path, dst: Path, min_k: int = GEMM_CONV_MIN_K) -> list[str]:
+    """Write `src` to `dst` with its deep int8 convs sent to ORT's u8 x s8 GEMM; returns them.
+
+    QLinearConv runs its direct VNNI conv kernels when the int8 weights' zero point is 0, as
+    lightship's symmetric per-channel weights have it, and im2col plus MLAS's quantized GEMM,
+    which has the AMX kernels, when one non-zero zero point serves every channel. Storing each
+    weight as q - 1 with zero point -1 changes no product, (q - 1) - (-1) = q, so the outputs
+    are bit-identical; it needs every weight >= -127 (symmetric int8 weights are) and weights
+    and zero points used by this conv alone.
+    """
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers, consumers = _producers(graph), _consumers(graph)
+    routed: list[str] = []
+    for conv in graph.node:
+        dq = producers.get(conv.input[1]) if conv.op_type == "Conv" else None
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            continue
+        weight, zero = inits.get(dq.input[0]), inits.get(dq.input[2])
+        if weight is None or zero is None or weight.data_type != onnx.TensorProto.INT8:
+            continue
+        if any(len(consumers.get(t, [])) != 1 for t in (dq.input[0], dq.input[2], dq.output[0])):
+            continue
+        q, zp = numpy_helper.to_array(weight), numpy_helper.to_array(zero)
+        if q.ndim != 4 or zp.any() or q.min() < -127 or int(np.prod(q.shape[1:])) < min_k:
+            continue
+        shifted = (q.astype(np.int16) - 1).astype(np.int8)
+        weight.CopyFrom(numpy_helper.from_array(shifted, weight.name))
+        zero.CopyFrom(numpy_helper.from_array(np.full_like(zp, -1), zero.name))
+        routed.append(conv.name)
+    onnx.save(model, str(dst))
+    return routed
+
+
 def copy_metadata(src: Path, dst: Path, extra: dict[str, str]) -> None:
     """Carry the exported model's metadata_props (labels, input spec) into a quantized file."""
     source = onnx.load(str(src))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +30,50 @@ _LOGIT_TYPES = {"tensor(float)", "tensor(float16)", "tensor(double)"}
 DISABLED_OPTIMIZERS = "lightship.ort.disabled_optimizers"
 
 
-def session_options(threads: int | None = None, spinning: bool = False) -> ort.SessionOptions:
+# A model that asks its pool's threads to spin inside each run ("1"), and stop when it returns.
+# lightship's quantizer sets it where it measured it paying (`Quantizer._gemm_convs`).
+SPIN_IN_RUN = "lightship.ort.spin_in_run"
+
+
+def session_options(
+    threads: int | None = None, spinning: bool = False, spin_in_run: bool = False
+) -> ort.SessionOptions:
     """Threads = physical cores, one inter-op thread, all graph optimisations.
 
     Spinning is off by default: in a server, spinning workers burn idle CPU and under
     contention pushed p99 from 0.3 ms to 4-8 ms (DESIGN.md §4); benchmarks may turn it on.
+    `spin_in_run` lets them spin inside a run only (`session.force_spinning_stop`): a pool
+    that sleeps between the parallel sections of one run wakes through the kernel for each.
+    That cost ResNet-18 on ORT's AMX GEMM a quarter of its served throughput, yet made the
+    tiny digits model 30 % slower served one request at a time, where the spinning worker
+    takes the core the HTTP side needs between short runs (README, "AMX").
     """
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or physical_cores()
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    spin = spinning or spin_in_run
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin_in_run and not spinning:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 
 
 def create_session(
-    path: Path | str, options: ort.SessionOptions, providers: list[Any] | None = None
+    path: Path | str,
+    options: Callable[[bool], ort.SessionOptions],
+    providers: list[Any] | None = None,
 ) -> ort.InferenceSession:
-    """An InferenceSession that honours the model's own `lightship.ort.disabled_optimizers`."""
+    """An InferenceSession that honours the model's own `lightship.ort.disabled_optimizers`
+    and `lightship.ort.spin_in_run`; `options(spin_in_run)` makes its SessionOptions."""
     providers = providers or ["CPUExecutionProvider"]
-    session = ort.InferenceSession(str(path), options, providers=providers)
-    skip = session.get_modelmeta().custom_metadata_map.get(DISABLED_OPTIMIZERS, "")
-    names = [n.strip() for n in skip.split(",") if n.strip()]
-    if names:  # the metadata is only readable from a session: build it again without them
+    session = ort.InferenceSession(str(path), options(False), providers=providers)
+    meta = session.get_modelmeta().custom_metadata_map
+    names = [n.strip() for n in meta.get(DISABLED_OPTIMIZERS, "").split(",") if n.strip()]
+    spin = meta.get(SPIN_IN_RUN) == "1"
+    if names or spin:  # the metadata is only readable from a session: build it again
         session = ort.InferenceSession(
-            str(path), options, providers=providers, disabled_optimizers=names
+            str(path), options(spin), providers=providers, disabled_optimizers=names
         )
     return session
 
@@ -150,7 +170,9 @@ class OrtPredictor(Predictor):
             raise RunError(f"ONNX model {self.path} not found: run `make export` first")
         try:
             self.session = create_session(
-                self.path, session_options(threads, spinning), providers_for(device)
+                self.path,
+                lambda spin: session_options(threads, spinning, spin_in_run=spin),
+                providers_for(device),
             )
         except RunError:
             raise
