@@ -220,7 +220,9 @@ def test_route_convs_to_gemm_rewrites_only_deep_convs_and_keeps_every_output_bit
 ) -> None:
     """Three QDQ convs on one uint8-quantized input, symmetric per-channel int8 weights: the
     deep one (K = 64 x 3 x 3) is stored as q - 1 with zero point -1 and ORT's QLinearConv gives
-    the same bits; the shallow one (K = 36) and one holding -128 (no room for q - 1) stay."""
+    the same bits; the shallow one (K = 36) and one holding -128 (no room for q - 1) stay, the
+    latter with the zero-point initializer it shared with the deep one (QAT's export shares
+    them)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import numpy_helper
@@ -247,12 +249,14 @@ def test_route_convs_to_gemm_rewrites_only_deep_convs_and_keeps_every_output_bit
         inits += [
             numpy_helper.from_array(w, f"{name}_w"),
             numpy_helper.from_array(rng.uniform(0.001, 0.002, 8).astype(np.float32), f"{name}_s"),
-            numpy_helper.from_array(np.zeros(8, np.int8), f"{name}_zp"),
         ]
+        zp = "deep_zp" if name == "full" else f"{name}_zp"  # shared, as QAT's export does
+        if name != "full":
+            inits.append(numpy_helper.from_array(np.zeros(8, np.int8), zp))
         src = "xd" if cin == 64 else "xd4"
         nodes += [
             helper.make_node(
-                "DequantizeLinear", [f"{name}_w", f"{name}_s", f"{name}_zp"], [f"{name}_wd"], axis=0
+                "DequantizeLinear", [f"{name}_w", f"{name}_s", zp], [f"{name}_wd"], axis=0
             ),
             helper.make_node("Conv", [src, f"{name}_wd"], [f"{name}_c"], name=name, pads=[1] * 4),
             helper.make_node("QuantizeLinear", [f"{name}_c", "y_s", "y_zp"], [f"{name}_q"]),
@@ -277,12 +281,15 @@ def test_route_convs_to_gemm_rewrites_only_deep_convs_and_keeps_every_output_bit
     src_path, out = tmp_path / "direct.onnx", tmp_path / "gemm.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src_path))
     assert ptq.route_convs_to_gemm(src_path, out, min_k=512) == ["deep"]
-    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    routed = onnx.load(str(out)).graph
+    onnx.checker.check_model(onnx.load(str(out)))
+    stored = {t.name: numpy_helper.to_array(t) for t in routed.initializer}
+    zero_point = {n.input[0]: stored[n.input[2]] for n in routed.node if n.input[0] in stored}
     np.testing.assert_array_equal(stored["deep_w"], weights["deep"].astype(np.int16) - 1)
-    np.testing.assert_array_equal(stored["deep_zp"], np.full(8, -1, np.int8))
+    np.testing.assert_array_equal(zero_point["deep_w"], np.full(8, -1, np.int8))
     for name in ("shallow", "full"):
         np.testing.assert_array_equal(stored[f"{name}_w"], weights[name])
-        assert not stored[f"{name}_zp"].any()
+        assert not zero_point[f"{name}_w"].any()
     assert int8_share(out)["int8_op_types"] == ["QLinearConv"]  # ORT fused every conv
     x = rng.uniform(-6, 6, size=(4, 64, 8, 8)).astype(np.float32)
     want, got = (ort.InferenceSession(str(p)).run(None, {"x": x}) for p in (src_path, out))

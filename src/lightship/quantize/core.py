@@ -474,7 +474,13 @@ class Quantizer:
                 "this model with `--methods static,dynamic` instead"
             ) from None
         acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
-        entry = {**self._entry(final, "qat", acc), **info, "int8_ops": int8_share(final)}
+        gemm = self._gemm_convs(final, acc)
+        entry = {
+            **self._entry(final, "qat", acc),
+            **info,
+            "gemm_convs": gemm,
+            "int8_ops": int8_share(final),
+        }
         self.run.record("onnx-int8-qat", entry)
         return Variant("qat", final, acc, self._gate(acc), entry)
 

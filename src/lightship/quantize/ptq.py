@@ -533,7 +533,7 @@ def route_convs_to_gemm(src: Path, dst: Path, min_k: int = GEMM_CONV_MIN_K) -> l
     which has the AMX kernels, when one non-zero zero point serves every channel. Storing each
     weight as q - 1 with zero point -1 changes no product, (q - 1) - (-1) = q, so the outputs
     are bit-identical; it needs every weight >= -127 (symmetric int8 weights are) and weights
-    and zero points used by this conv alone.
+    used by this conv alone.
     """
     model = onnx.load(str(src))
     graph = model.graph
@@ -547,15 +547,23 @@ def route_convs_to_gemm(src: Path, dst: Path, min_k: int = GEMM_CONV_MIN_K) -> l
         weight, zero = inits.get(dq.input[0]), inits.get(dq.input[2])
         if weight is None or zero is None or weight.data_type != onnx.TensorProto.INT8:
             continue
-        if any(len(consumers.get(t, [])) != 1 for t in (dq.input[0], dq.input[2], dq.output[0])):
+        if any(len(consumers.get(t, [])) != 1 for t in (dq.input[0], dq.output[0])):
             continue
         q, zp = numpy_helper.to_array(weight), numpy_helper.to_array(zero)
         if q.ndim != 4 or zp.any() or q.min() < -127 or int(np.prod(q.shape[1:])) < min_k:
             continue
         shifted = (q.astype(np.int16) - 1).astype(np.int8)
         weight.CopyFrom(numpy_helper.from_array(shifted, weight.name))
-        zero.CopyFrom(numpy_helper.from_array(np.full_like(zp, -1), zero.name))
+        minus_one = numpy_helper.from_array(np.full_like(zp, -1), f"{dq.input[0]}_gemm_zero_point")
+        graph.initializer.append(minus_one)  # its own: QAT's export shares zero points
+        dq.input[2] = minus_one.name
         routed.append(conv.name)
+    used = {name for n in graph.node for name in n.input}
+    used |= {v.name for v in (*graph.input, *graph.output)}
+    kept = [t for t in graph.initializer if t.name in used]
+    if len(kept) < len(graph.initializer):  # the zero points no node reads any more
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
     onnx.save(model, str(dst))
     return routed
 
