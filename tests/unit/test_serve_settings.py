@@ -185,3 +185,17 @@ def test_a_lightship_variable_that_is_no_setting_is_warned_about() -> None:
         "(did you mean LIGHTSHIP_MAX_BATCH_ROWS?)",
         "LIGHTSHIP_ZZZ is not a serve setting and is ignored",
     ]
+
+
+def test_a_model_routed_to_the_amx_gemm_is_served_elsewhere_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    routed = {"target": "vnni", "gemm_convs": {"convs": ["c"], "kept": True}}
+    run = make_run(tmp_path, {"onnx-int8-static": routed})
+    model = choose(ServeSettings(run=run, variant="onnx-int8-static"))
+    verify(model, "refuse", cpu=VNNI)  # correct everywhere: a warning, not a refusal
+    assert "no AMX" in caplog.text and "`lightship quantize` on this machine" in caplog.text
+    caplog.clear()
+    amx = CpuInfo("test AMX CPU", "x86_64", VNNI.flags | {"amx_int8"})
+    verify(model, "refuse", cpu=amx)
+    assert "AMX" not in caplog.text

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightship.errors import ConfigError, RunError
-from lightship.quantize.isa import CpuInfo, compatibility
+from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
 from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
@@ -134,6 +134,15 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     made_for = entry.get("target")
     if not made_for:
         return
+    gemm = entry.get("gemm_convs")
+    flags = (cpu or host_cpu()).flags
+    if isinstance(gemm, dict) and gemm.get("kept") and "amx_int8" not in flags:
+        log.warning(
+            "%s: its deep convs were sent to ONNX Runtime's AMX int8 GEMM, measured faster on "
+            "the AMX CPU it was quantized on; this CPU has no AMX, so they may run slower than "
+            "they could: `lightship quantize` on this machine measures again",
+            model.variant,
+        )
     problem = compatibility(str(made_for), cpu)
     if problem is None:
         return
