@@ -53,7 +53,7 @@ def test_qat_config_follows_the_target() -> None:
     vnni = qat_config(isa.SCHEMES["vnni"], per_channel=False).weight
     assert avx2 is not None and vnni is not None
     assert (avx2.quant_min, avx2.quant_max, avx2.qscheme) == (-64, 63, torch.per_channel_symmetric)
-    assert (vnni.quant_min, vnni.quant_max, vnni.qscheme) == (-128, 127, torch.per_tensor_symmetric)
+    assert (vnni.quant_min, vnni.quant_max, vnni.qscheme) == (-127, 127, torch.per_tensor_symmetric)
 
 
 def test_qat_variant_through_the_cli(exported_run: Path, tmp_path: Path) -> None:

@@ -63,8 +63,10 @@ ADVICE = "quantize this model with `--methods static,dynamic` instead"
 
 
 def weight_range(scheme: isa.Scheme) -> tuple[int, int]:
-    """7-bit weights where u8 x s8 pair sums saturate in int16 (AVX2 without VNNI)."""
-    return (-64, 63) if scheme.reduce_range else (-128, 127)
+    """7-bit weights where u8 x s8 pair sums saturate in int16 (AVX2 without VNNI); otherwise
+    -127..127, symmetric as static PTQ's (ORT's quantizer) and TensorRT's: -128 would leave no
+    room for the exact q - 1 that sends a conv to ORT's AMX GEMM (`ptq.route_convs_to_gemm`)."""
+    return (-64, 63) if scheme.reduce_range else (-127, 127)
 
 
 def qat_config(scheme: isa.Scheme, per_channel: bool = True) -> QuantizationConfig:
