@@ -363,6 +363,8 @@ def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(
         static = run / "quantize/model.int8-static.onnx"
         acc = entries(run)["onnx-int8-static"]["accuracy"]
         assert q._gemm_convs(static, acc) is None
+        if q.scheme.reduce_range:  # this host made 7-bit weights (AVX2): never routed for real
+            pytest.skip("q - 1 leaves 7 bits and AVX2 sums u8 x s8 pairs in int16: no exact A/B")
         q.cpu = dataclasses.replace(q.cpu, flags=q.cpu.flags | {"amx_int8"})
         monkeypatch.setattr(ptq, "GEMM_CONV_MIN_K", 1)
         real = q._gemm_convs(static, acc)
