@@ -27,7 +27,7 @@ from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
-from lightship.report.measure import measure
+from lightship.report.measure import Timing, measure
 from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, create_session
@@ -49,6 +49,7 @@ INT8_OPS = {
 # (README, "AMX"): ResNet-18 at 1.6 ms gained 18 % served one request at a time, digits at
 # 0.1 ms lost 30 %.
 SPIN_MIN_RUN_MS = 0.5
+AB_BATCH = 64  # the batch at which a candidate model is timed against the current one
 FLOAT_OPS = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm"}
 
 
@@ -149,6 +150,14 @@ def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
         raise QuantizeError("empty calibration set: the run's training split has no images")
     idx = np.random.default_rng(seed).permutation(len(splits.train_x))[:n]
     return np.ascontiguousarray(splits.train_x[np.sort(idx)])
+
+
+def _settle(candidate: Path, current: Path, kept: bool) -> None:
+    """A timed candidate replaces `current` when it is kept, and is deleted when not."""
+    if kept:
+        os.replace(candidate, current)
+    else:
+        candidate.unlink()
 
 
 def _accuracy(path: Path, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
@@ -323,23 +332,11 @@ class Quantizer:
         # timed as it would be served: with the metadata that keeps its fp32 pool fast
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
         cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
-        batch = 64
-        timings = measure(
-            {"all_int8": load_predictor(current), "first_conv_fp32": load_predictor(candidate)},
-            self.splits.test_x,
-            rounds=8,
-            batch=batch,
-            seconds=0.05,
-            warmup=1,
-            latency=False,
-        )
-        all_int8, first_fp32 = (t.throughput_per_s for t in timings.values())
-        gain = timings["first_conv_fp32"].speedup_over(timings["all_int8"])
+        before, after = self._time_candidate(current, candidate, latency=False)
+        all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
+        gain = after.speedup_over(before)
         kept = self._gate(cand_acc) and cand_acc >= min(acc, self.fp32_acc) and gain > 1.05
-        if kept:
-            os.replace(candidate, current)
-        else:
-            candidate.unlink()
+        _settle(candidate, current, kept)
         log.info(
             "first conv in fp32: %.0f img/s against %.0f all-int8 at batch 64: %s",
             first_fp32,
@@ -348,13 +345,30 @@ class Quantizer:
         )
         return {
             "island": island,
-            "batch": batch,
+            "batch": AB_BATCH,
             "img_per_s": {"all_int8": round(all_int8, 1), "first_conv_fp32": round(first_fp32, 1)},
             "speedup": round(gain, 3),  # the median of the within-round ratios
             "accuracy": cand_acc,
             "accuracy_all_int8": acc,
             "kept": kept,
         }
+
+    def _time_candidate(
+        self, current: Path, candidate: Path, latency: bool
+    ) -> tuple[Timing, Timing]:
+        """`current` and `candidate` timed interleaved on the test images at batch `AB_BATCH`
+        (and batch 1 with `latency`): the A/B of every step that keeps a candidate model only
+        where it measures faster here."""
+        timings = measure(
+            {"current": load_predictor(current), "candidate": load_predictor(candidate)},
+            self.splits.test_x,
+            rounds=8,
+            batch=AB_BATCH,
+            seconds=0.05,
+            warmup=1,
+            latency=latency,
+        )
+        return timings["current"], timings["candidate"]
 
     def _gemm_convs(self, current: Path, acc: float) -> dict[str, Any] | None:
         """Send the deep convs to ORT's AMX GEMM (`ptq.route_convs_to_gemm`) if that measures
@@ -374,28 +388,12 @@ class Quantizer:
             candidate.unlink()
             return None
         ptq.copy_metadata(current, candidate, {SPIN_IN_RUN: "1"})
-        timings = measure(
-            {"direct": load_predictor(current), "gemm": load_predictor(candidate)},
-            self.splits.test_x,
-            rounds=8,
-            batch=64,
-            seconds=0.05,
-            warmup=1,
-        )
-        direct, gemm = timings["direct"], timings["gemm"]
-        run_ms = direct.summary()["p50"]
+        direct, gemm = self._time_candidate(current, candidate, latency=True)
+        run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
         cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
-        kept = (
-            run_ms >= SPIN_MIN_RUN_MS
-            and gain > 1.05
-            and gemm.summary()["p50"] <= run_ms
-            and cand_acc == acc
-        )
-        if kept:
-            os.replace(candidate, current)
-        else:
-            candidate.unlink()
+        kept = run_ms >= SPIN_MIN_RUN_MS and gain > 1.05 and gemm_ms <= run_ms and cand_acc == acc
+        _settle(candidate, current, kept)
         log.info(
             "deep convs on ORT's GEMM: %.0f img/s against %.0f direct at batch 64: %s",
             gemm.throughput_per_s,
@@ -404,7 +402,7 @@ class Quantizer:
         )
         return {
             "convs": routed,
-            "batch1_p50_ms": {"direct": round(run_ms, 4), "gemm": round(gemm.summary()["p50"], 4)},
+            "batch1_p50_ms": {"direct": round(run_ms, 4), "gemm": round(gemm_ms, 4)},
             "img_per_s": {
                 "direct": round(direct.throughput_per_s, 1),
                 "gemm": round(gemm.throughput_per_s, 1),

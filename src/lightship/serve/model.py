@@ -134,9 +134,9 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     made_for = entry.get("target")
     if not made_for:
         return
+    cpu = cpu or host_cpu()  # read once, for both checks
     gemm = entry.get("gemm_convs")
-    flags = (cpu or host_cpu()).flags
-    if isinstance(gemm, dict) and gemm.get("kept") and "amx_int8" not in flags:
+    if isinstance(gemm, dict) and gemm.get("kept") and "amx_int8" not in cpu.flags:
         log.warning(
             "%s: its deep convs were sent to ONNX Runtime's AMX int8 GEMM, measured faster on "
             "the AMX CPU it was quantized on; this CPU has no AMX, so they may run slower than "
