@@ -210,10 +210,88 @@ def test_a_model_asking_to_spin_inside_runs_gets_a_pool_that_stops_after_each(
     spin, so an idle server burns no CPU."""
     meta = {SPIN_IN_RUN: "1"} if asks else {}
     path = _onnx(tmp_path / "m.onnx", [IMAGE], (TensorProto.FLOAT, ["N", 4]), meta=meta)
-    p = load_predictor(path)
-    assert isinstance(p, OrtPredictor)
+    p = OrtPredictor(path, threads=2, split=False)  # one session, with its two-thread pool
     options = p.session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == str(int(asks))
     if asks:
         assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     np.testing.assert_array_equal(p.predict(np.ones((1, 1, 2, 2), np.uint8)), [[1, 1, 1, 1]])
+
+
+def _spy_lanes(p: OrtPredictor) -> list[tuple[str, int]]:
+    """Record (thread, rows) for each slice a split batch runs on a lane."""
+    import threading
+
+    calls: list[tuple[str, int]] = []
+    lane_run = p._lane_run
+
+    def spy(x: np.ndarray) -> np.ndarray:
+        calls.append((threading.current_thread().name, len(x)))
+        return lane_run(x)
+
+    p._lane_run = spy  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_long_batch_is_split_across_one_thread_lanes_in_order(tmp_path: Path) -> None:
+    """Two threads: a batch of `split_rows`+ rows runs as two slices at once, on two threads,
+    and the logits come back in the caller's row order; a shorter batch is not split."""
+    p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), threads=2)
+    assert p.lanes == 2 and p.split_rows >= 2
+    calls = _spy_lanes(p)
+    rng = np.random.default_rng(0)
+    long = rng.integers(0, 256, (p.split_rows + 3, 1, 2, 2), dtype=np.uint8)
+    np.testing.assert_array_equal(p.predict(long), expected_logits(long))
+    assert sorted(rows for _, rows in calls) == sorted(
+        len(part) for part in np.array_split(long, 2)
+    )
+    assert len({thread for thread, _ in calls}) == 2  # both slices ran, each on its own thread
+    calls.clear()
+    short = long[: p.split_rows - 1]
+    np.testing.assert_array_equal(p.predict(short), expected_logits(short))
+    assert calls == []
+
+
+@pytest.mark.parametrize("threads, split", [(1, True), (2, False)])
+def test_one_thread_or_split_off_keeps_one_session(
+    tmp_path: Path, threads: int, split: bool
+) -> None:
+    p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), threads=threads, split=split)
+    assert (p.lanes, p.split_rows, p._pool) == (1, 0, None)
+    x = np.full((64, 1, 2, 2), 7, np.uint8)
+    np.testing.assert_array_equal(p.predict(x), expected_logits(x))
+
+
+@pytest.mark.parametrize(
+    "one_image_s, lane_one_s, four_rows_s, split_rows, short_on_lane",
+    [
+        # the digits CNN's shape: 50 us a row, one image faster on one thread
+        (90e-6, 65e-6, 200e-6, 6, True),
+        # ResNet-18's: 1 ms a row, one image faster on the two-thread pool
+        (1.2e-3, 1.3e-3, 4.4e-3, 2, False),
+    ],
+)
+def test_split_rows_and_the_short_batch_session_follow_the_timings_at_load(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    one_image_s: float,
+    lane_one_s: float,
+    four_rows_s: float,
+    split_rows: int,
+    short_on_lane: bool,
+) -> None:
+    """Each lane gets at least `SPLIT_MIN_LANE_S` of work (rows x one-thread time per row);
+    short batches go to whichever session ran one image sooner."""
+    from lightship.runtime import ort as ort_module
+
+    def fastest(session: Any, name: str, x: np.ndarray, runs: int = 3) -> float:
+        threads = session.get_session_options().intra_op_num_threads
+        if len(x) == 4:
+            return four_rows_s
+        return lane_one_s if threads == 1 else one_image_s
+
+    monkeypatch.setattr(ort_module, "_fastest", fastest)
+    p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), threads=2)
+    assert p.split_rows == split_rows
+    assert (p.session is p._lane) == short_on_lane
+    assert p.short_batch_threads == (1 if short_on_lane else 2)

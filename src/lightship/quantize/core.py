@@ -29,7 +29,7 @@ from lightship.errors import ConfigError, LightshipError, QuantizeError, RunErro
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.measure import Timing, measure
 from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
-from lightship.runtime import load_predictor
+from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, create_session
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ INT8_OPS = {
 }
 # Threads spinning inside a run pay only when a run is long against the HTTP work between runs
 # (README, "AMX"): ResNet-18 at 1.6 ms gained 18 % served one request at a time, digits at
-# 0.1 ms lost 30 %.
+# 0.1 ms lost 30 %. Only a multi-thread session has threads to spin: a model whose short
+# batches run on one thread (`OrtPredictor.short_batch_threads`) needs no floor.
 SPIN_MIN_RUN_MS = 0.5
 AB_BATCH = 64  # the batch at which a candidate model is timed against the current one
 FLOAT_OPS = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm"}
@@ -332,7 +333,9 @@ class Quantizer:
         # timed as it would be served: with the metadata that keeps its fp32 pool fast
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
         cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
-        before, after = self._time_candidate(current, candidate, latency=False)
+        before, after = self._time_candidate(
+            load_predictor(current), load_predictor(candidate), latency=False
+        )
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
         kept = self._gate(cand_acc) and cand_acc >= min(acc, self.fp32_acc) and gain > 1.05
@@ -354,13 +357,13 @@ class Quantizer:
         }
 
     def _time_candidate(
-        self, current: Path, candidate: Path, latency: bool
+        self, current: Predictor, candidate: Predictor, latency: bool
     ) -> tuple[Timing, Timing]:
         """`current` and `candidate` timed interleaved on the test images at batch `AB_BATCH`
         (and batch 1 with `latency`): the A/B of every step that keeps a candidate model only
         where it measures faster here."""
         timings = measure(
-            {"current": load_predictor(current), "candidate": load_predictor(candidate)},
+            {"current": current, "candidate": candidate},
             self.splits.test_x,
             rounds=8,
             batch=AB_BATCH,
@@ -374,11 +377,11 @@ class Quantizer:
         """Send the deep convs to ORT's AMX GEMM (`ptq.route_convs_to_gemm`) if that measures
         faster here, with the model's threads spinning inside each run, which it needs.
 
-        Tried only on an AMX CPU for the vnni scheme, and only for a model whose batch-1 run
-        takes at least `SPIN_MIN_RUN_MS`: spinning made the digits model (0.1 ms) 30 % slower
-        served one request at a time. Kept when > 5 % faster at batch 64, no slower at batch 1
-        and as accurate (the rewrite is exact). Replaces `current` when kept; None when not
-        tried.
+        Tried only on an AMX CPU for the vnni scheme. Kept when > 5 % faster at batch 64, no
+        slower at batch 1 and as accurate (the rewrite is exact), and, where short batches run
+        on a multi-thread session whose threads would spin, when its batch-1 run takes at least
+        `SPIN_MIN_RUN_MS`: spinning made the digits model (0.1 ms) 30 % slower served one
+        request at a time. Replaces `current` when kept; None when not tried.
         """
         if self.target != "vnni" or "amx_int8" not in self.cpu.flags:
             return None
@@ -388,11 +391,14 @@ class Quantizer:
             candidate.unlink()
             return None
         ptq.copy_metadata(current, candidate, {SPIN_IN_RUN: "1"})
-        direct, gemm = self._time_candidate(current, candidate, latency=True)
+        routed_model = load_predictor(candidate)
+        short_threads = getattr(routed_model, "short_batch_threads", 1)
+        direct, gemm = self._time_candidate(load_predictor(current), routed_model, latency=True)
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
         cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
-        kept = run_ms >= SPIN_MIN_RUN_MS and gain > 1.05 and gemm_ms <= run_ms and cand_acc == acc
+        long_enough = run_ms >= SPIN_MIN_RUN_MS or short_threads == 1
+        kept = long_enough and gain > 1.05 and gemm_ms <= run_ms and cand_acc == acc
         _settle(candidate, current, kept)
         log.info(
             "deep convs on ORT's GEMM: %.0f img/s against %.0f direct at batch 64: %s",
@@ -403,6 +409,7 @@ class Quantizer:
         return {
             "convs": routed,
             "batch1_p50_ms": {"direct": round(run_ms, 4), "gemm": round(gemm_ms, 4)},
+            "short_batch_threads": short_threads,
             "img_per_s": {
                 "direct": round(direct.throughput_per_s, 1),
                 "gemm": round(gemm.throughput_per_s, 1),

@@ -115,6 +115,9 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
                 "gate_passed": acc >= s.gate * ref_acc,
                 "recommendable": recommendable,
                 "target": c.entry.get("target"),
+                # ONNX on CPU: batches of `split_rows`+ rows run as one slice per lane
+                "lanes": c.predictor.lanes,
+                "split_rows": c.predictor.split_rows,
                 "nodes_fp32": [n["node"] for n in c.entry.get("nodes_fp32_by_fallback", [])],
             }
         )

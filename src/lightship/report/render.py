@@ -20,6 +20,18 @@ def speedup(v: dict[str, Any], base: str) -> str:
     return f"{value:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
 
 
+def _split_line(variants: list[dict[str, Any]]) -> list[str]:
+    """Which variants ran long batches as one slice per thread (`OrtPredictor`), from when."""
+    split = [v for v in variants if v.get("lanes", 1) > 1]
+    if not split:
+        return []
+    rows = ", ".join(f"{v['name']} {v['split_rows']}+" for v in split)
+    return [
+        f"- ONNX Runtime on CPU splits a long batch into one slice per thread, each on a "
+        f"one-thread session ({split[0]['lanes']} lanes); split from (rows): {rows}"
+    ]
+
+
 def markdown(r: dict[str, Any]) -> str:
     cpu = r["cpu"]
     lines = [
@@ -37,6 +49,7 @@ def markdown(r: dict[str, Any]) -> str:
             if r.get("malloc_keeps_freed_memory")
             else ""
         ),
+        *_split_line(r["variants"]),
         f"- accuracy gate: a variant keeps >= {r['gate']:.0%} of fp32 accuracy "
         f"({r['fp32_accuracy']:.4f})",
     ]

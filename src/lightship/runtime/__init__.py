@@ -15,11 +15,14 @@ from lightship.runtime.ort import OrtPredictor
 TORCH_SUFFIXES = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "eager"}
 
 
-def load_predictor(path: Path | str, device: str = "cpu", threads: int | None = None) -> Predictor:
-    """The predictor for an artifact, chosen by its file type."""
+def load_predictor(
+    path: Path | str, device: str = "cpu", threads: int | None = None, split: bool = True
+) -> Predictor:
+    """The predictor for an artifact, chosen by its file type. `split`: an ONNX model on CPU
+    runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`)."""
     path = Path(path)
     if path.suffix == ".onnx":
-        return OrtPredictor(path, device=device, threads=threads)
+        return OrtPredictor(path, device=device, threads=threads, split=split)
     if path.suffix in TORCH_SUFFIXES:
         from lightship.runtime import torch_backends
 

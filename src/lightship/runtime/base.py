@@ -98,6 +98,8 @@ class Predictor(ABC):
     labels: list[str]
     input_spec: dict[str, Any]
     device: str = "cpu"
+    lanes: int = 1  # sessions a long batch is split across (`OrtPredictor`)
+    split_rows: int = 0  # the shortest batch that is split; 0: none is
 
     @property
     def chw(self) -> tuple[int, int, int]:

@@ -782,7 +782,7 @@ def serve(settings: ServeSettings) -> None:
     sock = _listen(settings.host, settings.port)  # a taken port fails before the model loads
     served = choose(settings)
     verify(served, settings.isa_check)
-    predictor = served.load(settings.device, settings.model_threads())
+    predictor = served.load(settings.device, settings.model_threads(), settings.split_batches)
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
     config = uvicorn.Config(

@@ -90,6 +90,14 @@ def serve(
         int | None,
         typer.Option(help=f"model instances computing batches at once ({ENV}INSTANCES; 1)"),
     ] = None,
+    split_batches: Annotated[
+        bool | None,
+        typer.Option(
+            "--split-batches/--no-split-batches",
+            help=f"long batches as one slice per thread on one-thread ONNX Runtime sessions "
+            f"({ENV}SPLIT_BATCHES; on)",
+        ),
+    ] = None,
     isa_check: Annotated[
         str | None,
         typer.Option(
@@ -118,6 +126,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         threads=threads,
         instances=instances,
+        split_batches=split_batches,
         isa_check=isa_check,
         warmup_rows=warmup_rows,
         access_log=access_log,

@@ -33,9 +33,21 @@ class ServedModel:
     path: Path
     entry: dict[str, Any] | None
 
-    def load(self, device: str = "cpu", threads: int | None = None) -> Predictor:
-        predictor = load_predictor(self.path, device=device, threads=threads)
-        log.info("loaded %s (%s) from %s on %s", self.name, self.variant, self.path, device)
+    def load(
+        self, device: str = "cpu", threads: int | None = None, split: bool = True
+    ) -> Predictor:
+        predictor = load_predictor(self.path, device=device, threads=threads, split=split)
+        log.info(
+            "loaded %s (%s) from %s on %s%s",
+            self.name,
+            self.variant,
+            self.path,
+            device,
+            f"; batches of {predictor.split_rows}+ rows split over {predictor.lanes} "
+            "one-thread sessions"
+            if predictor.lanes > 1
+            else "",
+        )
         return predictor
 
 
