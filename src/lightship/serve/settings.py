@@ -62,9 +62,10 @@ class ServeSettings(BaseSettings):
         le=256,
         description="intra-op threads per model instance (default: physical cores / instances)",
     )
-    # Triton's instance count. Two one-thread instances ran the digits CNN 15-35 % faster than
-    # one two-thread instance at batch 8-16 (no intra-op hand-offs), ResNet-18 about the same;
-    # but one request alone then gets one thread: batch-1 latency of a large model doubles.
+    # Triton's instance count. Two one-thread instances served the routed ResNet-18 on the Xeon
+    # 28 % faster than one two-thread instance at 16 connections, but one request alone then
+    # gets one thread (-12 % at 1 connection); `split_batches` gets that throughput inside one
+    # instance and keeps the two threads for a lone request (README, "Serving on the Xeon").
     instances: int = Field(
         1, ge=1, le=64, description="model instances: batches computed at the same time"
     )
