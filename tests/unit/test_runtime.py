@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -218,18 +219,16 @@ def test_a_model_asking_to_spin_inside_runs_gets_a_pool_that_stops_after_each(
     np.testing.assert_array_equal(p.predict(np.ones((1, 1, 2, 2), np.uint8)), [[1, 1, 1, 1]])
 
 
-def _spy_lanes(p: OrtPredictor) -> list[tuple[str, int]]:
-    """Record (thread, rows) for each slice a split batch runs on a lane."""
-    import threading
-
+def _spy_runs(p: OrtPredictor) -> list[tuple[str, int]]:
+    """Record (thread, rows) for each run of a session: one per slice of a split batch."""
     calls: list[tuple[str, int]] = []
-    lane_run = p._lane_run
+    infer = p._infer
 
-    def spy(x: np.ndarray) -> np.ndarray:
+    def spy(session: Any, x: np.ndarray) -> np.ndarray:
         calls.append((threading.current_thread().name, len(x)))
-        return lane_run(x)
+        return infer(session, x)
 
-    p._lane_run = spy  # type: ignore[method-assign]
+    p._infer = spy  # type: ignore[method-assign]
     return calls
 
 
@@ -238,7 +237,7 @@ def test_a_long_batch_is_split_across_one_thread_lanes_in_order(tmp_path: Path) 
     and the logits come back in the caller's row order; a shorter batch is not split."""
     p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), threads=2)
     assert p.lanes == 2 and p.split_rows >= 2
-    calls = _spy_lanes(p)
+    calls = _spy_runs(p)
     rng = np.random.default_rng(0)
     long = rng.integers(0, 256, (p.split_rows + 3, 1, 2, 2), dtype=np.uint8)
     np.testing.assert_array_equal(p.predict(long), expected_logits(long))
@@ -249,7 +248,7 @@ def test_a_long_batch_is_split_across_one_thread_lanes_in_order(tmp_path: Path) 
     calls.clear()
     short = long[: p.split_rows - 1]
     np.testing.assert_array_equal(p.predict(short), expected_logits(short))
-    assert calls == []
+    assert calls == [(threading.current_thread().name, len(short))]  # one run, unsplit
 
 
 @pytest.mark.parametrize("threads, split", [(1, True), (2, False)])

@@ -30,7 +30,7 @@ from lightship.quantize import fallback, isa, ptq
 from lightship.report.measure import Timing, measure
 from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
 from lightship.runtime import Predictor, load_predictor
-from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, create_session
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, OrtPredictor, create_session
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,8 @@ def _settle(candidate: Path, current: Path, kept: bool) -> None:
         candidate.unlink()
 
 
-def _accuracy(path: Path, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    logits = load_predictor(path).predict(x)
+def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    logits = (model if isinstance(model, Predictor) else load_predictor(model)).predict(x)
     return float(np.mean(logits.argmax(1) == y)), logits
 
 
@@ -332,10 +332,9 @@ class Quantizer:
         self._static(candidate, self.scheme, [*exclude, *island])
         # timed as it would be served: with the metadata that keeps its fp32 pool fast
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
-        cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
-        before, after = self._time_candidate(
-            load_predictor(current), load_predictor(candidate), latency=False
-        )
+        model = load_predictor(candidate)
+        cand_acc, _ = _accuracy(model, self.splits.test_x, self.splits.test_y)
+        before, after = self._time_candidate(load_predictor(current), model, latency=False)
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
         kept = self._gate(cand_acc) and cand_acc >= min(acc, self.fp32_acc) and gain > 1.05
@@ -392,10 +391,11 @@ class Quantizer:
             return None
         ptq.copy_metadata(current, candidate, {SPIN_IN_RUN: "1"})
         routed_model = load_predictor(candidate)
-        short_threads = getattr(routed_model, "short_batch_threads", 1)
+        assert isinstance(routed_model, OrtPredictor)  # an .onnx file
+        short_threads = routed_model.short_batch_threads
         direct, gemm = self._time_candidate(load_predictor(current), routed_model, latency=True)
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
-        cand_acc, _ = _accuracy(candidate, self.splits.test_x, self.splits.test_y)
+        cand_acc, _ = _accuracy(routed_model, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
         long_enough = run_ms >= SPIN_MIN_RUN_MS or short_threads == 1
         kept = long_enough and gain > 1.05 and gemm_ms <= run_ms and cand_acc == acc

@@ -171,7 +171,7 @@ class OrtPredictor(Predictor):
     slice per thread, each run at the same time on a one-thread session (`lanes` of them):
     data parallelism across the batch instead of ONNX Runtime's parallelism inside each
     operator, whose hand-offs between threads at every operator cost a small model much of
-    its second core. Two one-thread lanes ran batch 64 of the Xeon's int8 ResNet-18 1.35x and
+    its second core. Two one-thread lanes ran batch 64 of the Xeon's int8 ResNet-18 1.39x and
     of the digits CNN 1.10x as fast as one two-thread session. Shorter batches run on whichever
     of the multi-threaded session and one lane was faster at batch 1 when the model loaded.
     The lanes hold a second copy of the model in memory; `split=False` keeps one session.
@@ -222,7 +222,6 @@ class OrtPredictor(Predictor):
             )
         self.labels = labels
         self.providers = self.session.get_providers()
-        self.short_batch_threads = threads  # intra-op threads of the session short batches get
         self._lane: ort.InferenceSession | None = None
         self._pool: ThreadPoolExecutor | None = None
         if split and threads > 1 and self.providers == ["CPUExecutionProvider"]:
@@ -264,7 +263,6 @@ class OrtPredictor(Predictor):
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="lightship-lane")
         if lane_one <= alone:  # one thread alone answers one image sooner: drop the pool
             self.session = lane
-            self.short_batch_threads = 1
         log.debug(
             "%s: batches of %d+ rows split over %d one-thread lanes; one image %.3f ms on "
             "%d threads, %.3f ms on one",
@@ -276,23 +274,27 @@ class OrtPredictor(Predictor):
             lane_one * 1e3,
         )
 
+    @property
+    def short_batch_threads(self) -> int:
+        """Intra-op threads of the session that runs batches too short to split."""
+        return int(self.session.get_session_options().intra_op_num_threads)
+
     def _run(self, x: np.ndarray) -> np.ndarray:
         if self.input_dtype is not np.uint8:
             x = x.astype(self.input_dtype)
-        if self._pool is None or len(x) < self.split_rows:
-            out = self.session.run([self.output_name], {self.input_name: x})[0]
-            return np.asarray(out, dtype=np.float32)
+        lane, pool = self._lane, self._pool
+        if lane is None or pool is None or len(x) < self.split_rows:
+            return self._infer(self.session, x)
         first, *rest = np.array_split(x, self.lanes)
-        others = [self._pool.submit(self._lane_run, part) for part in rest]
+        others = [pool.submit(self._infer, lane, part) for part in rest]
         try:
-            head = self._lane_run(first)
+            head = self._infer(lane, first)
         finally:  # every lane is done with `x` before this returns, even on an error
             tails = [f.result() for f in others]
         return np.concatenate([head, *tails])
 
-    def _lane_run(self, x: np.ndarray) -> np.ndarray:
-        assert self._lane is not None
-        out = self._lane.run([self.output_name], {self.input_name: x})[0]
+    def _infer(self, session: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
+        out = session.run([self.output_name], {self.input_name: x})[0]
         return np.asarray(out, dtype=np.float32)
 
 
