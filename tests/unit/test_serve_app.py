@@ -862,3 +862,92 @@ def test_tensor_routes_answer_other_methods_405_and_label_each_route(tmp_path: P
             )
 
     run(main())
+
+
+class _RecordingTransport(asyncio.Transport):
+    """Records each write; enough of a socket transport for uvicorn's protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = self.aborted = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_response_head_and_body_leave_in_one_write() -> None:
+    """uvicorn's own protocol writes the head and the body apart; the server's writes each
+    answer once, whole, at the end of the event loop's turn."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from lightship.serve.app import _http_protocol
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"11")]}
+        )
+        await send({"type": "http.response.body", "body": b'{"ok":true}'})
+
+    async def main() -> list[bytes]:
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        protocol = _http_protocol()(config=config, server_state=ServerState(), app_state={})
+        transport = _RecordingTransport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"GET /x HTTP/1.1\r\nhost: t\r\n\r\n")
+        for _ in range(20):  # the request's task, then the turn that sends
+            await asyncio.sleep(0)
+        protocol.connection_lost(None)
+        return transport.writes
+
+    writes = asyncio.run(main())
+    assert len(writes) == 1, writes
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 11" in head
+    assert body == b'{"ok":true}'
+
+
+def test_held_writes_go_out_before_close_and_never_after_abort() -> None:
+    from lightship.serve.app import _CoalescingTransport
+
+    async def main() -> tuple[_RecordingTransport, _RecordingTransport]:
+        loop = asyncio.get_running_loop()
+        closed, aborted = _RecordingTransport(), _RecordingTransport()
+        a = _CoalescingTransport(closed, loop)
+        a.write(b"head ")
+        a.writelines([b"body", b""])
+        assert closed.writes == [] and a.get_write_buffer_size() == 9  # held in this turn
+        a.close()  # sends first, then closes
+        b = _CoalescingTransport(aborted, loop)
+        b.write(b"lost")
+        b.abort()
+        await asyncio.sleep(0)  # the turn ends: nothing is left to send
+        return closed, aborted
+
+    closed, aborted = asyncio.run(main())
+    assert closed.writes == [b"head body"] and closed.closed
+    assert aborted.writes == [] and aborted.aborted
