@@ -814,7 +814,7 @@ def _http_protocol() -> Any:
 
     class LightshipProtocol(HttpToolsProtocol):
         def connection_made(self, transport: Any) -> None:
-            coalescing = _CoalescingTransport(transport, asyncio.get_running_loop())
+            coalescing = _CoalescingTransport(transport, self.loop)  # the protocol's own loop
             super().connection_made(coalescing)  # type: ignore[arg-type]
 
         def send_400_response(self, msg: str) -> None:
