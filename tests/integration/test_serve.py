@@ -6,6 +6,7 @@ Each server is started with `python -m lightship serve` on a free port and is re
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -202,6 +203,34 @@ def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:
     assert "content-type: application/json" in lines and "connection: close" in lines
     assert json.loads(body) == {"error": "malformed HTTP request: Invalid HTTP request received"}
     assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
+
+
+def test_head_is_answered_like_get_without_a_body(hand: Server) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", hand.port, timeout=5)
+    try:
+        answers = []
+        # one connection: a body sent after a HEAD would be read as the next answer's head
+        for method, path in [
+            ("HEAD", "/v2/health/ready"),
+            ("GET", "/v2/health/ready"),
+            ("HEAD", "/v2/models/hand"),
+            ("HEAD", "/v2/models/hand/infer"),
+            ("GET", "/v2/health/live"),
+        ]:
+            conn.request(method, path)
+            r = conn.getresponse()
+            answers.append(
+                (r.status, r.getheader("content-length"), r.getheader("allow"), r.read())
+            )
+    finally:
+        conn.close()
+    assert answers[0] == (200, "14", None, b"")
+    assert answers[1] == (200, "14", None, b'{"ready":true}')
+    assert answers[2][0] == 200 and int(answers[2][1]) > 100 and answers[2][3] == b""
+    assert answers[3][:3] == (405, answers[3][1], "POST") and answers[3][3] == b""
+    assert answers[4] == (200, "13", None, b'{"live":true}')
+    head_ready = 'lightship_requests_total{route="/v2/health/ready",status="200"}'
+    assert hand.metrics()[head_ready] >= 2
 
 
 def test_corrupt_image_and_v1_against_the_real_server(hand: Server) -> None:

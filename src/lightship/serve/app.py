@@ -256,6 +256,24 @@ class _DisconnectWatch:
             self._task.cancel()
 
 
+class HeadAsGet:
+    """HEAD is answered as GET would be, without the body: `curl -I` and load balancers' HEAD
+    probes get 200 from /v2/health/ready, where FastAPI (which routes GET only) answers 405.
+
+    The app sees a copy of the scope saying GET; uvicorn keeps its own, saying HEAD, and so
+    sends the head (Content-Length included) and drops the body. Outermost, so the metrics
+    read the route from the scope the router filled in.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """413 for a body over `limit` bytes: at once from Content-Length, else while it streams.
     408 for a body still incomplete when the request's deadline passes (`timeout_s`, shortened
@@ -501,6 +519,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     )
     raw_routes: dict[Any, str] = {}  # filled below, read per request
     app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
+    app.add_middleware(HeadAsGet)
     _add_error_handlers(app, answers)
 
     # Documented as the one name and version served (schemathesis then reaches the model);
