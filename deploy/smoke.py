@@ -357,24 +357,21 @@ class Replay:
                 )
         cwd = Path(self.host(workdir))
         cwd.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "a") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            if self.log:
-                print(f"$ {command}", file=out, flush=True)
+        with open(self.log or os.devnull, "a") as out:
+            print(f"$ {command}", file=out, flush=True)
             started = time.monotonic()
-            proc = subprocess.run(
-                ["/bin/sh", "-c", command],
-                cwd=cwd,
-                env=self.host_env(env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=900,
-                check=False,
-            )
-        finally:
-            if self.log:
+            try:
+                proc = subprocess.run(
+                    ["/bin/sh", "-c", command],
+                    cwd=cwd,
+                    env=self.host_env(env),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=900,
+                    check=False,
+                )
+            finally:
                 print(f"# {time.monotonic() - started:.1f} s", file=out, flush=True)
-                out.close()
         if proc.returncode != 0:
             raise SmokeError(f"Dockerfile:{number}: RUN failed ({proc.returncode}): {command}")
 
