@@ -41,4 +41,4 @@ class Guarded(nn.Module):
         h = self.features(x).flatten(1)
         if torch.isnan(h).any():  # a Python branch on tensor values: torch.export refuses it
             h = torch.nan_to_num(h)
-        return self.head(h)  # type: ignore[no-any-return]
+        return self.head(h)

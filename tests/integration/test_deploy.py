@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import typer
 import yaml
+from starlette.routing import Route
 
 from lightship.cli import app as cli_app
 from lightship.runtime import load_predictor
@@ -371,7 +372,7 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
     """(method, path) of the real app, built around a handmade model."""
     onnx = handmade_onnx(tmp_path_factory.mktemp("routes") / "m.onnx")
     app = create_app(load_predictor(onnx), ServedModel("m", "file", onnx, None), ServeSettings())
-    return {(m, r.path) for r in app.routes for m in getattr(r, "methods", ())}
+    return {(m, r.path) for r in app.routes if isinstance(r, Route) for m in r.methods or ()}
 
 
 def test_manifests_cover_deployment_service_hpa_and_kserve() -> None:

@@ -196,12 +196,13 @@ def test_folding_a_thin_first_conv_keeps_the_function_and_skips_wide_ones() -> N
     thin = zoo.DigitsCNN(stages=((8,), (16,))).eval()
     for m in thin.modules():  # non-trivial batch-norm statistics
         if isinstance(m, torch.nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.uniform_(-1, 1)
             m.running_var.uniform_(0.5, 2)
     x = torch.randn(4, 1, 28, 28)
     before = thin(x)
     assert fold_thin_first_conv(thin) is True
-    assert isinstance(thin[0][1], torch.nn.Identity)  # its batch norm is gone ...
+    assert isinstance(thin.get_submodule("0.1"), torch.nn.Identity)  # its batch norm is gone ...
     torch.testing.assert_close(thin(x), before, rtol=1e-4, atol=1e-4)  # ... into the conv
     wide = zoo.DigitsCNN(in_channels=4, stages=((8,), (16,)))
     assert fold_thin_first_conv(wide) is False  # 4x3x3 = 36 inputs per output: not thin

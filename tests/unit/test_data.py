@@ -125,7 +125,7 @@ def test_npz_bad_dtype(tmp_path: Path) -> None:
 
 
 def load_npz(path: Path, **arrays: np.ndarray) -> Splits:
-    np.savez(path, **arrays)
+    np.savez(path, allow_pickle=False, **arrays)
     spec = DataSpec(source="npz", path=str(path), image_size=6, val_fraction=0.2, test_fraction=0.2)
     return load_splits(spec)
 

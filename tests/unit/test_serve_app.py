@@ -12,7 +12,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from PIL import Image
+from starlette.types import Message
 
 from lightship.runtime import load_predictor
 from lightship.serve.app import Service, create_app
@@ -450,20 +451,20 @@ def test_disconnected_client_is_dropped_before_compute(tmp_path: Path) -> None:
     marked = np.full((1, 1, 2, 2), 77, np.uint8)
     body = json.dumps(v2_json(marked)).encode()
 
-    async def main() -> list[dict[str, Any]]:
+    async def main() -> list[Message]:
         async with serving(app) as client:
             held = await hold_inference(client, gate)
             left = asyncio.Event()
-            sent: list[dict[str, Any]] = []
+            sent: list[Message] = []
             messages = [{"type": "http.request", "body": body, "more_body": False}]
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Message:
                 if messages:
                     return messages.pop()
                 await left.wait()
                 return {"type": "http.disconnect"}
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Message) -> None:
                 sent.append(message)
 
             scope = {
@@ -568,21 +569,21 @@ def test_client_leaving_mid_body_is_counted_499_not_an_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     app, _ = make_app(tmp_path)
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
     async def main() -> str:
         async with serving(app) as client:
-            messages = iter(
+            messages: Iterator[Message] = iter(
                 [
                     {"type": "http.request", "body": b'{"inst', "more_body": True},
                     {"type": "http.disconnect"},
                 ]
             )
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Message:
                 return next(messages)
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Message) -> None:
                 sent.append(message)
 
             scope = {
@@ -736,19 +737,19 @@ def test_a_body_that_stalls_is_answered_408_at_the_deadline(
     tmp_path: Path, path: str, content_type: str, part: bytes
 ) -> None:
     app, _ = make_app(tmp_path)
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
     async def main() -> str:
         async with serving(app) as client:
             messages = [{"type": "http.request", "body": part, "more_body": True}]
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Message:
                 if messages:
                     return messages.pop()
                 await asyncio.Event().wait()  # the rest of the body never comes
                 raise AssertionError("unreachable")
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Message) -> None:
                 sent.append(message)
 
             scope = post_scope(path, content_type, content_length=5000, timeout_ms=50)
@@ -775,14 +776,14 @@ def test_a_request_cancelled_while_its_body_arrives_is_not_a_body_timeout(tmp_pa
         async with serving(app) as client:
             messages = [{"type": "http.request", "body": b'{"inputs": [', "more_body": True}]
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Message:
                 if messages:
                     return messages.pop()
                 reading.set()
                 await asyncio.Event().wait()
                 raise AssertionError("unreachable")
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Message) -> None:
                 raise AssertionError(f"nothing is sent for a cancelled request: {message}")
 
             scope = post_scope(INFER, "application/json", content_length=5000, timeout_ms=60000)
@@ -802,14 +803,14 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
     assert gate is not None
     gate.open.set()
     body = json.dumps(v2_json(X)).encode()
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
     async def main() -> float:
         async with serving(app) as client:
             held = await hold_inference(client, gate)  # the request below can only queue
             parts = [body[:10], body[10:]]
 
-            async def receive() -> dict[str, Any]:
+            async def receive() -> Message:
                 if parts:
                     if len(parts) == 1:
                         await asyncio.sleep(0.45)  # the body takes 0.45 s of the 0.6 s
@@ -818,7 +819,7 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
                 await asyncio.Event().wait()  # the client stays connected
                 raise AssertionError("unreachable")
 
-            async def send(message: dict[str, Any]) -> None:
+            async def send(message: Message) -> None:
                 sent.append(message)
 
             scope = post_scope(INFER, "application/json", len(body), timeout_ms=600)

@@ -131,14 +131,14 @@ def test_ratios_are_taken_within_each_round_then_the_median() -> None:
     assert ratios["binary_vs_json"]["server"] == {"16": 1.333}
     assert ratios["binary_vs_json"]["no-model ceiling"] == {"16": 1.5}
     # Each cell reports its median over the rounds and keeps every round's figure.
-    server_json = next(x for x in load if x["endpoint"] == "server" and x["protocol"] == "json")
-    assert server_json["req_per_s"] == 900.0
-    assert server_json["req_per_s_by_round"] == [900.0, 450.0, 900.0]
-    assert server_json["rounds"] == 3
-    assert server_json["p50_ms"] == 2.0  # median of 1, 2, 3
-    assert server_json["p99_ms_max"] == 4.5
-    assert server_json["mean_batch_rows"] == 13.0
-    assert server_json["requests"] == 4 * (900 + 450 + 900)
+    json_cell = next(x for x in load if x["endpoint"] == "server" and x["protocol"] == "json")
+    assert json_cell["req_per_s"] == 900.0
+    assert json_cell["req_per_s_by_round"] == [900.0, 450.0, 900.0]
+    assert json_cell["rounds"] == 3
+    assert json_cell["p50_ms"] == 2.0  # median of 1, 2, 3
+    assert json_cell["p99_ms_max"] == 4.5
+    assert json_cell["mean_batch_rows"] == 13.0
+    assert json_cell["requests"] == 4 * (900 + 450 + 900)
 
 
 def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:

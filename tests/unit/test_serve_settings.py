@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -76,7 +77,7 @@ def test_instances_share_the_cores_unless_threads_are_given(
     assert _settings(instances=1).model_threads() == 8
 
 
-def make_run(tmp_path: Path, variants: dict[str, dict[str, str]]) -> Path:
+def make_run(tmp_path: Path, variants: dict[str, dict[str, Any]]) -> Path:
     """A run directory whose manifest lists handmade ONNX files under the given variants."""
     run = tmp_path / "my-run"
     (run / "export").mkdir(parents=True)

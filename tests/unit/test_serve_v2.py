@@ -18,14 +18,16 @@ X = np.arange(8, dtype=np.uint8).reshape(2, 1, 2, 2)
 
 
 def json_request(data: object, shape: list[int], datatype: str = "UINT8", **extra: object) -> bytes:
-    doc = {"inputs": [{"name": "input", "shape": shape, "datatype": datatype, "data": data}]}
+    doc: dict[str, object] = {
+        "inputs": [{"name": "input", "shape": shape, "datatype": datatype, "data": data}]
+    }
     doc.update(extra)
     return json.dumps(doc).encode()
 
 
 def binary_request(x: np.ndarray, datatype: str = "UINT8", **extra: object) -> tuple[bytes, str]:
     raw = x.tobytes()
-    doc = {
+    doc: dict[str, object] = {
         "inputs": [
             {
                 "name": "input",
