@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from lightship.serve import v1, v2
 from lightship.serve.v2 import ProtocolError, RequestedOutput
@@ -100,6 +100,17 @@ def test_fp32_binary_and_timeout_parameter() -> None:
             json_request([[[[1.0, 2.0], [True, 3.0]]]], [1, 1, 2, 2], "FP32"),
             None,
             "holds true/false but its datatype is FP32",
+        ),
+        # deep nesting: the true/false check recursed into a RecursionError (a 500)
+        (
+            json_request([7], [1]).replace(b"[7]", b"[" * 330 + b"true" + b"]" * 330),
+            None,
+            "holds true/false",
+        ),
+        (
+            json_request([7], [1]).replace(b"[7]", b"[" * 330 + b"7" + b"]" * 330),
+            None,
+            "nested too deep",
         ),
         # a JSON integer beyond 64 bits arrives as a float: it was called fractional
         (
@@ -259,6 +270,7 @@ def test_v1_instances_and_predictions() -> None:
         (b'{"instances": [[["a", "b"], ["c", "d"]]]}', "numbers"),
         (b'{"instances": [[1, 2, 3, 4]]}', r"must be \[1, 2, 2\]"),
         (b'{"instances": [[[1, 2], [3, 4]]], "top_k": 0}', "top_k"),
+        (b'{"instances": [[[1, 2], [3, true]]]}', "instances hold true/false"),
     ],
 )
 def test_v1_bad_requests(body: bytes, message: str) -> None:
@@ -269,6 +281,12 @@ def test_v1_bad_requests(body: bytes, message: str) -> None:
 def encode(image: Image.Image, fmt: str) -> bytes:
     buf = io.BytesIO()
     image.save(buf, fmt)
+    return buf.getvalue()
+
+
+def encode_exif(image: Image.Image, fmt: str, exif: Image.Exif) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, exif=exif)
     return buf.getvalue()
 
 
@@ -307,6 +325,42 @@ def test_16_bit_phone_and_rotated_images_decode_as_seen() -> None:
     stored.save(buf, "JPEG", exif=exif, quality=95)
     seen = v1.decode_image(buf.getvalue(), (1, 16, 8))[0]
     assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+
+
+def test_every_exif_orientation_is_turned_upright_as_pillow_does() -> None:
+    stored = Image.fromarray((np.arange(8 * 12, dtype=np.uint8) * 2).reshape(8, 12), "L")
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        png = encode_exif(stored, "PNG", exif)
+        seen = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(png))))
+        np.testing.assert_array_equal(v1.decode_image(png, (1, *seen.shape))[0], seen)
+
+
+def test_an_exif_tag_pillow_cannot_write_back_does_not_break_decoding() -> None:
+    # Orientation 6, then tag 0x0143 (TileWidth) stored as ASCII: ImageOps.exif_transpose
+    # raised struct.error rewriting it, which the server answered with a 500.
+    tiff = (
+        b"MM\x00\x2a\x00\x00\x00\x08\x00\x02"
+        + b"\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00"
+        + b"\x01\x43\x00\x02\x00\x00\x00\x04cam\x00\x00\x00\x00\x00"
+    )
+    app1 = b"\xff\xe1" + (len(tiff) + 8).to_bytes(2, "big") + b"Exif\x00\x00" + tiff
+    stored = Image.new("L", (16, 8), 0)
+    stored.paste(255, (0, 0, 8, 8))  # left half white as stored: top half as seen
+    jpeg = encode(stored, "JPEG")
+    seen = v1.decode_image(jpeg[:2] + app1 + jpeg[2:], (1, 16, 8))[0]
+    assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+
+
+def test_exif_pillow_cannot_read_is_a_400_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreadable(self: Image.Image) -> Image.Exif:
+        raise struct.error("unpack requires a buffer of 4 bytes")
+
+    monkeypatch.setattr(Image.Image, "getexif", unreadable)
+    with pytest.raises(ProtocolError, match=r"x.jpg: its EXIF metadata is unreadable") as info:
+        v1.decode_image(encode(Image.new("L", (2, 2)), "JPEG"), (1, 2, 2), "x.jpg")
+    assert info.value.status == 400
 
 
 @pytest.mark.parametrize(

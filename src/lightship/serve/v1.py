@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import orjson
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from lightship.runtime.base import softmax
-from lightship.serve.v2 import ProtocolError
+from lightship.serve.v2 import ProtocolError, holds_bool
 
 # MPO: a JPEG with extra pictures appended (many phone cameras); the first is the photo.
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO")
@@ -40,6 +40,8 @@ def decode_instances(
     top_k = doc.get("top_k", default_top_k)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise ProtocolError(f"top_k must be a positive integer, got {top_k!r}")
+    if holds_bool(instances):  # numpy would take true/false as pixels 1/0
+        raise ProtocolError("instances hold true/false: send pixel values 0..255")
     try:
         x = np.asarray(instances)
     except ValueError:
@@ -83,6 +85,34 @@ def encode_predictions(
     return orjson.dumps({"model": model_name, "predictions": predictions})
 
 
+# EXIF orientation -> the transpose that shows the picture as the camera saw it (EXIF 2.32)
+_ORIENTATION = 0x0112
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _as_seen(im: Image.Image, filename: str) -> Image.Image:
+    """`im` turned upright by its EXIF orientation (a phone's portrait photo is stored
+    sideways). Not `ImageOps.exif_transpose`: it also rewrites the EXIF block, and raises on
+    tags it cannot write back (struct.error), although only the orientation is needed here."""
+    try:
+        orientation = im.getexif().get(_ORIENTATION)
+    except Exception as exc:  # Pillow's EXIF parser raises struct.error, KeyError, ...
+        raise ProtocolError(
+            f"{filename}: its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); "
+            "strip it (e.g. `exiftool -all= FILE`) and send the image again"
+        ) from None
+    method = _TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
+    return im.transpose(method) if method is not None else im
+
+
 def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image") -> np.ndarray:
     """A PNG/JPEG as uint8 `[C, H, W]`: converted to the model's channels, resized to its H x W."""
     c, h, w = chw
@@ -106,7 +136,7 @@ def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image"
             )
         if im.format in ("JPEG", "MPO"):
             im.draft(mode, (w, h))  # let the JPEG decoder downscale by 2/4/8: far less work
-        im = ImageOps.exif_transpose(im)  # a phone's portrait photo is stored sideways
+        im = _as_seen(im, filename)
         if im.mode in ("I", "I;16", "I;16B", "I;16L"):
             # 16-bit grayscale PNG: Pillow's convert("L") clips at 255 instead of scaling.
             wide = np.asarray(im, dtype=np.float32)

@@ -123,10 +123,18 @@ def _datatype(tensor: dict[str, Any]) -> np.dtype[Any]:
     return dtype
 
 
-def _holds_bool(data: list[Any]) -> bool:
-    """Whether (nested) lists hold a JSON true/false, which bytes() and numpy take as 1/0."""
-    types = set(map(type, data))
-    return bool in types or (list in types and any(_holds_bool(d) for d in data if type(d) is list))
+def holds_bool(data: list[Any]) -> bool:
+    """Whether (nested) lists hold a JSON true/false, which bytes() and numpy take as 1/0.
+    A loop, not recursion: a body of a few hundred `[` would end in RecursionError."""
+    pending = [data]
+    while pending:
+        items = pending.pop()
+        types = set(map(type, items))
+        if bool in types:
+            return True
+        if list in types:
+            pending.extend(d for d in items if type(d) is list)
+    return False
 
 
 def _check_range(low: float, high: float, dtype: np.dtype[Any], name: str) -> None:
@@ -146,7 +154,7 @@ def _from_json_data(
 ) -> np.ndarray:
     if not isinstance(data, list):
         raise ProtocolError(f"input data must be a list of numbers, got {type(data).__name__}")
-    if may_hold_bools and _holds_bool(data):
+    if may_hold_bools and holds_bool(data):
         raise ProtocolError(f"input data holds true/false but its datatype is {name}: send numbers")
     expected = math.prod(shape)
     if dtype == np.uint8 and data and not isinstance(data[0], list):
@@ -164,8 +172,10 @@ def _from_json_data(
             return np.frombuffer(raw, np.uint8).reshape(shape)
     try:
         x = np.asarray(data)
-    except ValueError:  # ragged nesting
-        raise ProtocolError("input data is ragged: nested lists must be rectangular") from None
+    except ValueError:  # ragged, or nested deeper than numpy's 64 dimensions
+        raise ProtocolError(
+            "input data is ragged or nested too deep: nest it as its shape says, or send it flat"
+        ) from None
     if x.size == 0:  # np.asarray([]) is float64: keep the declared type, the shape decides
         x = x.astype(dtype)
     if x.dtype.kind not in "iuf":
