@@ -205,6 +205,20 @@ def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:
     assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
 
 
+def test_a_request_head_over_64_kib_gets_a_json_431(hand: Server) -> None:
+    with socket.create_connection(("127.0.0.1", hand.port), timeout=5) as sock:
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 100_000)
+        answer = b""
+        while chunk := sock.recv(4096):  # the server answers and closes mid-header
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert json.loads(body) == {
+        "error": "request URL and headers over 65536 bytes: send them shorter"
+    }
+    assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
+
+
 def test_head_is_answered_like_get_without_a_body(hand: Server) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", hand.port, timeout=5)
     try:

@@ -952,3 +952,75 @@ def test_held_writes_go_out_before_close_and_never_after_abort() -> None:
     closed, aborted = asyncio.run(main())
     assert closed.writes == [b"head body"] and closed.closed
     assert aborted.writes == [] and aborted.aborted
+
+
+def _feed(chunks: list[bytes]) -> tuple[_RecordingTransport, list[bytes], bool]:
+    """`chunks` as they would arrive on one connection of the server's HTTP protocol: what
+    it wrote back, the bodies the app read, and whether the server closed the connection."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from lightship.serve.app import _http_protocol
+
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        bodies.append(body)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def main() -> tuple[_RecordingTransport, bool]:
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        protocol = _http_protocol()(config=config, server_state=ServerState(), app_state={})
+        transport = _RecordingTransport()
+        protocol.connection_made(transport)
+        for chunk in chunks:
+            if transport.is_closing():
+                break  # a closed transport reads no more
+            protocol.data_received(chunk)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        closed = transport.is_closing()
+        protocol.connection_lost(None)
+        return transport, closed
+
+    transport, closed = asyncio.run(main())
+    return transport, bodies, closed
+
+
+def test_a_request_head_over_64_kib_is_refused_with_431_as_it_arrives() -> None:
+    from lightship.serve.app import MAX_HEAD_BYTES
+
+    huge = b"x-big: " + b"a" * (3 * MAX_HEAD_BYTES)
+    pieces = [b"GET /x HTTP/1.1\r\nhost: t\r\n" + huge[:40_000], huge[40_000:80_000]]
+    pieces += [huge[80_000:], b"\r\n\r\n"]
+    transport, bodies, closed = _feed(pieces)
+    assert bodies == [] and closed
+    assert len(transport.writes) == 1
+    head, _, body = transport.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert json.loads(body) == {
+        "error": f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter"
+    }
+
+
+def test_heads_under_the_limit_and_bodies_of_any_size_are_not_counted_as_head() -> None:
+    from lightship.serve.app import MAX_HEAD_BYTES
+
+    # a head just under the limit, in pieces; then a 300 KB body in the same chunk as its
+    # head; then two pipelined requests in one chunk: none of it is a long head
+    long_header = b"x-long: " + b"b" * (MAX_HEAD_BYTES - 200) + b"\r\n"
+    first = b"GET /a HTTP/1.1\r\nhost: t\r\n" + long_header + b"\r\n"
+    body = b"z" * 300_000
+    second = b"POST /b HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    small = b"POST /c HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\nok"
+    transport, bodies, closed = _feed([first[:30_000], first[30_000:], second, small + small])
+    assert bodies == [b"", body, b"ok", b"ok"]
+    assert [w.split(b"\r\n", 1)[0] for w in transport.writes] == [b"HTTP/1.1 204 No Content"] * 4
+    assert not closed

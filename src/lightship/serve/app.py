@@ -822,23 +822,57 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
+# A request's URL and headers together; more is answered 431 (uvicorn's h11 protocol: 16 KiB)
+MAX_HEAD_BYTES = 64 * 1024
+
+
 def _http_protocol() -> Any:
     """uvicorn's HTTP protocol (httptools), but a request it cannot parse — which the app never
-    sees — is answered like every other error here: a JSON body, not text/plain; and a
-    response's head and body leave in one write (`_CoalescingTransport`)."""
+    sees — is answered like every other error here: a JSON body, not text/plain; a request
+    head over MAX_HEAD_BYTES is refused; and a response's head and body leave in one write
+    (`_CoalescingTransport`)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: uvicorn's h11 protocol and its text answer
         return "auto"
 
     class LightshipProtocol(HttpToolsProtocol):
+        # Bytes received since the last request's head ended: its URL and headers so far
+        _head_bytes = 0
+        _in_head = True
+
         def connection_made(self, transport: Any) -> None:
             coalescing = _CoalescingTransport(transport, self.loop)  # the protocol's own loop
             super().connection_made(coalescing)  # type: ignore[arg-type]
 
+        def data_received(self, data: bytes) -> None:
+            # httptools sets no limit on a request's head and joins its pieces by copying:
+            # a 100 MB header held the event loop for seconds. Counted as it arrives, the
+            # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
+            if over and not self.transport.is_closing():
+                self._send_error(
+                    b"431 Request Header Fields Too Large",
+                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
+                )
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head = True
+
         def send_400_response(self, msg: str) -> None:
-            body = error_body(f"malformed HTTP request: {msg.rstrip('.')}")
-            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
+
+        def _send_error(self, status: bytes, message: str) -> None:
+            body = error_body(message)
+            head = [b"HTTP/1.1 " + status + b"\r\n"]
             head += [
                 name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
             ]
