@@ -1024,3 +1024,50 @@ def test_heads_under_the_limit_and_bodies_of_any_size_are_not_counted_as_head() 
     assert bodies == [b"", body, b"ok", b"ok"]
     assert [w.split(b"\r\n", 1)[0] for w in transport.writes] == [b"HTTP/1.1 204 No Content"] * 4
     assert not closed
+
+
+def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightship.serve.app as app_module
+
+    monkeypatch.setattr(app_module, "DECODE_SLOTS", 2)
+    app, _ = make_app(tmp_path)
+    decoding, most = 0, 0
+    lock = threading.Lock()
+    real_decode = app_module.v1.decode_image
+
+    def slow_decode(data: bytes, chw: tuple[int, int, int], name: str = "image") -> np.ndarray:
+        nonlocal decoding, most
+        with lock:
+            decoding += 1
+            most = max(most, decoding)
+        time.sleep(0.2)  # a large PNG takes this long
+        with lock:
+            decoding -= 1
+        return real_decode(data, chw, name)
+
+    monkeypatch.setattr(app_module.v1, "decode_image", slow_decode)
+    png = io.BytesIO()
+    Image.fromarray(np.full((2, 2), 255, np.uint8), "L").save(png, "PNG")
+    files = [("files", ("a.png", png.getvalue(), "image/png"))]
+
+    async def main() -> tuple[list[httpx.Response], httpx.Response, str]:
+        async with serving(app) as client:
+            answers = await asyncio.gather(
+                *(client.post("/v1/predict/image", files=files) for _ in range(6))
+            )
+            # both slots taken for 0.2 s: a request allowed 50 ms never gets one
+            busy = [client.post("/v1/predict/image", files=files) for _ in range(2)]
+            late = client.post(
+                "/v1/predict/image", files=files, headers={"x-request-timeout-ms": "50"}
+            )
+            *_, hurried = await asyncio.gather(*busy, late)
+            return answers, hurried, (await client.get("/metrics")).text
+
+    answers, hurried, text = run(main())
+    assert most == 2  # six requests, never more than two decoding
+    assert [r.json()["predictions"][0]["label"] for r in answers] == ["bright"] * 6
+    assert hurried.status_code == 504
+    assert "deadline passed waiting to decode the images" in hurried.json()["error"]
+    assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1

@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lightship import __version__
 from lightship.errors import ConfigError
 from lightship.runtime import InputError, Predictor
+from lightship.runtime.base import physical_cores
 from lightship.serve import openapi, v1, v2
 from lightship.serve.batcher import (
     Batcher,
@@ -66,6 +67,10 @@ PLATFORMS = {
 }
 # Status for a client that left before its answer (nginx's convention); only metrics see it.
 CLIENT_CLOSED = 499
+# Requests whose uploaded images are decoded at once. A PNG may declare up to
+# v1.MAX_IMAGE_PIXELS and decode to ~190 MB (40 MP RGBA, measured): unbounded, 16 requests of
+# 8 such 150 KB files took the server to 5 GB. More decoders than cores is no faster.
+DECODE_SLOTS = min(physical_cores(), 4)
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). An
 # inference thread back from the model waits that long for the busy event loop before it can
 # hand its batch over, and every request in the batch waits with it. At 1 ms the digits model
@@ -623,6 +628,8 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         return ready_response()
 
     # -- simple JSON and images ------------------------------------------------------------
+    decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+
     @app.post(
         "/v1/predict/image",
         tags=["v1"],
@@ -658,10 +665,27 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 images.append(v1.decode_image(data, service.chw, name))
             return np.stack(images)
 
-        # Decoding a large photo takes milliseconds: keep it off the event loop.
-        x = await run_in_threadpool(decode_all)
+        # Decoding a large photo takes milliseconds: keep it off the event loop, and decode
+        # only as many requests' images at once as there are slots (memory, see DECODE_SLOTS).
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                await decode_slots.acquire()
+        except TimeoutError:
+            service.metrics.rejected("deadline")
+            raise DeadlineExceeded(
+                "deadline passed waiting to decode the images: the server is busy decoding "
+                "others; retry, or send tensors to /v1/predict"
+            ) from None
+        try:
+            x = await run_in_threadpool(decode_all)
+        except DeadlineExceeded:
+            service.metrics.rejected("deadline")
+            raise
+        finally:
+            decode_slots.release()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            service.metrics.rejected("deadline")
             raise DeadlineExceeded("deadline passed while decoding the images")
         logits = await service.predict(x, remaining, request.receive)
         return Response(
