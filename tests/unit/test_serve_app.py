@@ -705,8 +705,9 @@ def test_a_dead_inference_worker_is_neither_live_nor_ready_and_answers_503(
     assert metric(text, 'lightship_rejections_total{reason="not_ready"}') == 0
 
 
-def post_scope(path: str, content_type: str, content_length: int, timeout_ms: int) -> Any:
+def post_scope(path: str, content_type: str, content_length: int, timeout_ms: int | None) -> Any:
     """The ASGI scope of a POST, for tests that drive the body's arrival themselves."""
+    timeout = [] if timeout_ms is None else [(b"x-request-timeout-ms", str(timeout_ms).encode())]
     return {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
@@ -714,7 +715,7 @@ def post_scope(path: str, content_type: str, content_length: int, timeout_ms: in
         "headers": [
             (b"content-type", content_type.encode()),
             (b"content-length", str(content_length).encode()),
-            (b"x-request-timeout-ms", str(timeout_ms).encode()),
+            *timeout,
         ],
     }  # fmt: skip
 
@@ -732,11 +733,15 @@ STALLED = [
 ]
 
 
+@pytest.mark.parametrize("deadline", ["server's", "client's"])
 @pytest.mark.parametrize(("path", "content_type", "part"), STALLED, ids=[s[0] for s in STALLED])
-def test_a_body_that_stalls_is_answered_408_at_the_deadline(
-    tmp_path: Path, path: str, content_type: str, part: bytes
+def test_a_body_still_arriving_at_the_deadline_is_answered_at_once(
+    tmp_path: Path, path: str, content_type: str, part: bytes, deadline: str
 ) -> None:
-    app, _ = make_app(tmp_path)
+    """408 when the server's own timeout ran out on a slow client, 504 when the client's
+    shorter deadline passed (under overload the server may not have read the body yet)."""
+    servers = deadline == "server's"
+    app, _ = make_app(tmp_path, timeout_ms=50 if servers else 10_000)
     sent: list[Message] = []
 
     async def main() -> str:
@@ -752,18 +757,28 @@ def test_a_body_that_stalls_is_answered_408_at_the_deadline(
             async def send(message: Message) -> None:
                 sent.append(message)
 
-            scope = post_scope(path, content_type, content_length=5000, timeout_ms=50)
+            scope = post_scope(path, content_type, 5000, timeout_ms=None if servers else 50)
             await asyncio.wait_for(app(scope, receive, send), 5)
             return (await client.get("/metrics")).text
 
     text = run(main())
     start, body = sent[0], json.loads(sent[1]["body"])
-    assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
-    assert body == {
-        "error": f"request body incomplete after 0.05 s ({len(part)} bytes arrived), the "
-        "request's deadline: send it at once, or allow more with x-request-timeout-ms"
-    }
-    assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 1
+    assert (b"connection", b"close") in start["headers"]  # the rest of the body is not read
+    if servers:
+        assert start["status"] == 408
+        assert body == {
+            "error": f"request body incomplete after 0.05 s ({len(part)} bytes arrived), the "
+            "request's deadline: send it at once, or allow more with x-request-timeout-ms"
+        }
+    else:
+        assert start["status"] == 504
+        assert body == {
+            "error": "deadline of 50 ms (x-request-timeout-ms) passed before the whole body "
+            f"was read ({len(part)} bytes arrived)"
+        }
+    rejections = {"body_timeout": 1 if servers else 0, "deadline": 0 if servers else 1}
+    for reason, count in rejections.items():
+        assert metric(text, f'lightship_rejections_total{{reason="{reason}"}}') == count
 
 
 def test_a_request_cancelled_while_its_body_arrives_is_not_a_body_timeout(tmp_path: Path) -> None:

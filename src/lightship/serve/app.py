@@ -84,7 +84,12 @@ class BodyTooLarge(Exception):
 
 
 class BodyTimeout(Exception):
-    pass
+    """The deadline passed while the body was still arriving: 408 when it was the server's
+    own timeout (the client stalled), 504 when it was the client's shorter one."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NotReady(Exception):
@@ -281,10 +286,11 @@ class HeadAsGet:
 
 class BodyLimit:
     """413 for a body over `limit` bytes: at once from Content-Length, else while it streams.
-    408 for a body still incomplete when the request's deadline passes (`timeout_s`, shortened
-    by the client's header): a client that stalls mid-body would hold its handler for good.
-
-    408, not the 504 of a deadline passed in the queue: the request never arrived in full.
+    A body still incomplete when the request's deadline passes is answered at once, and the
+    connection closed: a client that stalls mid-body would hold its handler for good. 408 when
+    the deadline is the server's `timeout_s`: the server's patience with a slow client ran
+    out. 504 when the client's header shortened it: the client's own deadline passed, as it
+    does in the queue; under overload the event loop may simply not have read the body yet.
     """
 
     def __init__(self, app: ASGIApp, limit: int, metrics: Metrics, timeout_s: float) -> None:
@@ -299,14 +305,15 @@ class BodyLimit:
             return
         arrived = time.monotonic()
         timeout_s = self.timeout_s
+        clients = False  # whether the deadline is the client's (shorter) one
         bad_header = None  # answered 400 by the route (`Service.timeout_s`), after the body
         for key, value in scope["headers"]:
             if key == TIMEOUT_HEADER_BYTES:
                 client_s = _client_timeout_s(value)
                 if client_s is None:
                     bad_header = value.decode("latin-1")
-                else:
-                    timeout_s = min(timeout_s, client_s)
+                elif client_s < timeout_s:
+                    timeout_s, clients = client_s, True
             elif key == b"content-length" and (not value.isdigit() or int(value) > self.limit):
                 self.metrics.rejected("body_too_large")
                 too_large = _error(
@@ -344,10 +351,18 @@ class BodyLimit:
             except asyncio.CancelledError:
                 if not expired or task.uncancel():  # cancelled by someone else too: let it go
                     raise
+                if clients:
+                    self.metrics.rejected("deadline")
+                    raise BodyTimeout(
+                        f"deadline of {timeout_s * 1000:g} ms ({TIMEOUT_HEADER}) passed before "
+                        f"the whole body was read ({seen} bytes arrived)",
+                        504,
+                    ) from None
                 self.metrics.rejected("body_timeout")
                 raise BodyTimeout(
                     f"request body incomplete after {timeout_s:g} s ({seen} bytes arrived), "
-                    f"the request's deadline: send it at once, or allow more with {TIMEOUT_HEADER}"
+                    f"the request's deadline: send it at once, or allow more with {TIMEOUT_HEADER}",
+                    408,
                 ) from None
             finally:
                 timer.cancel()
@@ -746,7 +761,7 @@ def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
         ClientGone: answer(CLIENT_CLOSED),
         Closed: answer(503, not_ready),
         WorkerDied: answer(503),  # counted by the batcher
-        BodyTimeout: answer(408, lambda e: {"connection": "close"}),
+        BodyTimeout: answer(lambda e: e.status, lambda e: {"connection": "close"}),
         NotReady: answer(503, not_ready),
         InferenceFailed: answer(500),
         ClientDisconnect: client_disconnect,

@@ -51,7 +51,7 @@ class ServeSettings(BaseSettings):
         le=3_600_000,
         allow_inf_nan=False,
         description="default request deadline: 504 after it, 408 if the body is still arriving; "
-        "clients may shorten it",
+        "clients may shorten it (then 504 either way)",
     )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, le=2**31, description="larger request bodies are answered 413"
