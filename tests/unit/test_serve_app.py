@@ -12,6 +12,7 @@ import io
 import json
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -1086,3 +1087,65 @@ def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_d
     assert hurried.status_code == 504
     assert "deadline passed waiting to decode the images" in hurried.json()["error"]
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
+
+
+def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, max_body_bytes=4096)
+    body = json.dumps(v2_json(X)).encode()
+    cases = {
+        "two members": (gzip.compress(body[:20]) + gzip.compress(body[20:]), "gzip"),
+        "garbage after": (gzip.compress(body) + b"junk", "gzip"),
+        "cut short": (gzip.compress(body)[:-12], "gzip"),
+        "deflate, bytes after": (zlib.compress(body) + b"junk", "deflate"),
+        "bomb": (gzip.compress(b" " * 100_000), "gzip"),
+    }
+
+    async def main() -> tuple[dict[str, httpx.Response], str]:
+        async with serving(app) as client:
+            answers = {
+                name: await client.post(INFER, content=data, headers={"content-encoding": enc})
+                for name, (data, enc) in cases.items()
+            }
+            return answers, (await client.get("/metrics")).text
+
+    answers, text = run(main())
+    assert answers["two members"].status_code == 200, answers["two members"].text
+    np.testing.assert_array_equal(logits_of(answers["two members"]), expected_logits(X))
+    errors = {
+        n: (r.status_code, r.json()["error"]) for n, r in answers.items() if n != "two members"
+    }
+    assert errors["garbage after"][0] == 400
+    assert errors["garbage after"][1].startswith("body is not valid gzip data")
+    assert errors["cut short"] == (400, "body is gzip data cut short: send the whole stream")
+    assert errors["deflate, bytes after"] == (400, "body has 4 bytes after its deflate data")
+    assert errors["bomb"] == (413, "decompressed body over the limit of 4096 bytes")
+    assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 1
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightship.serve.app as app_module
+
+    app, _ = make_app(tmp_path)
+    threads: list[str] = []
+    real = app_module.v2.decode_request
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(app_module.v2, "decode_request", recording)
+    small = json.dumps(v2_json(X)).encode()
+    large = small + b" " * app_module.LARGE_BODY_BYTES  # still valid JSON
+
+    async def main() -> tuple[list[httpx.Response], str]:
+        async with serving(app) as client:
+            loop_thread = threading.current_thread().name
+            answers = [await client.post(INFER, content=body) for body in (small, large)]
+            return answers, loop_thread
+
+    answers, loop_thread = run(main())
+    for r in answers:
+        np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+    assert threads[0] == loop_thread and threads[1] != loop_thread
