@@ -175,6 +175,13 @@ def test_fp32_binary_and_timeout_parameter() -> None:
             "shared memory",
         ),
         (binary_request(X)[0], "nine", "must be an integer"),
+        (binary_request(X)[0], "1_0", "must be an integer, got '1_0'"),
+        (binary_request(X)[0], "-8", "must be an integer, got '-8'"),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], outputs=[{"name": "logits"}] * 2),
+            None,
+            "output 'logits' is asked for twice: ask once",
+        ),
         (binary_request(X)[0], "100000", "but the body has"),
         (binary_request(X)[0][:-1], binary_request(X)[1], "needs 8 bytes"),
         (binary_request(X)[0] + b"\0", binary_request(X)[1], "needs 8 bytes"),
@@ -203,6 +210,15 @@ def test_json_data_at_the_limits_of_its_datatype_is_taken_as_sent() -> None:
         body = json_request(data, [1, 1, 2, 2], datatype, parameters={"binary_data_output": True})
         x = v2.decode_request(body, None, "input").x
         assert x.dtype == kind and x.ravel().tolist() == data
+
+
+def test_no_outputs_named_asks_for_all_of_them_as_in_triton() -> None:
+    for body in (
+        json_request([1, 2, 3, 4], [1, 1, 2, 2]),
+        json_request([1, 2, 3, 4], [1, 1, 2, 2], outputs=[]),
+    ):
+        req = v2.decode_request(body, None, "input")
+        assert [o.name for o in req.outputs] == ["logits", "probabilities"], body
 
 
 def test_json_response_carries_id_values_and_probabilities() -> None:

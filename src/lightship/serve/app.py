@@ -100,13 +100,16 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return Response(error_body(message), status, headers, media_type="application/json")
 
 
-def _client_timeout_s(header: str | bytes) -> float | None:
-    """The `x-request-timeout-ms` header in seconds; None unless a positive number."""
-    try:
-        value = float(header) / 1000
-    except ValueError:
+_DECIMAL = re.compile(rb"[0-9]+(\.[0-9]+)?")
+
+
+def _client_timeout_s(header: bytes) -> float | None:
+    """The `x-request-timeout-ms` header in seconds; None unless a positive decimal number
+    (float() would also take "1_000", "inf" and "1e400")."""
+    if not _DECIMAL.fullmatch(header):
         return None
-    return value if value > 0 else None  # also None for NaN
+    value = float(header) / 1000
+    return value if value > 0 else None
 
 
 class Service:

@@ -203,12 +203,9 @@ def decode_request(
     """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model."""
     json_end = len(body)
     if header_length is not None:
-        try:
-            json_end = int(header_length)
-        except ValueError:
-            raise ProtocolError(
-                f"{HEADER_LENGTH} must be an integer, got {header_length!r}"
-            ) from None
+        if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
+            raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
+        json_end = int(header_length)
         if not 0 < json_end <= len(body):
             raise ProtocolError(f"{HEADER_LENGTH} is {json_end} but the body has {len(body)} bytes")
     view = memoryview(body)
@@ -264,12 +261,17 @@ def decode_request(
     if not isinstance(binary_default, bool):
         raise ProtocolError(f"binary_data_output must be true or false, got {binary_default!r}")
     requested = doc.get("outputs")
-    if requested is None:
+    if not requested:  # absent or [] asks for every output, as in Triton
+        if requested is not None and not isinstance(requested, list):
+            raise ProtocolError("outputs must be a list")
         wanted = [RequestedOutput(name, binary_default) for name in outputs]
     else:
         if not isinstance(requested, list):
             raise ProtocolError("outputs must be a list")
         wanted = [_requested(_object(o, "output"), outputs, binary_default) for o in requested]
+        names = [w.name for w in wanted]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ProtocolError(f"output {twice[0]!r} is asked for twice: ask once")
     timeout = params.get("timeout")
     timeout_s = None
     if timeout is not None:
