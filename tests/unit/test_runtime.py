@@ -36,6 +36,9 @@ def test_float_and_int_pixels_are_cast(predictor: OrtPredictor) -> None:
     x = np.full((1, 1, 2, 2), 2.4, np.float32)  # rounds to 2
     np.testing.assert_allclose(predictor.predict(x), [[8, 92]])
     np.testing.assert_allclose(predictor.predict(np.full((1, 2, 2), 3, np.int64)), [[12, 88]])
+    # all-black float images and 0/1 integers are pixels as sent
+    np.testing.assert_allclose(predictor.predict(np.zeros((1, 1, 2, 2), np.float32)), [[0, 100]])
+    np.testing.assert_allclose(predictor.predict(np.ones((1, 1, 2, 2), np.int64)), [[4, 96]])
 
 
 @pytest.mark.parametrize(
@@ -47,6 +50,12 @@ def test_float_and_int_pixels_are_cast(predictor: OrtPredictor) -> None:
         (np.full((1, 1, 2, 2), 300.0), r"0\.\.255"),
         (np.full((1, 1, 2, 2), -1, np.int32), r"0\.\.255"),
         (np.array([[[["a", "b"], ["c", "d"]]]]), "dtype"),
+        # a 0..1 image rounds to black: answered with confidence, wrongly
+        (
+            np.array([[[[0.0, 0.5], [0.99, 1.0]]]], np.float32),
+            r"look scaled to 0\.\.1 \(largest 1\); .* send the pixels times 255",
+        ),
+        (np.full((1, 1, 2, 2), 0.2, np.float64), r"scaled to 0\.\.1 \(largest 0\.2\)"),
     ],
 )
 def test_bad_input_is_an_input_error(predictor: OrtPredictor, x: np.ndarray, message: str) -> None:

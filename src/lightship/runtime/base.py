@@ -107,7 +107,8 @@ class Predictor(ABC):
         return int(c), int(h), int(w)
 
     def check(self, x: np.ndarray) -> np.ndarray:
-        """Validate and convert to contiguous uint8 NCHW; float pixels (0..255) are rounded."""
+        """Validate and convert to contiguous uint8 NCHW; float pixels (0..255) are rounded,
+        and refused when they look scaled to 0..1."""
         if not isinstance(x, np.ndarray):
             raise InputError(f"expected a numpy array, got {type(x).__name__}")
         if x.ndim == 3:
@@ -127,13 +128,18 @@ class Predictor(ABC):
                 raise InputError(
                     "input contains NaN or infinity: pixels must be finite values in 0..255"
                 )
-            if x.min() < 0 or x.max() > 255:
-                raise InputError(f"pixel values must be in 0..255, got {x.min()}..{x.max()}")
-            x = (
-                np.rint(x).astype(np.uint8)
-                if np.issubdtype(x.dtype, np.floating)
-                else x.astype(np.uint8)
-            )
+            low, high = x.min(), x.max()
+            if low < 0 or high > 255:
+                raise InputError(f"pixel values must be in 0..255, got {low}..{high}")
+            if np.issubdtype(x.dtype, np.floating):
+                if 0 < high <= 1:  # rounded, 0..1 becomes a black image with confident answers
+                    raise InputError(
+                        f"pixel values look scaled to 0..1 (largest {high:g}); this model takes "
+                        "0..255, and normalises inside: send the pixels times 255"
+                    )
+                x = np.rint(x).astype(np.uint8)
+            else:
+                x = x.astype(np.uint8)
         return np.ascontiguousarray(x)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
