@@ -194,8 +194,22 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     assert r["malloc_keeps_freed_memory"] == (platform.libc_ver()[0] == "glibc")
     png = (quantized / "report" / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    on_disk = json.loads((quantized / "report" / "report.json").read_text())
+
+    def not_json(constant: str) -> None:
+        raise AssertionError(f"report.json holds {constant}, which JSON does not have")
+
+    on_disk = json.loads(
+        (quantized / "report" / "report.json").read_text(), parse_constant=not_json
+    )
     assert on_disk["recommended"] == r["recommended"]
+
+
+def test_an_exact_variant_has_a_finite_sqnr_that_json_can_hold() -> None:
+    from lightship.report import core
+
+    x = np.linspace(-3, 3, 40, dtype=np.float32).reshape(4, 10)
+    assert core.sqnr_db(x, x.copy()) == 120.0  # was inf: report.json said Infinity
+    assert json.loads(json.dumps({"sqnr_db": core.sqnr_db(x, x)}, allow_nan=False))
 
 
 def test_wrong_scheme_error_is_measured(quantized: Path) -> None:

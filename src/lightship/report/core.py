@@ -14,8 +14,9 @@ from lightship import __version__
 from lightship.data import DataSpec, load_splits
 from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
+from lightship.quantize.fallback import sqnr_db
 from lightship.report import render
-from lightship.report.evaluate import candidates, logits, sqnr_db
+from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import keep_freed_memory, measure
 from lightship.runs import RunDir, atomic_path, check_writable
 from lightship.runtime import physical_cores
@@ -154,7 +155,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         atomic_path(report_md) as tmp_md,
         atomic_path(pareto_png) as tmp_png,
     ):
-        tmp_json.write_text(json.dumps(result, indent=2) + "\n")
+        tmp_json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         tmp_md.write_text(render.markdown(result))
         render.pareto(result, tmp_png)
     return result

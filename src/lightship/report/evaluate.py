@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,12 +45,6 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
         check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
     return found
-
-
-def sqnr_db(reference: np.ndarray, approx: np.ndarray) -> float:
-    noise = float(np.linalg.norm(reference.astype(np.float64) - approx.astype(np.float64)))
-    signal = float(np.linalg.norm(reference.astype(np.float64)))
-    return math.inf if noise == 0 else 20 * math.log10(max(signal, 1e-30) / noise)
 
 
 def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightship.quantize.fallback import SQNR_CAP_DB
+
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
@@ -69,6 +71,8 @@ def markdown(r: dict[str, Any]) -> str:
     for v in r["variants"]:
         name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
         sqnr = "—" if v["sqnr_db"] is None else f"{v['sqnr_db']:.1f}"
+        if v["sqnr_db"] is not None and v["sqnr_db"] >= SQNR_CAP_DB:
+            sqnr = f"≥ {SQNR_CAP_DB:.0f}"  # exact, or as good as
         lat = v["latency_ms"]
         lines.append(
             f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
