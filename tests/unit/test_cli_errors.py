@@ -32,10 +32,30 @@ def test_config_rejects_non_finite_floats(value: str, shown: str, tmp_path: Path
         (["--qat-epochs", "0"], "quantize --qat-epochs must be at least 1, got 0"),
         (["--qat-lr", "-1"], "quantize --qat-lr must be a finite number > 0 (e.g. 1e-4), got -1.0"),
         (["--qat-lr", "nan"], "quantize --qat-lr must be a finite number > 0 (e.g. 1e-4), got nan"),
-        (["--gate", "nan"], "quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got nan"),
-        (["--gate", "-1"], "quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got -1.0"),
-        (["--gate", "0"], "quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got 0.0"),
-        (["--gate", "inf"], "quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got inf"),
+        (
+            ["--gate", "nan"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got nan",
+        ),
+        (
+            ["--gate", "-1"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got -1",
+        ),
+        (
+            ["--gate", "0"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 0",
+        ),
+        (
+            ["--gate", "inf"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got inf",
+        ),
+        (
+            ["--gate", "5"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 5: did you mean 0.95?",
+        ),
+        (
+            ["--gate", "1.5"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 1.5: did you mean 0.985?",
+        ),
         (["--fallback-budget", "-1"], "quantize --fallback-budget must be at least 0, got -1"),
     ],
 )

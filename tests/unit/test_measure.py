@@ -95,7 +95,14 @@ def test_latency_calls_are_batch_one_and_at_least_twenty() -> None:
         (["--rounds", "0"], "report --rounds must be at least 1, got 0"),
         (["--batch", "0"], "report --batch must be at least 1, got 0"),
         (["--threads", "0"], "report --threads must be at least 1, got 0"),
-        (["--gate", "-1"], "report --gate is a fraction of fp32 accuracy (e.g. 0.99), got -1.0"),
+        (
+            ["--gate", "-1"],
+            "report --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got -1",
+        ),
+        (
+            ["--gate", "5"],
+            "report --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 5: did you mean 0.95?",
+        ),
         (["--threads", "100000"], "report --threads must be at most 256, got 100000"),
         (["--batch", "1000000000000"], "report --batch must be at most 4096, got 1000000000000"),
     ],

@@ -67,11 +67,7 @@ class QuantizeSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # A gate above 1 is allowed: it forces the fallback (tests use 1.01).
-        if not (math.isfinite(self.gate) and self.gate > 0):
-            raise ConfigError(
-                f"quantize --gate is a fraction of fp32 accuracy (e.g. 0.99), got {self.gate}"
-            )
+        fallback.check_gate(self.gate, "quantize")
         for name, low in (("fallback_budget", 0), ("qat_epochs", 1)):
             value = getattr(self, name)
             if value < low:

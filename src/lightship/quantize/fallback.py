@@ -15,7 +15,23 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from lightship.errors import ConfigError
 from lightship.quantize.ptq import COMPUTE_OPS
+
+GATE_MAX = 1.1  # above 1 forces the fallback (tests use 1.01); far above is a typo
+
+
+def check_gate(gate: float, command: str) -> None:
+    """The accuracy gate is a fraction of fp32 accuracy; `--gate 5` (meant as 5 points, or
+    95 %) would fail every variant and replace good int8 models with failed ones."""
+    if math.isfinite(gate) and 0 < gate <= GATE_MAX:
+        return
+    hint = f": did you mean {1 - gate / 100:g}?" if 1 < gate < 100 else ""
+    raise ConfigError(
+        f"{command} --gate is the fraction of fp32 accuracy an int8 variant keeps, "
+        f"in (0, {GATE_MAX:g}] (e.g. 0.99), got {gate:g}{hint}"
+    )
+
 
 SQNR_CAP_DB = 120.0  # an exact tensor has infinite SQNR; cap it so differences stay finite
 

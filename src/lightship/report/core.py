@@ -14,7 +14,7 @@ from lightship import __version__
 from lightship.data import DataSpec, load_splits
 from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
-from lightship.quantize.fallback import sqnr_db
+from lightship.quantize.fallback import check_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import keep_freed_memory, measure
@@ -38,10 +38,7 @@ class ReportSettings:
                 raise ConfigError(f"report --{name} must be at least {low}, got {value}")
             if value is not None and high is not None and value > high:
                 raise ConfigError(f"report --{name} must be at most {high}, got {value}")
-        if not self.gate > 0:
-            raise ConfigError(
-                f"report --gate is a fraction of fp32 accuracy (e.g. 0.99), got {self.gate}"
-            )
+        check_gate(self.gate, "report")
         if not self.seconds > 0:
             raise ConfigError(f"report seconds per round must be positive, got {self.seconds}")
 
