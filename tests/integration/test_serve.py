@@ -594,3 +594,10 @@ def test_a_taken_port_or_unknown_host_is_one_line_before_the_model_loads(
     assert proc.returncode == 2 and "cannot listen on host 'no.such.host.invalid'" in last_line(
         proc.stderr
     )
+    # an address that is not this machine's: the host is the problem, not the port
+    proc = run_cli("serve", "--run", str(hand_model), "--host", "10.255.255.1", "--port", "8000")
+    assert proc.returncode == 2
+    assert last_line(proc.stderr) == (
+        "error: cannot listen on 10.255.255.1:8000 (Cannot assign requested address): "
+        "pass --host 127.0.0.1, 0.0.0.0 or an address of this machine"
+    )

@@ -1173,3 +1173,18 @@ def test_large_bodies_are_parsed_off_the_event_loop(
     for r in answers:
         np.testing.assert_array_equal(logits_of(r), expected_logits(X))
     assert threads[0] == loop_thread and threads[1] != loop_thread
+
+
+def test_fastapis_own_pages_are_counted_under_their_paths(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> str:
+        async with serving(app) as client:
+            for path in ("/docs", "/openapi.json", "/redoc", "/v2/nowhere"):
+                await client.get(path)
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    for route, status in (("/docs", 200), ("/openapi.json", 200), ("/redoc", 200)):
+        assert metric(text, f'lightship_requests_total{{route="{route}",status="{status}"}}') == 1
+    assert metric(text, 'lightship_requests_total{route="unmatched",status="404"}') == 1

@@ -9,6 +9,7 @@ Hot routes read the raw body (orjson, `np.frombuffer`) instead of a pydantic mod
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import re
@@ -1020,9 +1021,13 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
+        fix = (
+            "pass --host 127.0.0.1, 0.0.0.0 or an address of this machine"
+            if exc.errno == errno.EADDRNOTAVAIL
+            else "pass a free --port, or stop what holds it"
+        )
         raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass a free --port, "
-            "or stop what holds it"
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): {fix}"
         ) from None
     sock.set_inheritable(True)
     return sock

@@ -135,7 +135,11 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            path = getattr(scope.get("route"), "path", None) or self.paths.get(
-                scope.get("endpoint"), "unmatched"
+            endpoint = scope.get("endpoint")
+            path = (
+                getattr(scope.get("route"), "path", None)
+                or self.paths.get(endpoint)
+                # FastAPI's own /docs, /redoc, /openapi.json: plain routes, fixed paths
+                or (scope["path"] if endpoint is not None else "unmatched")
             )
             self.metrics.request(path, status, time.perf_counter() - start)
