@@ -27,7 +27,15 @@ help: ## list the targets
 	@echo
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 	@echo
-	@echo "variables: RUN=runs/NAME  CONFIG=configs/X.yaml  RESUME=1  ARGS='--set trainer.max_epochs=3'"
+	@echo "variables:"
+	@echo "  RUN=runs/NAME                 the run directory every target reads and writes"
+	@echo "  CONFIG=configs/X.yaml         the training config (train, and a stage that trains first)"
+	@echo "  RESUME=1                      train: continue from last.ckpt with the run's config.yaml"
+	@echo "  ARGS='--set trainer.max_epochs=3'   train, bench-train, bench-serve (and training a stage starts)"
+	@echo "  EXPORT_ARGS='--formats onnx'  export (and the export quantize/report/serve start)"
+	@echo "  QUANTIZE_ARGS='--methods static'    quantize"
+	@echo "  REPORT_ARGS='--rounds 5'      report, and the report \`make quantize\` writes"
+	@echo "  SERVE_ARGS='--port 9000'      serve"
 
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
 # this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
@@ -40,30 +48,41 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install lightship with all extras
 
+# ARGS goes to training only: a stage's own flags go in its *_ARGS. Said, not silently dropped.
+args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train, bench, or the \
+	training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
+
 # RESUME=1 continues with the run's own config.yaml unless CONFIG is given.
 TRAIN_CONFIG = $(if $(and $(RESUME),$(filter file,$(origin CONFIG))),,--config $(CONFIG))
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 	$(BIN)/lightship train --run $(RUN) $(TRAIN_CONFIG) $(if $(RESUME),--resume) $(ARGS)
 
-# A later stage builds what it needs when it is missing, so any target works on a fresh clone.
+# A later stage builds what it needs when it is missing, so every stage target works on a fresh
+# clone: export trains first; quantize, report and serve train and export first (report then
+# measures the fp32 variants only, serve serves ONNX fp32). A new best.ckpt deletes the files
+# made from the old one, and export/model.onnx older than best.ckpt is exported again.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(ARGS)
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
+	$(call args_note,export,EXPORT_ARGS)
 	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
 
-$(RUN)/export/model.onnx: | $(RUN)/best.ckpt
+$(RUN)/export/model.onnx: $(RUN)/best.ckpt | $(STAMP)
 	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
 
 quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT behind the accuracy gate, then the report
+	$(call args_note,quantize,QUANTIZE_ARGS)
 	$(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS)
 	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
 
-report: $(STAMP) ## measure every variant in RUN: report/report.md, report.json, pareto.png
+report: $(STAMP) | $(RUN)/export/model.onnx ## measure every variant in RUN: report/report.md, report.json, pareto.png
+	$(call args_note,report,REPORT_ARGS)
 	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
 
-serve: $(STAMP) ## serve RUN over HTTP (report's recommended variant; SERVE_ARGS='--port 9000')
+serve: $(STAMP) | $(RUN)/export/model.onnx ## serve RUN over HTTP (report's recommended variant; SERVE_ARGS='--port 9000')
+	$(call args_note,serve,SERVE_ARGS)
 	$(BIN)/lightship serve --run $(RUN) $(SERVE_ARGS)
 
 test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)

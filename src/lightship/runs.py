@@ -8,6 +8,7 @@ runs/<name>/config.yaml  checkpoints/  best.ckpt  logs/  export/  quantize/  rep
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -23,6 +24,20 @@ from typing import Any
 from lightship.errors import RunError
 
 MANIFEST_SCHEMA = 1
+
+# The report measures every listed artifact: it is removed with any of them. report.json goes
+# first: `serve` reads it for its recommendation.
+REPORT_FILES = ("report/report.json", "report/report.md", "report/pareto.png")
+# Everything export, quantize and report make from best.ckpt, listed in the manifest or not (an
+# export unlists the int8 models of the model.onnx it replaced but keeps their files).
+DERIVED_FILES = (
+    *REPORT_FILES,
+    "export/model.onnx",
+    "export/model.ts",
+    "export/model.pt2",
+    "quantize/model.int8-*.onnx",
+    "quantize/qat.ckpt",
+)
 
 
 def _file_mode() -> int:
@@ -242,11 +257,48 @@ class RunDir:
         atomic_write_text(self.manifest_path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
     def forget(self, *keys: str) -> None:
+        """Unlist `keys`; their files stay. The report measured them, so when any was listed
+        the report's files go first: a report.json left behind would recommend a variant the
+        manifest no longer has, and report.md and pareto.png would show its figures."""
         data = self.manifest()
         if any(k in data["artifacts"] for k in keys):
+            self._remove(*REPORT_FILES)
             for k in keys:
                 data["artifacts"].pop(k, None)
             atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
+
+    def discard_derived(self) -> list[str]:
+        """Everything made from best.ckpt goes, before a new best.ckpt replaces it: every entry
+        but the checkpoint is unlisted and its files deleted, with the report and any unlisted
+        leftover of export, quantize or report (DERIVED_FILES), so the disk matches the
+        manifest and `make`, which sees files, rebuilds them. Returns the unlisted keys."""
+        data = self.manifest()
+        keys = [k for k in data["artifacts"] if k != "checkpoint"]
+        files = [
+            value
+            for k in keys
+            for field, value in data["artifacts"][k].items()
+            if field.startswith("file") and isinstance(value, str)
+        ]
+        # Files first: interrupted here, the manifest still lists what is missing, which the
+        # stages report and `make` rebuilds; never a stale file left on disk unlisted.
+        self._remove(*DERIVED_FILES, *(glob.escape(f) for f in files))
+        if keys:
+            for k in keys:
+                data["artifacts"].pop(k)
+            atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
+        return keys
+
+    def _remove(self, *patterns: str) -> None:
+        """Delete the files matching each run-relative pattern; never outside the run, never a
+        folder."""
+        root = self.root.resolve()
+        for pattern in patterns:
+            if not pattern or Path(pattern).is_absolute():
+                continue
+            for path in sorted(self.root.glob(pattern)):
+                if path.is_file() and root in path.resolve().parents:
+                    path.unlink(missing_ok=True)
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lightship.runs import sha256_file
 from tests.conftest import CONFIGS, ROOT, last_line, run_cli
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -141,6 +143,44 @@ def test_make_maps_resume_flag() -> None:
     assert "lightship train --run runs/x" in out and "--resume" in out
 
 
+def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    variables = re.findall(r"^([A-Z_]*ARGS) *\?=", makefile, re.M)
+    assert {"ARGS", "EXPORT_ARGS", "QUANTIZE_ARGS", "REPORT_ARGS", "SERVE_ARGS"} <= set(variables)
+    lines = subprocess.run(
+        ["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+    ).stdout.splitlines()  # fmt: skip
+    lines = lines[lines.index("variables:") :]
+    for var in variables:
+        assert sum(f" {var}=" in line for line in lines) == 1, var
+    proc = subprocess.run(
+        ["make", "-n", "quantize", "RUN=runs/x", "ARGS=--methods static",
+         "QUANTIZE_ARGS=--methods dynamic"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, "MAKEFLAGS": ""},
+    )  # fmt: skip
+    assert "lightship quantize --run runs/x --methods dynamic" in proc.stdout
+    assert "ARGS is passed to training only" in proc.stderr
+    assert "quantize takes QUANTIZE_ARGS" in proc.stderr
+
+
+def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) -> None:
+    # a fresh RUN: report and serve train and export first
+    fresh = tmp_path / "fresh"
+    for target in ("report", "serve"):
+        out = make_n(target, f"RUN={fresh}")
+        assert f"lightship train --run {fresh}" in out, out
+        assert f"lightship export --run {fresh}" in out, out
+    # exported after best.ckpt: nothing to rebuild; an older model.onnx is exported again
+    run = tmp_path / "exported"
+    shutil.copytree(exported_run, run)
+    onnx, best = run / "export" / "model.onnx", run / "best.ckpt"
+    os.utime(best, ns=(onnx.stat().st_mtime_ns - 10**9,) * 2)
+    assert "lightship export" not in make_n("quantize", f"RUN={run}")
+    os.utime(best, ns=(onnx.stat().st_mtime_ns + 10**9,) * 2)
+    assert f"lightship export --run {run}" in make_n("quantize", f"RUN={run}")
+
+
 def test_bad_inputs_exit_with_one_line(tmp_path: Path) -> None:
     cases = [
         (
@@ -222,17 +262,49 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     assert (run / "best.ckpt").is_file()
 
 
-def test_refused_settings_change_nothing_and_a_new_best_unlists_old_artifacts(
+def fake_downstream(run: Path) -> list[Path]:
+    """As if exported, quantized and reported from RUN/best.ckpt: listed files, a QAT entry
+    with a second file, the report's three files and an int8 model an export unlisted."""
+    data = json.loads((run / "manifest.json").read_text())
+    data["artifacts"]["onnx-fp32"] = {"file": "export/model.onnx"}
+    data["artifacts"]["onnx-int8-qat"] = {
+        "file": "quantize/model.int8-qat.onnx",
+        "file_ckpt": "quantize/qat.ckpt",
+    }
+    (run / "manifest.json").write_text(json.dumps(data))
+    files = [
+        run / "export" / "model.onnx",
+        run / "quantize" / "model.int8-qat.onnx",
+        run / "quantize" / "qat.ckpt",
+        run / "quantize" / "model.int8-static.onnx",  # unlisted by a re-export, still on disk
+        run / "report" / "report.json",
+        run / "report" / "report.md",
+        run / "report" / "pareto.png",
+    ]
+    for f in files:
+        f.parent.mkdir(exist_ok=True)
+        f.write_text('{"recommended": "onnx-int8-qat"}' if f.name == "report.json" else "old")
+    return files
+
+
+def make_n(*args: str) -> str:
+    return subprocess.run(
+        ["make", "-n", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MAKEFLAGS": ""},
+    ).stdout
+
+
+def test_refused_settings_change_nothing_and_a_new_best_deletes_old_artifacts(
     tiny_run: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "again"
     shutil.copytree(tiny_run, run)
-    # as if exported and reported: a variant and a recommendation made from the old best.ckpt
-    data = json.loads((run / "manifest.json").read_text())
-    data["artifacts"]["onnx-fp32"] = {"file": "export/model.onnx"}
-    (run / "manifest.json").write_text(json.dumps(data))
-    (run / "report").mkdir()
-    (run / "report" / "report.json").write_text('{"recommended": "onnx-fp32"}')
+    downstream = fake_downstream(run)
+    old_sha = manifest(run)["checkpoint"]["sha256"]
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     config = (run / "config.yaml").read_text()
 
@@ -249,9 +321,31 @@ def test_refused_settings_change_nothing_and_a_new_best_unlists_old_artifacts(
     proc = run_cli(
         "train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1", check=True
     )
-    assert "the new best.ckpt outdates onnx-fp32 of this run" in proc.stdout
+    assert "the new best.ckpt outdates onnx-fp32, onnx-int8-qat of this run" in proc.stdout
     assert list(manifest(run)) == ["checkpoint"]
-    assert not (run / "report" / "report.json").exists()
+    new_sha = manifest(run)["checkpoint"]["sha256"]
+    assert new_sha != old_sha and new_sha == sha256_file(run / "best.ckpt")
+    # the disk matches the manifest: no old model or report left for make or a reader to take
+    assert [f for f in downstream if f.exists()] == []
+    assert (run / "best.ckpt").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert "lightship export --run" in make_n("quantize", f"RUN={run}")
+
+
+def test_resuming_a_finished_run_keeps_its_exports_and_report(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "finished"
+    shutil.copytree(exported_run, run)
+    downstream = fake_downstream(run)
+    before = {p: p.read_bytes() for p in [run / "manifest.json", run / "best.ckpt", *downstream]}
+    best_mtime = (run / "best.ckpt").stat().st_mtime_ns
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout, proc.stdout
+    assert "outdates" not in proc.stdout
+    assert {p: p.read_bytes() for p in before} == before  # manifest, best.ckpt, exports, report
+    assert (run / "best.ckpt").stat().st_mtime_ns == best_mtime  # make re-exports nothing
+    assert {"onnx-fp32", "torchscript", "onnx-int8-qat"} <= set(manifest(run))
+    assert manifest(run)["checkpoint"]["sha256"] == sha256_file(run / "best.ckpt")
 
 
 def test_resume_with_other_model_data_or_schedule_is_refused_untouched(

@@ -130,3 +130,64 @@ def test_a_checkpoint_entry_without_its_data_spec_is_a_run_error(tmp_path: Path)
     )
     with pytest.raises(RunError, match="no data spec for its checkpoint: re-run `make train RUN="):
         run.data_spec()
+
+
+def _run_with_artifacts(root: Path) -> RunDir:
+    """A run as train, export, quantize and report leave it (files are stand-ins)."""
+    run = RunDir(root)
+    files = {
+        "best.ckpt": "ckpt",
+        "checkpoints/last.ckpt": "last",
+        "config.yaml": "seed: 0",
+        "export/model.onnx": "fp32",
+        "quantize/model.int8-qat.onnx": "int8",
+        "quantize/qat.ckpt": "qat",
+        "quantize/model.int8-static.onnx": "unlisted by a re-export",
+        "report/report.json": '{"recommended": "onnx-int8-qat"}',
+        "report/report.md": "| onnx-int8-qat |",
+        "report/pareto.png": "png",
+        "export/notes.txt": "the user's",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    run.record("checkpoint", {"file": "best.ckpt", "sha256": sha256_file(root / "best.ckpt")})
+    run.record("onnx-fp32", {"file": "export/model.onnx"})
+    run.record(
+        "onnx-int8-qat", {"file": "quantize/model.int8-qat.onnx", "file_ckpt": "quantize/qat.ckpt"}
+    )
+    return run
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_forget_takes_the_report_with_the_artifacts_it_measured(tmp_path: Path) -> None:
+    run = _run_with_artifacts(tmp_path)
+    run.forget("onnx-int8-static")  # not listed: nothing changes
+    assert (tmp_path / "report" / "report.json").is_file()
+    # a re-export unlists the int8 models of the old model.onnx: serve must not follow a report
+    # that recommends one of them, nor report.md and pareto.png show them
+    run.forget("onnx-int8-qat")
+    assert list(run.manifest()["artifacts"]) == ["checkpoint", "onnx-fp32"]
+    assert not list((tmp_path / "report").iterdir())
+    assert (tmp_path / "quantize" / "model.int8-qat.onnx").is_file()  # forget keeps the files
+
+
+def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.onnx"
+    outside.write_text("not the run's")
+    run = _run_with_artifacts(tmp_path / "r")
+    run.record("odd", {"file": "../outside.onnx"})
+    assert run.discard_derived() == ["onnx-fp32", "onnx-int8-qat", "odd"]
+    assert list(run.manifest()["artifacts"]) == ["checkpoint"]
+    assert _files(run.root) == [
+        "best.ckpt",
+        "checkpoints/last.ckpt",
+        "config.yaml",
+        "export/notes.txt",
+        "manifest.json",
+    ]
+    assert outside.is_file()  # never a file outside the run
+    assert run.discard_derived() == []  # nothing left to discard

@@ -212,22 +212,25 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
         raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
 
 
-def _forget_derived(run: RunDir) -> None:
-    """A new best.ckpt outdates every artifact made from the old one: unlist them, drop the report.
+def _discard_derived(run: RunDir) -> None:
+    """A new best.ckpt outdates every artifact made from the old one: unlist them and delete
+    their files, the report's and any unlisted leftover, so the disk matches the manifest."""
+    derived = run.discard_derived()
+    if derived:
+        print(
+            f"the new best.ckpt outdates {', '.join(derived)} of this run: "
+            f"re-run `make export quantize RUN={run.root}`",
+            flush=True,
+        )
 
-    The files stay on disk; the manifest no longer offers them to report, serve or quantize.
-    """
-    derived = [k for k in run.manifest()["artifacts"] if k != "checkpoint"]
-    report = run.report_dir / "report.json"
-    if not derived and not report.is_file():
-        return
-    run.forget(*derived)
-    report.unlink(missing_ok=True)
-    print(
-        f"the new best.ckpt outdates {', '.join(derived) or 'the report'} of this run: "
-        f"re-run `make export quantize RUN={run.root}`",
-        flush=True,
-    )
+
+def _unchanged_best(run: RunDir, best: Path) -> bool:
+    """Whether `best` is the checkpoint the manifest already records, and RUN/best.ckpt is it:
+    the exports, quantized models and report made from it stay valid."""
+    recorded = (run.artifact("checkpoint") or {}).get("sha256")
+    if not recorded or not run.best_ckpt.is_file():
+        return False
+    return sha256_file(best) == recorded == sha256_file(run.best_ckpt)
 
 
 @contextlib.contextmanager
@@ -408,8 +411,20 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         raise RunError(
             f"training wrote no checkpoint in {run.checkpoints}: check the trainer settings"
         )
-    with atomic_path(run.best_ckpt) as tmp:
-        tmp.write_bytes(best.read_bytes())
+    unchanged = _unchanged_best(run, best)
+    if unchanged and resumed is not None and trainer.global_step == resumed_from_step:
+        print(
+            f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
+            f"(step {trainer.global_step}); best.ckpt, exports, quantized models and report "
+            "kept",
+            flush=True,
+        )
+        return run
+    if not unchanged:
+        # The old artifacts go before the new best.ckpt arrives: never listed beside it.
+        _discard_derived(run)
+        with atomic_path(run.best_ckpt) as tmp:
+            tmp.write_bytes(best.read_bytes())
     loaded = load_checkpoint(run.best_ckpt)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
@@ -443,7 +458,12 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         },
     }
     run.record("checkpoint", entry)
-    _forget_derived(run)
+    if unchanged:
+        print(
+            "best.ckpt is unchanged (no better checkpoint): exports, quantized models and "
+            "report kept",
+            flush=True,
+        )
     print(
         f"\ntrained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} epochs, "
         f"step {trainer.global_step}): test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
