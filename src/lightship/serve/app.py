@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 import uvicorn
@@ -270,24 +270,6 @@ class _DisconnectWatch:
             self._task.cancel()
 
 
-class HeadAsGet:
-    """HEAD is answered as GET would be, without the body: `curl -I` and load balancers' HEAD
-    probes get 200 from /v2/health/ready, where FastAPI (which routes GET only) answers 405.
-
-    The app sees a copy of the scope saying GET; uvicorn keeps its own, saying HEAD, and so
-    sends the head (Content-Length included) and drops the body. Outermost, so the metrics
-    read the route from the scope the router filled in.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
-        await self.app(scope, receive, send)
-
-
 class BodyLimit:
     """413 for a body over `limit` bytes: at once from Content-Length, else while it streams.
     A body still incomplete when the request's deadline passes is answered at once, and the
@@ -412,20 +394,11 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
             raise ProtocolError(f"body has {len(rest)} bytes after its deflate data")
 
 
-_T = TypeVar("_T")
-
 # Bodies this large or larger are parsed in a worker thread. orjson and numpy take 6-20 ns a
 # byte (2-5 ms for a 64-row digits request); a 16 MB body of small nested lists held the event
 # loop, and with it every other request, for 0.5-1.6 s. The thread hands the GIL back to the
 # loop every switch interval.
 LARGE_BODY_BYTES = 256 * 1024
-
-
-async def _parse(body: bytes, parse: Callable[..., _T], *args: Any) -> _T:
-    """`parse(*args)` of a request `body`: here when small, in a worker thread when large."""
-    if len(body) < LARGE_BODY_BYTES:
-        return parse(*args)
-    return await run_in_threadpool(parse, *args)
 
 
 @dataclass(slots=True)
@@ -568,7 +541,6 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     )
     raw_routes: dict[Any, str] = {}  # filled below, read per request
     app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
-    app.add_middleware(HeadAsGet)
     _add_error_handlers(app, answers)
 
     # Documented as the one name and version served (schemathesis then reaches the model);
@@ -581,18 +553,19 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     # (`openapi.raw_paths`) with the served model's names.
     async def v2_infer(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
         service.check_model(hot.params["model_name"], hot.params.get("version"))
-        req = await _parse(
-            hot.body, v2.decode_request, hot.body, hot.header_length, service.input_name
-        )
+        args = (hot.body, hot.header_length, service.input_name)
+        big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
+        req = await run_in_threadpool(v2.decode_request, *args) if big else v2.decode_request(*args)
         logits = await service.predict(
             req.x, service.timeout_s(hot.scope, req.timeout_s), hot.receive
         )
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
-        x, top_k = await _parse(
-            hot.body, v1.decode_instances, hot.body, service.chw, settings.top_k
-        )
+        args = (hot.body, service.chw, settings.top_k)
+        big = len(hot.body) >= LARGE_BODY_BYTES
+        decode = v1.decode_instances
+        x, top_k = await run_in_threadpool(decode, *args) if big else decode(*args)
         logits = await service.predict(x, service.timeout_s(hot.scope), hot.receive)
         content = v1.encode_predictions(logits, service.labels, top_k, service.name)
         return content, {"content-type": "application/json"}
@@ -927,7 +900,7 @@ def _http_protocol() -> Any:
             # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
             if self._in_head:
                 self._head_bytes += len(data)
-            super().data_received(data)
+            HttpToolsProtocol.data_received(self, data)
             over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
             if over and not self.transport.is_closing():
                 self._send_error(
@@ -937,10 +910,10 @@ def _http_protocol() -> Any:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
-            super().on_headers_complete()
+            HttpToolsProtocol.on_headers_complete(self)
 
         def on_message_complete(self) -> None:
-            super().on_message_complete()
+            HttpToolsProtocol.on_message_complete(self)
             self._in_head = True
 
         def send_400_response(self, msg: str) -> None:

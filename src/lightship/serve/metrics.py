@@ -123,6 +123,13 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":
+            # Answered as GET would be, without the body: FastAPI routes GET only, and `curl -I`
+            # or a load balancer's HEAD probe got 405. The app sees a copy saying GET; uvicorn
+            # keeps its own scope saying HEAD, so it sends the head and drops the body. Here,
+            # not in a middleware of its own: that layer cost every request, 4 % of binary
+            # digits requests per second at 16 connections (same-run A/B, 4 rounds).
+            scope = {**scope, "method": "GET"}
         start = time.perf_counter()
         status = 500  # an exception escaping the app becomes a 500 further out
 
