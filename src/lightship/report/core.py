@@ -18,7 +18,7 @@ from lightship.quantize.fallback import check_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import keep_freed_memory, measure
-from lightship.runs import RunDir, atomic_path, check_writable
+from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable
 from lightship.runtime import physical_cores
 
 
@@ -61,7 +61,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
         raise RunError(f"no trained run in {run.root}: run `make train export quantize RUN=...`")
-    outputs = [run.report_dir / n for n in ("report.json", "report.md", "pareto.png")]
+    outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
     found = candidates(run, threads)
     if not any(c.name == "eager" for c in found):

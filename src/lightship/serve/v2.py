@@ -261,13 +261,11 @@ def decode_request(
     if not isinstance(binary_default, bool):
         raise ProtocolError(f"binary_data_output must be true or false, got {binary_default!r}")
     requested = doc.get("outputs")
+    if requested is not None and not isinstance(requested, list):
+        raise ProtocolError("outputs must be a list")
     if not requested:  # absent or [] asks for every output, as in Triton
-        if requested is not None and not isinstance(requested, list):
-            raise ProtocolError("outputs must be a list")
         wanted = [RequestedOutput(name, binary_default) for name in outputs]
     else:
-        if not isinstance(requested, list):
-            raise ProtocolError("outputs must be a list")
         wanted = [_requested(_object(o, "output"), outputs, binary_default) for o in requested]
         names = [w.name for w in wanted]
         if twice := sorted({n for n in names if names.count(n) > 1}):
