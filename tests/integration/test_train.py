@@ -132,14 +132,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
 
 
 def test_make_maps_resume_flag() -> None:
-    out = subprocess.run(
-        ["make", "-n", "train", "RESUME=1", "RUN=runs/x"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MAKEFLAGS": ""},
-    ).stdout
+    out = make_n("train", "RESUME=1", "RUN=runs/x")
     assert "lightship train --run runs/x" in out and "--resume" in out
 
 
