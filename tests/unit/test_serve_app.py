@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import io
 import json
+import re
 import threading
 import time
 import zlib
@@ -1173,3 +1174,47 @@ def test_fastapis_own_pages_are_counted_under_their_paths(tmp_path: Path) -> Non
     for route, status in (("/docs", 200), ("/openapi.json", 200), ("/redoc", 200)):
         assert metric(text, f'lightship_requests_total{{route="{route}",status="{status}"}}') == 1
     assert metric(text, 'lightship_requests_total{route="unmatched",status="404"}') == 1
+
+
+def test_docs_pages_load_everything_from_the_server_itself(tmp_path: Path) -> None:
+    # An edge box is often offline: a page that pulls Swagger UI from a CDN is blank there.
+    app, _ = make_app(tmp_path)
+    link = r"""(?:src|href|spec-url)=["']([^"']+)["']|url: '([^']+)'"""
+
+    async def main() -> tuple[dict[str, str], dict[str, tuple[int, str, int]], str, str]:
+        async with serving(app) as client:
+            pages = {p: (await client.get(p)).text for p in ("/docs", "/redoc")}
+            linked = {
+                url
+                for page in pages.values()
+                for found in re.findall(link, page)
+                for url in found
+                if url
+            }
+            files = {}
+            for url in sorted(linked):
+                r = await client.get(url)
+                files[url] = (r.status_code, r.headers["content-type"], len(r.content))
+            missing = await client.get("/docs/nowhere.js")
+            return pages, files, missing.text, (await client.get("/metrics")).text
+
+    pages, files, missing, text = run(main())
+    assert all("//" not in url for url in files), files  # nothing from another host
+    assert set(files) == {
+        "/openapi.json",
+        "/docs/swagger-ui-bundle.js",
+        "/docs/swagger-ui.css",
+        "/docs/redoc.standalone.js",
+        "/docs/favicon.png",
+    }
+    for url, (status, _, size) in files.items():
+        assert status == 200 and size > 1000, url
+    assert files["/docs/swagger-ui-bundle.js"][1].startswith("text/javascript")
+    assert files["/docs/swagger-ui.css"][1].startswith("text/css")
+    assert "SwaggerUIBundle(" in pages["/docs"] and "<redoc " in pages["/redoc"]
+    assert json.loads(missing) == {
+        "error": "no file 'nowhere.js' here: the docs are at /docs and /redoc"
+    }
+    # one label for every file, not one per name asked for
+    assert metric(text, 'lightship_requests_total{route="/docs/{name}",status="200"}') == 4
+    assert metric(text, 'lightship_requests_total{route="/docs/{name}",status="404"}') == 1

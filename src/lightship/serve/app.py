@@ -523,6 +523,8 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         "under /v2, a simple JSON and image API under /v1, Prometheus metrics at /metrics. "
         f"Clients may shorten the deadline with the `{TIMEOUT_HEADER}` header.",
         lifespan=lifespan,
+        docs_url=None,  # openapi.add_docs: the pages' files from this server, not a CDN
+        redoc_url=None,
     )
     app.state.service = service
     answers = _error_answers(service)
@@ -542,6 +544,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     raw_routes: dict[Any, str] = {}  # filled below, read per request
     app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
     _add_error_handlers(app, answers)
+    openapi.add_docs(app)
 
     # Documented as the one name and version served (schemathesis then reaches the model);
     # other values are still accepted by the router and answered 404 with a V2 error body.

@@ -1,4 +1,5 @@
-"""OpenAPI descriptions of the raw-body routes (they parse bytes themselves, not pydantic models).
+"""OpenAPI descriptions of the raw-body routes (they parse bytes themselves, not pydantic models),
+and the /docs and /redoc pages that show them.
 
 Shapes, names and datatypes are the served model's, so /docs shows what to send and schemathesis
 generates requests that can succeed.
@@ -6,7 +7,14 @@ generates requests that can succeed.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, Response
+from starlette.exceptions import HTTPException
 
 from lightship.serve import v2
 
@@ -216,3 +224,56 @@ def raw_paths(
             }
         },
     }
+
+
+# The pages' scripts and styles, from fastapi-offline's copy of the CDN files FastAPI links to
+# (Swagger UI 5, ReDoc 2): served by the server itself, /docs works on an edge box offline.
+DOCS_FILES = {
+    "swagger-ui-bundle.js": "text/javascript",
+    "swagger-ui.css": "text/css",
+    "redoc.standalone.js": "text/javascript",
+    "favicon.png": "image/png",
+}
+
+
+def add_docs(app: FastAPI) -> None:
+    """GET /docs (Swagger UI), /redoc and /docs/<file>; make the app with docs_url=None and
+    redoc_url=None. The files' route has a fixed path, so the metrics see one label for it."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    assert spec is not None and spec.origin is not None, "fastapi-offline is a serve dependency"
+    static = Path(spec.origin).parent / "static"
+    openapi_url = app.openapi_url or "/openapi.json"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{root}/docs/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}/docs/swagger-ui.css",
+            swagger_favicon_url=f"{root}/docs/favicon.png",
+            oauth2_redirect_url=None,
+            swagger_ui_parameters=app.swagger_ui_parameters,
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}/docs/redoc.standalone.js",
+            redoc_favicon_url=f"{root}/docs/favicon.png",
+            with_google_fonts=False,
+        )
+
+    @app.get("/docs/{name}", include_in_schema=False)
+    async def docs_file(name: str) -> Response:
+        if name not in DOCS_FILES:
+            raise HTTPException(404, f"no file {name!r} here: the docs are at /docs and /redoc")
+        return FileResponse(
+            static / name,
+            media_type=DOCS_FILES[name],
+            headers={"cache-control": "public, max-age=86400"},
+        )
