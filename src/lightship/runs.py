@@ -25,11 +25,11 @@ from lightship.errors import RunError
 
 MANIFEST_SCHEMA = 1
 
-# The report measures every listed artifact: it is removed with any of them. report.json goes
-# first: `serve` reads it for its recommendation.
+# The report measures every listed artifact: it is removed when any of them is unlisted or
+# replaced by another file. report.json goes first: `serve` reads it for its recommendation.
 REPORT_FILES = ("report/report.json", "report/report.md", "report/pareto.png")
-# Everything export, quantize and report make from best.ckpt, listed in the manifest or not (an
-# export unlists the int8 models of the model.onnx it replaced but keeps their files).
+# Everything export, quantize and report make from best.ckpt, listed in the manifest or not (a
+# run made by an older lightship may hold int8 models a re-export unlisted but kept on disk).
 DERIVED_FILES = (
     *REPORT_FILES,
     "export/model.onnx",
@@ -250,55 +250,70 @@ class RunDir:
         return spec
 
     def record(self, key: str, entry: dict[str, Any]) -> None:
-        """Add or replace one manifest entry (read-modify-write, atomically replaced)."""
+        """Add or replace one manifest entry (read-modify-write, atomically replaced). An entry
+        replaced by one of another file (sha256) takes the report with it: its figures are the
+        old file's."""
         data = self.manifest()
-        data["schema"] = MANIFEST_SCHEMA
-        data["artifacts"][key] = entry
-        atomic_write_text(self.manifest_path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-    def forget(self, *keys: str) -> None:
-        """Unlist `keys`; their files stay. The report measured them, so when any was listed
-        the report's files go first: a report.json left behind would recommend a variant the
-        manifest no longer has, and report.md and pareto.png would show its figures."""
-        data = self.manifest()
-        if any(k in data["artifacts"] for k in keys):
+        old = data["artifacts"].get(key)
+        if old is not None and old.get("sha256") != entry.get("sha256"):
             self._remove(*REPORT_FILES)
-            for k in keys:
-                data["artifacts"].pop(k, None)
-            atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
+        data["artifacts"][key] = entry
+        self._save(data)
+
+    def discard(self, *keys: str) -> list[str]:
+        """Unlist `keys` and delete their files (every `file*` field). The report measured them,
+        so when any was listed the report's files go too: a report.json left behind would
+        recommend a variant the manifest no longer has, and report.md and pareto.png would show
+        its figures. Returns the keys that were listed."""
+        data = self.manifest()
+        listed = [k for k in keys if k in data["artifacts"]]
+        if listed:
+            files = [
+                value
+                for k in listed
+                for field, value in data["artifacts"][k].items()
+                if field.startswith("file") and isinstance(value, str)
+            ]
+            # Files first: interrupted here, the manifest still lists what is missing, which the
+            # stages report and `make` rebuilds; never a stale file left on disk unlisted.
+            self._remove(*REPORT_FILES, *(glob.escape(f) for f in files))
+            for k in listed:
+                data["artifacts"].pop(k)
+            self._save(data)
+        return listed
 
     def discard_derived(self) -> list[str]:
         """Everything made from best.ckpt goes, before a new best.ckpt replaces it: every entry
-        but the checkpoint is unlisted and its files deleted, with the report and any unlisted
-        leftover of export, quantize or report (DERIVED_FILES), so the disk matches the
-        manifest and `make`, which sees files, rebuilds them. Returns the unlisted keys."""
-        data = self.manifest()
-        keys = [k for k in data["artifacts"] if k != "checkpoint"]
-        files = [
-            value
-            for k in keys
-            for field, value in data["artifacts"][k].items()
-            if field.startswith("file") and isinstance(value, str)
-        ]
-        # Files first: interrupted here, the manifest still lists what is missing, which the
-        # stages report and `make` rebuilds; never a stale file left on disk unlisted.
-        self._remove(*DERIVED_FILES, *(glob.escape(f) for f in files))
-        if keys:
-            for k in keys:
-                data["artifacts"].pop(k)
-            atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
-        return keys
+        but the checkpoint is discarded, with any unlisted leftover of export, quantize or report
+        (DERIVED_FILES), so the disk matches the manifest and `make`, which sees files, rebuilds
+        them. Returns the unlisted keys."""
+        keys = [k for k in self.manifest()["artifacts"] if k != "checkpoint"]
+        self._remove(*DERIVED_FILES)
+        return self.discard(*keys)
+
+    def _save(self, data: dict[str, Any]) -> None:
+        data["schema"] = MANIFEST_SCHEMA
+        atomic_write_text(self.manifest_path, json.dumps(data, indent=2) + "\n")
 
     def _remove(self, *patterns: str) -> None:
-        """Delete the files matching each run-relative pattern; never outside the run, never a
-        folder."""
+        """Delete the files matching each run-relative pattern, and the folders that leaves
+        empty (export/, quantize/, report/ after a retrain); never outside the run, never a
+        folder holding anything."""
         root = self.root.resolve()
         for pattern in patterns:
             if not pattern or Path(pattern).is_absolute():
                 continue
             for path in sorted(self.root.glob(pattern)):
-                if path.is_file() and root in path.resolve().parents:
+                real = path.resolve()
+                if path.is_file() and root in real.parents:
                     path.unlink(missing_ok=True)
+                    for folder in real.parents:
+                        if folder == root:
+                            break
+                        try:
+                            folder.rmdir()  # refused unless empty
+                        except OSError:
+                            break
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))

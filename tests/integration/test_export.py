@@ -296,15 +296,43 @@ def test_unwritable_output_fails_before_anything_is_exported(
     assert "onnx-fp32" not in json.loads((run / "manifest.json").read_text())["artifacts"]
 
 
-def test_a_new_model_onnx_unlists_the_int8_models_made_from_the_old(
+def fake_report(run: Path) -> list[Path]:
+    files = [run / "report" / name for name in ("report.json", "report.md", "pareto.png")]
+    files[0].parent.mkdir()
+    for f in files:
+        f.write_text("figures of the model.onnx measured")
+    return files
+
+
+def test_a_new_model_onnx_deletes_the_int8_models_made_from_the_old(
     exported_run: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "reexport"
     shutil.copytree(exported_run, run)
+    (run / "quantize").mkdir()
+    for name in ("model.int8-static.onnx", "qat.ckpt", "notes.txt"):
+        (run / "quantize" / name).write_text("old")
     data = json.loads((run / "manifest.json").read_text())
-    data["artifacts"]["onnx-int8-static"] = {"file": "q.onnx", "source_sha256": "0" * 64}
+    data["artifacts"]["onnx-int8-static"] = {
+        "file": "quantize/model.int8-static.onnx",
+        "file_ckpt": "quantize/qat.ckpt",
+        "source_sha256": "0" * 64,
+    }
     data["artifacts"]["foreign"] = {"file": "f.onnx"}  # says nothing of its source: kept
     (run / "manifest.json").write_text(json.dumps(data))
     export(RunDir(run), "onnx")
-    artifacts = json.loads((run / "manifest.json").read_text())["artifacts"]
-    assert "onnx-int8-static" not in artifacts and "foreign" in artifacts
+    assert set(artifacts(run)) == {"checkpoint", "onnx-fp32", "torchscript", "foreign"}
+    # the disk matches the manifest: the listed files go, the user's file stays
+    assert [p.name for p in (run / "quantize").iterdir()] == ["notes.txt"]
+
+
+def test_a_new_model_onnx_takes_the_report_with_it(exported_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "reexport"
+    shutil.copytree(exported_run, run)
+    report = fake_report(run)
+    old_sha = artifacts(run)["onnx-fp32"]["sha256"]
+    export(RunDir(run), "onnx")  # the same model.onnx, byte for byte: its figures stand
+    assert artifacts(run)["onnx-fp32"]["sha256"] == old_sha and all(f.is_file() for f in report)
+    export(RunDir(run), "onnx", opset=19)  # another model.onnx, even with no int8 models
+    assert artifacts(run)["onnx-fp32"]["sha256"] != old_sha
+    assert [f for f in report if f.exists()] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -12,9 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from lightship.runs import sha256_file
+from lightship.config import load_config
+from lightship.runs import RunDir, sha256_file
 from tests.conftest import CONFIGS, ROOT, last_line, run_cli
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -318,10 +321,31 @@ def test_refused_settings_change_nothing_and_a_new_best_deletes_old_artifacts(
     assert list(manifest(run)) == ["checkpoint"]
     new_sha = manifest(run)["checkpoint"]["sha256"]
     assert new_sha != old_sha and new_sha == sha256_file(run / "best.ckpt")
-    # the disk matches the manifest: no old model or report left for make or a reader to take
+    # the disk matches the manifest: no old model or report left for make or a reader to take,
+    # nor the folders that held them
     assert [f for f in downstream if f.exists()] == []
+    assert not {"export", "quantize", "report"} & {p.name for p in run.iterdir()}
     assert (run / "best.ckpt").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
     assert "lightship export --run" in make_n("quantize", f"RUN={run}")
+
+
+def test_a_new_best_checkpoint_is_hashed_once(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a checkpoint can be hundreds of MB: RUN/best.ckpt is a copy of the file already hashed
+    fit_module = importlib.import_module("lightship.train.fit")  # the package exports fit()
+    run = tmp_path / "hashed"
+    shutil.copytree(tiny_run, run)
+    hashed: list[Path] = []
+
+    def counting(path: Path) -> str:
+        hashed.append(path)
+        return sha256_file(path)
+
+    monkeypatch.setattr(fit_module, "sha256_file", counting)
+    fit_module.fit(load_config(TINY, ["trainer.max_epochs=1"]), RunDir(run))
+    assert len(hashed) == 1, hashed
+    assert manifest(run)["checkpoint"]["sha256"] == sha256_file(run / "best.ckpt")
 
 
 def test_resuming_a_finished_run_keeps_its_exports_and_report(

@@ -69,7 +69,7 @@ def test_manifest_record_and_sha(tmp_path: Path) -> None:
     run.record("b", {"file": "b.txt"})
     run.record("a", {"file": "a2.txt"})
     assert run.manifest()["artifacts"] == {"a": {"file": "a2.txt"}, "b": {"file": "b.txt"}}
-    run.forget("a")
+    assert run.discard("a", "c") == ["a"]
     assert run.artifact("a") is None and run.artifact("b") == {"file": "b.txt"}
 
 
@@ -163,22 +163,36 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-def test_forget_takes_the_report_with_the_artifacts_it_measured(tmp_path: Path) -> None:
+def test_discard_takes_the_files_and_the_report_with_the_artifacts(tmp_path: Path) -> None:
     run = _run_with_artifacts(tmp_path)
-    run.forget("onnx-int8-static")  # not listed: nothing changes
+    assert run.discard("onnx-int8-static") == []  # not listed: nothing changes
     assert (tmp_path / "report" / "report.json").is_file()
-    # a re-export unlists the int8 models of the old model.onnx: serve must not follow a report
+    # a re-export discards the int8 models of the old model.onnx: serve must not follow a report
     # that recommends one of them, nor report.md and pareto.png show them
-    run.forget("onnx-int8-qat")
+    assert run.discard("onnx-int8-qat") == ["onnx-int8-qat"]
     assert list(run.manifest()["artifacts"]) == ["checkpoint", "onnx-fp32"]
-    assert not list((tmp_path / "report").iterdir())
-    assert (tmp_path / "quantize" / "model.int8-qat.onnx").is_file()  # forget keeps the files
+    assert not (tmp_path / "report").exists()  # emptied, so gone
+    # both of its files go; the unlisted one stays (discard_derived's DERIVED_FILES take it)
+    assert [p.name for p in (tmp_path / "quantize").iterdir()] == ["model.int8-static.onnx"]
+
+
+def test_replacing_an_artifact_with_another_file_takes_the_report_with_it(tmp_path: Path) -> None:
+    run = _run_with_artifacts(tmp_path)
+    run.record("checkpoint", {"file": "best.ckpt", "sha256": sha256_file(tmp_path / "best.ckpt")})
+    run.record("onnx-fp32", {"file": "export/model.onnx"})  # the same file, re-recorded
+    run.record("onnx-int8-static", {"file": "quantize/model.int8-static.onnx"})  # a new one
+    assert (tmp_path / "report" / "report.json").is_file()
+    # a re-export wrote a different model.onnx: the report's figures are the old one's
+    run.record("onnx-fp32", {"file": "export/model.onnx", "sha256": "0" * 64})
+    assert not (tmp_path / "report").exists()
+    assert run.artifact("onnx-fp32") == {"file": "export/model.onnx", "sha256": "0" * 64}
 
 
 def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path: Path) -> None:
     outside = tmp_path / "outside.onnx"
     outside.write_text("not the run's")
     run = _run_with_artifacts(tmp_path / "r")
+    (run.root / "logs").mkdir()  # empty before: not the discard's to remove
     run.record("odd", {"file": "../outside.onnx"})
     assert run.discard_derived() == ["onnx-fp32", "onnx-int8-qat", "odd"]
     assert list(run.manifest()["artifacts"]) == ["checkpoint"]
@@ -188,6 +202,12 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
         "config.yaml",
         "export/notes.txt",
         "manifest.json",
+    ]
+    # the folders it emptied go, not export/ with the user's file in it, nor empty logs/
+    assert sorted(p.name for p in run.root.iterdir() if p.is_dir()) == [
+        "checkpoints",
+        "export",
+        "logs",
     ]
     assert outside.is_file()  # never a file outside the run
     assert run.discard_derived() == []  # nothing left to discard

@@ -85,16 +85,17 @@ def _writers(opset: int) -> dict[str, Writer]:
     }
 
 
-def _forget_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
+def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
     """int8 variants made from a model.onnx this export replaced with a different one are
-    unlisted (their files stay): report and serve would otherwise take them as current."""
+    unlisted, and their files deleted so the disk matches the manifest: report and serve would
+    otherwise take them as current."""
     stale = [
         name
         for name, entry in run.manifest()["artifacts"].items()
-        if isinstance(entry, dict) and entry.get("source_sha256") not in (None, onnx_sha256)
+        if entry.get("source_sha256") not in (None, onnx_sha256)
     ]
     if stale:
-        run.forget(*stale)
+        run.discard(*stale)
         print(
             f"the new model.onnx outdates {', '.join(stale)}: re-run `make quantize "
             f"RUN={run.root}`",
@@ -168,7 +169,7 @@ def export(
         }
         run.record(VARIANT_OF[fmt], entry)
         if fmt == "onnx":
-            _forget_quantized_from_another(run, entry["sha256"])
+            _discard_quantized_from_another(run, entry["sha256"])
         artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
         log.info("%s: %s, parity %s", VARIANT_OF[fmt], final, parity.summary())
     return artifacts

@@ -224,13 +224,13 @@ def _discard_derived(run: RunDir) -> None:
         )
 
 
-def _unchanged_best(run: RunDir, best: Path) -> bool:
-    """Whether `best` is the checkpoint the manifest already records, and RUN/best.ckpt is it:
-    the exports, quantized models and report made from it stay valid."""
+def _unchanged_best(run: RunDir, best_sha256: str) -> bool:
+    """Whether the new best checkpoint (its sha256) is the one the manifest already records,
+    and RUN/best.ckpt is it: the exports, quantized models and report made from it stay valid."""
     recorded = (run.artifact("checkpoint") or {}).get("sha256")
-    if not recorded or not run.best_ckpt.is_file():
+    if recorded != best_sha256 or not run.best_ckpt.is_file():
         return False
-    return sha256_file(best) == recorded == sha256_file(run.best_ckpt)
+    return sha256_file(run.best_ckpt) == recorded
 
 
 @contextlib.contextmanager
@@ -411,7 +411,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         raise RunError(
             f"training wrote no checkpoint in {run.checkpoints}: check the trainer settings"
         )
-    unchanged = _unchanged_best(run, best)
+    # RUN/best.ckpt is, or becomes below, a copy of `best`: one hash serves the check and entry
+    best_sha256 = sha256_file(best)
+    unchanged = _unchanged_best(run, best_sha256)
     if unchanged and resumed is not None and trainer.global_step == resumed_from_step:
         print(
             f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
@@ -431,7 +433,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     entry = {
         "file": "best.ckpt",
         "format": "lightning-checkpoint",
-        "sha256": sha256_file(run.best_ckpt),
+        "sha256": best_sha256,
         "bytes": run.best_ckpt.stat().st_size,
         "source_checkpoint": run.relative(best),
         "model": {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs)},
