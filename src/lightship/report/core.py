@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import platform
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +56,37 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any]:
+@contextlib.contextmanager
+def _progress(names: list[str], rounds: int) -> Iterator[Callable[[str, int], None]]:
+    """`measure`'s on_step: rich's bar on a terminal; elsewhere (CI logs, pipes), where no bar is
+    drawn, a line per round on stderr, as training prints one per epoch."""
+    from rich.console import Console
     from rich.progress import Progress
 
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("measuring variants", total=len(names) * rounds)
+            yield lambda name, r: bar.update(task, advance=1, description=f"round {r + 1}: {name}")
+        return
+    print(f"measuring {len(names)} variants, {rounds} rounds: {', '.join(names)}", file=sys.stderr)
+    steps = itertools.count(1)
+
+    def on_step(name: str, r: int) -> None:
+        if next(steps) % len(names) == 0:  # the round's last variant
+            print(f"measured round {r + 1}/{rounds}", file=sys.stderr)
+
+    yield on_step
+
+
+def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any]:
     s = settings or ReportSettings()
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
-        raise RunError(f"no trained run in {run.root}: run `make train export quantize RUN=...`")
+        raise RunError(
+            f"no trained run in {run.root}: run `make train export quantize RUN={run.root}`"
+        )
     outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
     found = candidates(run, threads)
@@ -72,17 +98,14 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     ref_acc = float(np.mean(ref.argmax(1) == y))
 
     kept = keep_freed_memory()  # a steady eager baseline: see its docstring
-    with Progress(transient=True) as bar:
-        task = bar.add_task("measuring variants", total=len(found) * s.rounds)
+    with _progress([c.name for c in found], s.rounds) as on_step:
         timings = measure(
             {c.name: c.predictor for c in found},
             x,
             rounds=s.rounds,
             batch=s.batch,
             seconds=s.seconds,
-            on_step=lambda name, r: bar.update(
-                task, advance=1, description=f"round {r + 1}: {name}"
-            ),
+            on_step=on_step,
         )
     eager = timings["eager"]
     # The other baseline the targets are stated against: what int8 adds over the fp32 runtime.
