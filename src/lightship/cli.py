@@ -16,27 +16,44 @@ from typing import Annotated
 
 import typer
 
-from lightship.errors import LightshipError, QuantizeError
-from lightship.runs import run_path, watch_interrupts
+from lightship.errors import LightshipError, QuantizeError, RunError
+from lightship.runs import enclosing_run, run_path, watch_interrupts
 
+# A bare `lightship` (or `lightship bench`) prints its help and exits 0, as `--help` does, and
+# as kubectl and docker do: asking what there is is no error (`_help_when_bare`).
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
-    no_args_is_help=True,
+    invoke_without_command=True,
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # click's plain help: typer's panels show every flag as `<bool>`
 )
 bench_app = typer.Typer(
     help="Benchmarks: they print and save what they measured.",
-    no_args_is_help=True,
+    invoke_without_command=True,
     rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 
+
+def _run_dir(value: str | Path) -> Path:
+    """Parser of the stages' --run: a file (a model, a config) is refused, naming the run it
+    lies in, where it would be taken for a run directory not made yet. `serve --run` is not
+    one of them: it serves a lone model file."""
+    path = run_path(value)
+    if not path.is_file():
+        return path
+    run = enclosing_run(path)
+    fix = f"give --run {_q(run)}" if run else "give a run directory, e.g. --run runs/default"
+    if path.suffix in (".yaml", ".yml"):
+        fix += " (a config goes to `lightship train --config`)"
+    raise RunError(f"--run takes a run directory, not a file ({path}): {fix}")
+
+
 RunOpt = Annotated[
     Path,
     typer.Option(
-        "--run", "-r", help="run directory", show_default=True, parser=run_path, metavar="DIR"
+        "--run", "-r", help="run directory", show_default=True, parser=_run_dir, metavar="DIR"
     ),
 ]
 ConfigOpt = Annotated[
@@ -54,10 +71,21 @@ SetOpt = Annotated[
 ]
 
 
+def _help_when_bare(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit()
+
+
+bench_app.callback()(_help_when_bare)
+
+
 @app.callback()
 def _root(
+    ctx: typer.Context,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
 ) -> None:
+    _help_when_bare(ctx)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -268,10 +296,9 @@ def _invoke(argv: list[str] | None = None) -> int:
     try:
         code = command.main(argv, prog_name="lightship", standalone_mode=False)
     except typer.TyperException as exc:  # click's usage errors derive from it
-        if message := exc.format_message():  # empty when the help was shown for no arguments
-            ctx = getattr(exc, "ctx", None)
-            where = ctx.command_path if ctx is not None else "lightship"
-            print(f"error: {message.rstrip('.')}; see `{where} --help`", file=sys.stderr)
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "lightship"
+        print(f"error: {exc.format_message().rstrip('.')}; see `{where} --help`", file=sys.stderr)
         return exc.exit_code
     except typer.Abort:
         print("aborted", file=sys.stderr)

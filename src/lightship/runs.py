@@ -157,6 +157,19 @@ def run_path(value: str | Path) -> Path:
     return Path(value)
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The run directory a file lies in (the nearest parent with manifest.json or checkpoints/),
+    for a message that names it in its fix; None outside any run."""
+    return next(
+        (
+            p
+            for p in path.parents
+            if (p / "manifest.json").is_file() or (p / "checkpoints").is_dir()
+        ),
+        None,
+    )
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path

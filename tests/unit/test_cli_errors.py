@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lightship import cli
-from lightship.errors import RunError
-from tests.conftest import last_line, run_cli, swap_checkpoint
+from lightship.errors import ConfigError, RunError
+from tests.conftest import last_line, rerecord_checkpoint, run_cli, swap_checkpoint
 
 
 @pytest.mark.parametrize(("value", "shown"), [(".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")])
@@ -219,7 +219,10 @@ def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["report"], "no trained run in runs/default: run `make train export quantize RUN=...`"),
+        (
+            ["report"],
+            "no trained run in runs/default: run `make train export quantize RUN=runs/default`",
+        ),
         (
             ["export"],
             "run directory runs/default does not exist: run `make train RUN=runs/default`",
@@ -233,3 +236,63 @@ def test_the_default_run_directory_is_used(
     with pytest.raises(RunError) as err:
         cli._invoke(argv)
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("command", ["train", "export", "quantize", "report"])
+def test_a_file_given_as_run_names_its_run(command: str, tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    (run / "export").mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    (run / "export" / "model.onnx").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(RunError) as err:
+        cli._invoke([command, "--run", str(run / "export" / "model.onnx")])
+    assert str(err.value) == (
+        f"--run takes a run directory, not a file ({run}/export/model.onnx): give --run {run}"
+    )
+    with pytest.raises(RunError) as err:
+        cli._invoke([command, "--run", str(tmp_path / "notes.txt")])
+    assert str(err.value) == (
+        f"--run takes a run directory, not a file ({tmp_path}/notes.txt): "
+        "give a run directory, e.g. --run runs/default"
+    )
+
+
+def test_a_config_given_as_run_says_where_it_goes(tmp_path: Path) -> None:
+    (tmp_path / "tiny.yaml").write_text("")
+    with pytest.raises(RunError) as err:
+        cli._invoke(["train", "--run", str(tmp_path / "tiny.yaml")])
+    assert str(err.value) == (
+        f"--run takes a run directory, not a file ({tmp_path}/tiny.yaml): give a run "
+        "directory, e.g. --run runs/default (a config goes to `lightship train --config`)"
+    )
+
+
+def test_serve_still_takes_a_model_file(tmp_path: Path) -> None:
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"")
+    # --run is accepted: the next check, on the settings, is the one that fails
+    with pytest.raises(ConfigError, match="^invalid serve settings \\(port:"):
+        cli._invoke(["serve", "--run", str(model), "--port", "70000"])
+
+
+def test_a_corrupt_checkpoint_says_how_to_train_it_again(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "corrupt"
+    shutil.copytree(tiny_run, run)
+    (run / "best.ckpt").write_bytes(b"not a checkpoint")
+    rerecord_checkpoint(run)  # recorded as it is: the load, not the sha256 check, refuses it
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: checkpoint {run}/best.ckpt is corrupt or not a lightship checkpoint "
+        "(UnpicklingError: Unsupported operand 110): delete it and train again "
+        f"(`make train RUN={run} CONFIG={run}/config.yaml`)"
+    )
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"]])
+def test_no_command_shows_the_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli._invoke(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"Usage: {' '.join(['lightship', *argv])} [OPTIONS] COMMAND")
+    assert "Commands:" in out and err == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 
 from lightship.errors import RunError
 from lightship.models import Classifier, create
+from lightship.runs import enclosing_run
 
 
 @dataclass
@@ -34,17 +36,36 @@ class LoadedCheckpoint:
         return dict(self.hparams["model_spec"])
 
 
+def _train_command(path: Path) -> str | None:
+    """The command that trains the run `path` lies in (again), with the run's own config: make's
+    default one may be another model. None outside any run."""
+    run = enclosing_run(path)
+    if run is None:
+        return None
+    config = run / "config.yaml"
+    return f"`make train RUN={run}{f' CONFIG={config}' if config.is_file() else ''}`"
+
+
+def _reason(exc: Exception) -> str:
+    """torch's error in a few words: its first sentence, after the weights-only preamble (which
+    is about trusting a file, not about what is wrong with this one)."""
+    text = str(exc).rpartition("WeightsUnpickler error:")[2].strip()
+    first = re.split(r"(?<=\.)\s|\n", text, maxsplit=1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """`torch.load(weights_only=True)` with a user-facing error for missing or corrupt files."""
+    train = _train_command(path)
+    other = "give a checkpoint `lightship train` wrote (RUN/best.ckpt)"
     if not path.is_file():
-        raise RunError(f"checkpoint {path} not found: run `make train` first")
+        raise RunError(f"checkpoint {path} not found: {f'run {train} first' if train else other}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-        reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         raise RunError(
-            f"checkpoint {path} is corrupt or not a lightship checkpoint ({reason}): "
-            "delete it and train again (`make train`)"
+            f"checkpoint {path} is corrupt or not a lightship checkpoint ({_reason(exc)}): "
+            + (f"delete it and train again ({train})" if train else other)
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise RunError(
