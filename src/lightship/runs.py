@@ -214,13 +214,19 @@ class RunDir:
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
 
+    def train_command(self) -> str:
+        """The command that trains this run (again), quoted for a message: with the run's own
+        config when it has one, as make's default config may be another model."""
+        config = self.root / "config.yaml"
+        return f"`make train RUN={self.root}{f' CONFIG={config}' if config.is_file() else ''}`"
+
     def require_checkpoint(self) -> Path:
         if not self.root.is_dir():
             raise RunError(
                 f"run directory {self.root} does not exist: run `make train RUN={self.root}` first"
             )
         if not self.best_ckpt.is_file():
-            raise RunError(f"no best.ckpt in {self.root}: run `make train RUN={self.root}` first")
+            raise RunError(f"no best.ckpt in {self.root}: run {self.train_command()} first")
         return self.best_ckpt
 
     def manifest(self) -> dict[str, Any]:
@@ -258,7 +264,7 @@ class RunDir:
         if not isinstance(spec, dict):
             raise RunError(
                 f"{self.manifest_path} has no data spec for its checkpoint: re-run "
-                f"`make train RUN={self.root}`"
+                f"{self.train_command()}"
             )
         return spec
 

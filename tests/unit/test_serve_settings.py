@@ -129,8 +129,19 @@ def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="no 'torchscript' artifact"):
         choose(ServeSettings(run=run))
     (tmp_path / "notes.txt").write_text("hi")
-    with pytest.raises(RunError, match="cannot serve a .txt file"):
+    with pytest.raises(RunError) as err:
         choose(ServeSettings(run=tmp_path / "notes.txt"))
+    assert str(err.value) == (
+        f"{tmp_path}/notes.txt: cannot serve a .txt file; give a run directory or a model file "
+        "(.onnx, .ts, .pt2, .ckpt)"
+    )
+    (run / "config.yaml").write_text("")
+    with pytest.raises(RunError) as err:  # inside a run: its run is the fix
+        choose(ServeSettings(run=run / "config.yaml"))
+    assert str(err.value) == (
+        f"{run}/config.yaml: cannot serve a .yaml file; give its run, --run {run}, or a model "
+        "file (.onnx, .ts, .pt2, .ckpt)"
+    )
 
 
 def test_a_lone_file_is_served_under_its_stem_and_finds_its_manifest_entry(tmp_path: Path) -> None:

@@ -121,7 +121,7 @@ def export(
         ckpt,
         run.artifact("checkpoint") or {},
         "it is not the checkpoint `lightship train` wrote for this run; train it again "
-        f"(`make train RUN={run.root}`), or export the run that made it",
+        f"({run.train_command()}), or export the run that made it",
     )
     loaded = load_checkpoint(ckpt)
     x_test = parity_inputs(loaded)
@@ -131,7 +131,7 @@ def export(
     if reference.ndim != 2 or width != len(loaded.labels):
         raise RunError(
             f"checkpoint {ckpt} is inconsistent: {len(loaded.labels)} labels but the model gives "
-            f"{width} logits per image: train the run again (`make train RUN={run.root}`)"
+            f"{width} logits per image: train the run again ({run.train_command()})"
         )
     # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo.
     example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))

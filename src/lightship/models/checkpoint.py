@@ -11,7 +11,7 @@ import torch
 
 from lightship.errors import RunError
 from lightship.models import Classifier, create
-from lightship.runs import enclosing_run
+from lightship.runs import RunDir, enclosing_run
 
 
 @dataclass
@@ -36,16 +36,6 @@ class LoadedCheckpoint:
         return dict(self.hparams["model_spec"])
 
 
-def _train_command(path: Path) -> str | None:
-    """The command that trains the run `path` lies in (again), with the run's own config: make's
-    default one may be another model. None outside any run."""
-    run = enclosing_run(path)
-    if run is None:
-        return None
-    config = run / "config.yaml"
-    return f"`make train RUN={run}{f' CONFIG={config}' if config.is_file() else ''}`"
-
-
 def _reason(exc: Exception) -> str:
     """torch's error in a few words: its first sentence, after the weights-only preamble (which
     is about trusting a file, not about what is wrong with this one)."""
@@ -56,7 +46,8 @@ def _reason(exc: Exception) -> str:
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """`torch.load(weights_only=True)` with a user-facing error for missing or corrupt files."""
-    train = _train_command(path)
+    run = enclosing_run(path)
+    train = RunDir(run).train_command() if run is not None else None
     other = "give a checkpoint `lightship train` wrote (RUN/best.ckpt)"
     if not path.is_file():
         raise RunError(f"checkpoint {path} not found: {f'run {train} first' if train else other}")

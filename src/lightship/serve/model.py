@@ -14,7 +14,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded
+from lightship.runs import RunDir, check_recorded, enclosing_run
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
@@ -91,9 +91,11 @@ def choose(settings: ServeSettings) -> ServedModel:
     target = settings.run
     if target.is_file():
         if target.suffix not in MODEL_SUFFIXES:
+            inside = enclosing_run(target)
             raise RunError(
-                f"{target}: cannot serve a {target.suffix or 'suffix-less'} file; give a run "
-                f"directory or a model file ({', '.join(MODEL_SUFFIXES)})"
+                f"{target}: cannot serve a {target.suffix or 'suffix-less'} file; give "
+                + (f"its run, --run {inside}, or " if inside else "a run directory or ")
+                + f"a model file ({', '.join(MODEL_SUFFIXES)})"
             )
         if settings.variant != "auto":
             log.warning("--variant %s ignored: serving the file %s", settings.variant, target)
