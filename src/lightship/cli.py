@@ -16,8 +16,8 @@ from typing import Annotated
 
 import typer
 
-from lightship.errors import LightshipError, QuantizeError, RunError
-from lightship.runs import enclosing_run, run_path, watch_interrupts
+from lightship.errors import LightshipError, QuantizeError
+from lightship.runs import run_dir_parser, watch_interrupts
 
 # A bare `lightship` (or `lightship bench`) prints its help and exits 0, as `--help` does, and
 # as kubectl and docker do: asking what there is is no error (`_help_when_bare`).
@@ -36,24 +36,15 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
-def _run_dir(value: str | Path) -> Path:
-    """Parser of the stages' --run: a file (a model, a config) is refused, naming the run it
-    lies in, where it would be taken for a run directory not made yet. `serve --run` is not
-    one of them: it serves a lone model file."""
-    path = run_path(value)
-    if not path.is_file():
-        return path
-    run = enclosing_run(path)
-    fix = f"give --run {_q(run)}" if run else "give a run directory, e.g. --run runs/default"
-    if path.suffix in (".yaml", ".yml"):
-        fix += " (a config goes to `lightship train --config`)"
-    raise RunError(f"--run takes a run directory, not a file ({path}): {fix}")
-
-
 RunOpt = Annotated[
     Path,
     typer.Option(
-        "--run", "-r", help="run directory", show_default=True, parser=_run_dir, metavar="DIR"
+        "--run",
+        "-r",
+        help="run directory",
+        show_default=True,
+        parser=run_dir_parser("--run"),
+        metavar="DIR",
     ),
 ]
 ConfigOpt = Annotated[

@@ -12,11 +12,12 @@ import glob
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,28 @@ def enclosing_run(path: Path) -> Path | None:
         ),
         None,
     )
+
+
+def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
+    """Typer parser of a stage's run-directory `option`: as `run_path`, and a file (a model, a
+    config) is refused, naming the run it lies in, where it would be taken for a run directory
+    not made yet. Not for `serve --run`, which serves a lone model file."""
+
+    def parse(value: str | Path) -> Path:
+        path = run_path(value)
+        if not path.is_file():
+            return path
+        run = enclosing_run(path)
+        fix = (
+            f"give {option} {shlex.quote(str(run))}"
+            if run
+            else f"give a run directory, e.g. {option} runs/default"
+        )
+        if path.suffix in (".yaml", ".yml"):
+            fix += " (a config goes to `lightship train --config`)"
+        raise RunError(f"{option} takes a run directory, not a file ({path}): {fix}")
+
+    return parse
 
 
 @dataclass(frozen=True)

@@ -296,3 +296,16 @@ def test_no_command_shows_the_help(argv: list[str], capsys: pytest.CaptureFixtur
     out, err = capsys.readouterr()
     assert out.startswith(f"Usage: {' '.join(['lightship', *argv])} [OPTIONS] COMMAND")
     assert "Commands:" in out and err == ""
+
+
+def test_bench_serve_refuses_a_file_as_a_run(tmp_path: Path) -> None:
+    model = tmp_path / "run" / "export" / "model.onnx"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"")
+    (tmp_path / "run" / "manifest.json").write_text("{}")
+    with pytest.raises(RunError) as err:
+        cli._invoke(["bench", "serve", "--digits-run", str(model)])
+    assert str(err.value) == (
+        f"--digits-run takes a run directory, not a file ({model}): "
+        f"give --digits-run {tmp_path / 'run'}"
+    )

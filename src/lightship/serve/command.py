@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lightship.runs import run_path
+from lightship.runs import run_dir_parser, run_path
 
 ENV = "env LIGHTSHIP_"
 
@@ -139,11 +139,17 @@ def serve(
 def bench_serve(
     digits_run: Annotated[
         Path,
-        typer.Option(help="digits run (trained and exported here when missing)", parser=run_path),
+        typer.Option(
+            help="digits run (trained and exported here when missing)",
+            parser=run_dir_parser("--digits-run"),
+        ),
     ] = Path("runs/bench/digits"),
     resnet_run: Annotated[
         Path,
-        typer.Option(help="ResNet-18 run (1 epoch, exported here when missing)", parser=run_path),
+        typer.Option(
+            help="ResNet-18 run (1 epoch, exported here when missing)",
+            parser=run_dir_parser("--resnet-run"),
+        ),
     ] = Path("runs/bench/resnet"),
     duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 4.0,
     rounds: Annotated[
