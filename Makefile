@@ -53,7 +53,8 @@ args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train,
 	training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
 # RESUME=1 continues with the run's own config.yaml unless CONFIG is given.
-TRAIN_CONFIG = $(if $(and $(RESUME),$(filter file,$(origin CONFIG))),,--config $(CONFIG))
+RESUME_CONFIG = $(if $(filter file,$(origin CONFIG)),,--config $(CONFIG))
+TRAIN_CONFIG = $(if $(RESUME),$(RESUME_CONFIG),--config $(CONFIG))
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 	$(BIN)/lightship train --run $(RUN) $(TRAIN_CONFIG) $(if $(RESUME),--resume) $(ARGS)
@@ -61,9 +62,11 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # A later stage builds what it needs when it is missing, so every stage target works on a fresh
 # clone: export trains first; quantize, report and serve train and export first (report then
 # measures the fp32 variants only, serve serves ONNX fp32). A new best.ckpt deletes the files
-# made from the old one, and export/model.onnx older than best.ckpt is exported again.
+# made from the old one, and export/model.onnx older than best.ckpt is exported again. A run
+# that trained before (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its
+# best checkpoint back and keeps what was made from it, where CONFIG's model would replace it.
 $(RUN)/best.ckpt: | $(STAMP)
-	$(BIN)/lightship train --run $(RUN) --config $(CONFIG) $(ARGS)
+	$(BIN)/lightship train --run $(RUN) $(if $(wildcard $(RUN)/checkpoints/last.ckpt),$(RESUME_CONFIG) --resume,--config $(CONFIG)) $(ARGS)
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
 	$(call args_note,export,EXPORT_ARGS)

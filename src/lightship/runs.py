@@ -238,8 +238,12 @@ class RunDir:
         return self.root / "manifest.json"
 
     def train_command(self) -> str:
-        """The command that trains this run (again), quoted for a message: with the run's own
-        config when it has one, as make's default config may be another model."""
+        """The command that gives this run its best.ckpt again, quoted for a message. A run that
+        trained before resumes: that puts back the best checkpoint it wrote (keeping what was
+        made from it) and finishes the epochs left. Else the run's own config, when it has one:
+        make's default config may be another model."""
+        if self.last_ckpt.is_file():
+            return f"`make train RESUME=1 RUN={self.root}`"
         config = self.root / "config.yaml"
         return f"`make train RUN={self.root}{f' CONFIG={config}' if config.is_file() else ''}`"
 

@@ -259,7 +259,7 @@ def test_labels_must_match_the_logits(tiny_run: Path, tmp_path: Path) -> None:
     assert proc.returncode == 4, proc.stderr
     assert last_line(proc.stderr) == (
         f"error: checkpoint {run / 'best.ckpt'} is inconsistent: 2 labels but the model gives "
-        f"10 logits per image: train the run again (`make train RUN={run} CONFIG={run}/config.yaml`)"
+        f"10 logits per image: train the run again (`make train RESUME=1 RUN={run}`)"
     )
 
 
@@ -273,7 +273,7 @@ def test_a_checkpoint_the_run_did_not_record_is_refused(exported_run: Path, tmp_
     assert last_line(proc.stderr) == (
         f"error: {run / 'best.ckpt'} differs from its manifest entry (sha256): it is not the "
         "checkpoint `lightship train` wrote for this run; train it again "
-        f"(`make train RUN={run} CONFIG={run}/config.yaml`), or export the run that made it"
+        f"(`make train RESUME=1 RUN={run}`), or export the run that made it"
     )
     # the TorchScript model of the old checkpoint is not left listed beside a new ONNX one
     assert (run / "manifest.json").read_bytes() == before

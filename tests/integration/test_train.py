@@ -18,7 +18,7 @@ import torch
 
 from lightship.config import load_config
 from lightship.runs import RunDir, sha256_file
-from tests.conftest import CONFIGS, ROOT, last_line, run_cli
+from tests.conftest import CONFIGS, ROOT, last_line, run_cli, swap_checkpoint
 
 TINY = str(CONFIGS / "tiny.yaml")
 
@@ -363,6 +363,35 @@ def test_resuming_a_finished_run_keeps_its_exports_and_report(
     assert (run / "best.ckpt").stat().st_mtime_ns == best_mtime  # make re-exports nothing
     assert {"onnx-fp32", "torchscript", "onnx-int8-qat"} <= set(manifest(run))
     assert manifest(run)["checkpoint"]["sha256"] == sha256_file(run / "best.ckpt")
+
+
+@pytest.mark.parametrize("damage", ["deleted", "swapped"])
+def test_resuming_puts_back_a_lost_best_checkpoint_and_keeps_what_was_made_from_it(
+    damage: str, exported_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / damage
+    shutil.copytree(exported_run, run)
+    downstream = fake_downstream(run)
+    before = {p: p.read_bytes() for p in [run / "manifest.json", run / "best.ckpt", *downstream]}
+    if damage == "deleted":
+        (run / "best.ckpt").unlink()
+    else:
+        swap_checkpoint(run)
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert "best.ckpt restored from checkpoints/" in proc.stdout, proc.stdout
+    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout
+    assert "outdates" not in proc.stdout
+    assert {p: p.read_bytes() for p in before} == before  # best.ckpt as it was, exports, report
+
+
+def test_make_resumes_a_run_that_lost_its_best_checkpoint(tiny_run: Path) -> None:
+    # training anew with make's default config would replace the run with another model
+    out = make_n("export", f"RUN={tiny_run}/nowhere")
+    assert f"lightship train --run {tiny_run}/nowhere --config configs/digits.yaml" in out
+    out = make_n("export", f"RUN={tiny_run}", "-B")
+    assert re.search(rf"lightship train --run {tiny_run} +--resume", out), out
+    out = make_n("export", f"RUN={tiny_run}", "CONFIG=configs/tiny.yaml", "-B")
+    assert f"lightship train --run {tiny_run} --config configs/tiny.yaml --resume" in out, out
 
 
 def test_resume_with_other_model_data_or_schedule_is_refused_untouched(

@@ -286,7 +286,7 @@ def test_a_corrupt_checkpoint_says_how_to_train_it_again(tiny_run: Path, tmp_pat
     assert last_line(proc.stderr) == (
         f"error: checkpoint {run}/best.ckpt is corrupt or not a lightship checkpoint "
         "(UnpicklingError: Unsupported operand 110): delete it and train again "
-        f"(`make train RUN={run} CONFIG={run}/config.yaml`)"
+        f"(`make train RESUME=1 RUN={run}`)"
     )
 
 

@@ -224,13 +224,18 @@ def _discard_derived(run: RunDir) -> None:
         )
 
 
-def _unchanged_best(run: RunDir, best_sha256: str) -> bool:
-    """Whether the new best checkpoint (its sha256) is the one the manifest already records,
-    and RUN/best.ckpt is it: the exports, quantized models and report made from it stay valid."""
+def _unchanged_best(run: RunDir, best: Path, best_sha256: str) -> tuple[bool, bool]:
+    """(unchanged, restored): whether the new best checkpoint (its sha256) is the one the
+    manifest records, from which its exports, quantized models and report were made, so they
+    stay valid; and whether RUN/best.ckpt, missing or another file, was put back as its copy."""
     recorded = (run.artifact("checkpoint") or {}).get("sha256")
-    if recorded != best_sha256 or not run.best_ckpt.is_file():
-        return False
-    return sha256_file(run.best_ckpt) == recorded
+    if recorded != best_sha256:
+        return False, False
+    if run.best_ckpt.is_file() and sha256_file(run.best_ckpt) == recorded:
+        return True, False
+    with atomic_path(run.best_ckpt) as tmp:
+        tmp.write_bytes(best.read_bytes())
+    return True, True
 
 
 @contextlib.contextmanager
@@ -413,7 +418,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         )
     # RUN/best.ckpt is, or becomes below, a copy of `best`: one hash serves the check and entry
     best_sha256 = sha256_file(best)
-    unchanged = _unchanged_best(run, best_sha256)
+    unchanged, restored = _unchanged_best(run, best, best_sha256)
+    if restored:
+        print(f"best.ckpt restored from {run.relative(best)}", flush=True)
     if unchanged and resumed is not None and trainer.global_step == resumed_from_step:
         print(
             f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
