@@ -6,6 +6,7 @@ They live outside `lightship.train` because `lightship.quantize` must not import
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,22 @@ from lightship.runs import atomic_path
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write each checkpoint to a temporary file, fsync, then rename: never half-written."""
+    """Write each checkpoint to a temporary file, fsync, then rename: never half-written.
+
+    torch.save serialises into memory first and Python writes the bytes: writing a file itself,
+    torch reports a full disk as a RuntimeError ("unexpected pos"), where Python's write raises
+    the OSError (ENOSPC) that the CLI answers with what to free."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
-        final = Path(path)
-        with atomic_path(final) as tmp:
-            torch.save(checkpoint, tmp)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        try:
+            with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
+                f.write(buffer.getbuffer())
+        except OSError as exc:  # a write error names no file: name the checkpoint
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 class LatestBestCheckpoint(ModelCheckpoint):

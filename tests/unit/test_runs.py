@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -211,3 +212,29 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
     ]
     assert outside.is_file()  # never a file outside the run
     assert run.discard_derived() == []  # nothing left to discard
+
+
+def test_a_checkpoint_that_cannot_be_written_raises_the_os_error(tmp_path: Path) -> None:
+    # torch.save writing a file itself turns a full disk into RuntimeError("unexpected pos"),
+    # which the CLI cannot tell from a bug; Python's own write raises the OSError it answers.
+    import resource
+    import signal
+
+    import torch
+
+    from lightship.callbacks import AtomicCheckpointIO
+
+    final = tmp_path / "last.ckpt"
+    final.write_bytes(b"the previous checkpoint")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file over the limit: EFBIG
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limit[1]))
+        with pytest.raises(OSError) as err:
+            AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(100_000)}, final)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert err.value.errno == errno.EFBIG and err.value.filename == str(final)
+    assert final.read_bytes() == b"the previous checkpoint"  # never half-written
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary left
