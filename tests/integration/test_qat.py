@@ -22,7 +22,7 @@ from lightship.quantize.core import QuantizeSettings, quantize
 from lightship.quantize.qat import qat_config, quantize_aware_train
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
-from tests.conftest import CONFIGS, rerecord_checkpoint, run_cli
+from tests.conftest import CONFIGS, last_line, rerecord_checkpoint, run_cli
 from tests.qat_models import outlier_channel
 
 
@@ -186,6 +186,19 @@ def test_a_model_qat_cannot_export(tmp_path: Path) -> None:
     assert not (run / "quantize" / "model.int8-qat.onnx").exists()
     assert not (run / "quantize" / "qat.ckpt").exists()
     no_leftovers(run)
+
+    # dynamic made, QAT not: the run goes on to the report (exit 0), so no `error:` line
+    proc = run_cli("quantize", "--run", str(run), "--methods", "dynamic,qat")
+    assert proc.returncode == 0, proc.stderr
+    assert "error:" not in proc.stderr and "int8-dynamic" in proc.stdout
+    line = last_line(proc.stderr)
+    assert line.startswith(
+        "warning: qat failed (cannot trace model 'tests.qat_models:Guarded' with torch.export: "
+    )
+    assert line.endswith(
+        "): quantize this model with `--methods static,dynamic` instead "
+        "(the other variants are still produced)"
+    )
 
 
 def test_folding_a_thin_first_conv_keeps_the_function_and_skips_wide_ones() -> None:

@@ -162,6 +162,9 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
         lat = v["latency_ms"]
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
         assert v["throughput_per_s"] > 0
+    recorded = entries(quantized)
+    for v in r["variants"][3:]:  # what quantize recorded (and gated) is what the report shows
+        assert v["accuracy"] == recorded[v["name"]]["accuracy"], v["name"]
     eager = r["variants"][0]
     assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
     fp32 = r["variants"][2]

@@ -2,14 +2,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from lightship.errors import ConfigError
+from lightship.quantize import core as quantize_core
 from lightship.quantize import isa, ptq
 from lightship.quantize.core import parse_methods
+from lightship.report import evaluate
 from lightship.report.render import pareto_front
+from lightship.runtime import Predictor
 
 
 def cpu(arch: str, *flags: str) -> isa.CpuInfo:
@@ -296,3 +300,52 @@ def test_route_convs_to_gemm_rewrites_only_deep_convs_and_keeps_every_output_bit
     want, got = (ort.InferenceSession(str(p)).run(None, {"x": x}) for p in (src_path, out))
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile"])
+def test_calibration_takes_every_image_whatever_their_number(tmp_path: Path, method: str) -> None:
+    """300 images: four chunks of two 32-image runs, then 44 = 32 + 12, two runs ORT's
+    histogram calibrators could not stack into one array (a traceback, for entropy and
+    percentile). The largest pixel is in the last image, the one after the last whole batch."""
+    import numpy as np
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    model, cache = tmp_path / "pre.onnx", tmp_path / "calibration.json"
+    _flatten_gemm(model, hw=2, trans_b=1)
+    images = np.random.default_rng(0).uniform(0, 1, size=(300, 3, 2, 2)).astype(np.float32)
+    images[-1, 0, 0, 0] = 2.0
+    ptq.calibrate(model, images, method, cache, input_name="x", batch=32, chunk=64)
+    x = load_tensors_data(cache).data["x"]
+    assert float(np.max(x.range_value[0])) == images.min()
+    if method == "minmax":
+        assert float(np.max(x.range_value[1])) == 2.0
+    if method == "entropy":  # every input value counted, once
+        assert int(np.sum(x.hist)) == images.size
+
+
+class _Recording(Predictor):
+    """Right answers (the class is the pixel value), and a record of each run's rows."""
+
+    kind = "test"
+
+    def __init__(self) -> None:
+        self.path = Path("recording")
+        self.labels = ["0", "1"]
+        self.input_spec = {"name": "input", "dtype": "uint8", "shape": ["batch", 1, 1, 1]}
+        self.runs: list[int] = []
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        self.runs.append(len(x))
+        return np.eye(2, dtype=np.float32)[x[:, 0, 0, 0]]
+
+
+def test_quantize_runs_the_test_images_as_the_report_does() -> None:
+    """A dynamic int8 model scales activations per run, so its accuracy moves with the rows
+    each run gets: quantize (which gated and recorded 269 images in one run, split over the
+    lanes) must batch them as the report does, or the two figures differ."""
+    x = (np.arange(269) % 2).astype(np.uint8).reshape(-1, 1, 1, 1)
+    predictor = _Recording()
+    evaluate.logits(predictor, x)
+    report_runs, predictor.runs = predictor.runs, []
+    accuracy, _ = quantize_core._accuracy(predictor, x, x[:, 0, 0, 0])
+    assert predictor.runs == report_runs == [256, 13] and accuracy == 1.0

@@ -27,6 +27,7 @@ from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
+from lightship.report.evaluate import logits
 from lightship.report.measure import Timing, measure
 from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
 from lightship.runtime import Predictor, load_predictor
@@ -77,6 +78,16 @@ class QuantizeSettings:
             raise ConfigError(
                 f"quantize --qat-lr must be a finite number > 0 (e.g. 1e-4), got {self.qat_lr}"
             )
+
+
+class MethodFailed(QuantizeError):
+    """One method cannot handle this model: `cause` says why, `fix` what to do instead. Kept
+    apart so the CLI can word it as a warning when the other methods made their variants."""
+
+    def __init__(self, method: str, cause: str, fix: str) -> None:
+        super().__init__(f"{method.upper()} failed ({cause}); {fix}")
+        self.cause = cause
+        self.fix = fix
 
 
 @dataclass
@@ -158,8 +169,12 @@ def _settle(candidate: Path, current: Path, kept: bool) -> None:
 
 
 def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    logits = (model if isinstance(model, Predictor) else load_predictor(model)).predict(x)
-    return float(np.mean(logits.argmax(1) == y)), logits
+    """Accuracy and logits on `x` run exactly as the report runs them (`evaluate.logits`): a
+    dynamic int8 model scales its activations per run, so its accuracy moves with the rows
+    each run gets, and the figure recorded here must be the one the report shows."""
+    predictor = model if isinstance(model, Predictor) else load_predictor(model)
+    out = logits(predictor, x)
+    return float(np.mean(out.argmax(1) == y)), out
 
 
 class Quantizer:
@@ -243,11 +258,11 @@ class Quantizer:
             }
 
     def _scheme_error(self, path: Path) -> dict[str, float]:
-        acc, logits = _accuracy(path, self.splits.test_x, self.splits.test_y)
+        acc, out = _accuracy(path, self.splits.test_x, self.splits.test_y)
         return {
             "accuracy": acc,
-            "max_abs_diff": float(np.abs(logits - self.fp32_logits).max()),
-            "argmax_agreement": float(np.mean(logits.argmax(1) == self.fp32_logits.argmax(1))),
+            "max_abs_diff": float(np.abs(out - self.fp32_logits).max()),
+            "argmax_agreement": float(np.mean(out.argmax(1) == self.fp32_logits.argmax(1))),
         }
 
     def static(self) -> Variant:
@@ -470,9 +485,10 @@ class Quantizer:
         except Exception as exc:  # a library failure inside QAT must not cost the other variants
             log.debug("QAT failed", exc_info=True)
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            raise QuantizeError(
-                f"QAT failed ({type(exc).__name__}: {first}; `--verbose` shows where); quantize "
-                "this model with `--methods static,dynamic` instead"
+            raise MethodFailed(
+                "qat",
+                f"{type(exc).__name__}: {first}; `--verbose` shows where",
+                "quantize this model with `--methods static,dynamic` instead",
             ) from None
         acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
         gemm = self._gemm_convs(final, acc)

@@ -124,8 +124,17 @@ def calibrate(
             calibrate_method=CALIBRATION_METHODS[method],
             extra_options=HISTOGRAM_OPTIONS[method],
         )
-        for start in range(0, len(images), chunk):
-            calibrator.collect_data(ImageReader(images[start : start + chunk], input_name, batch))
+        # ORT's histogram calibrators stack the runs of one `collect_data` call into one array
+        # (`np.asarray`), which fails unless every run has as many rows: each call holds whole
+        # batches, and the images left after the last whole batch get a call of their own.
+        batch = min(batch, chunk)
+        per_call = chunk - chunk % batch
+        whole = len(images) - len(images) % batch
+        calls = [images[i : min(i + per_call, whole)] for i in range(0, whole, per_call)]
+        if whole < len(images):
+            calls.append(images[whole:])
+        for part in calls:
+            calibrator.collect_data(ImageReader(part, input_name, batch))
         ranges = calibrator.compute_data()
     save_tensors_data(ranges, cache)
 

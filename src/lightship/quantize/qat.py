@@ -50,7 +50,7 @@ from lightship.errors import QuantizeError
 from lightship.export import onnx as onnx_export
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
 from lightship.quantize import isa, ptq
-from lightship.quantize.core import int8_share
+from lightship.quantize.core import MethodFailed, int8_share
 from lightship.runs import RunDir, atomic_path
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS
@@ -308,20 +308,21 @@ def prepare(
             model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},)
         )
     except Exception as exc:  # torch.export raises many types (UserError, guard errors, ...)
-        raise QuantizeError(
-            f"QAT cannot trace model '{name}' with torch.export ({_one_line(exc)}); {ADVICE}"
+        raise MethodFailed(
+            "qat", f"cannot trace model '{name}' with torch.export: {_one_line(exc)}", ADVICE
         ) from None
     quantizer = _Quantizer(qat_config(scheme, per_channel), float_first_conv)
     try:
         prepared = prepare_qat_pt2e(ep.module(), quantizer)
     except Exception as exc:
-        raise QuantizeError(
-            f"QAT cannot prepare model '{name}' ({_one_line(exc)}); {ADVICE}"
+        raise MethodFailed(
+            "qat", f"cannot prepare model '{name}': {_one_line(exc)}", ADVICE
         ) from None
     if quantizer.annotated == 0:
-        raise QuantizeError(
-            f"QAT found nothing to quantize in model '{name}' (no conv or linear the x86 "
-            f"quantizer supports); {ADVICE}"
+        raise MethodFailed(
+            "qat",
+            f"nothing to quantize in model '{name}': no conv or linear the x86 quantizer supports",
+            ADVICE,
         )
     prepared.meta["float_first_conv"] = float_first_conv
     return prepared
@@ -415,13 +416,13 @@ def quantize_aware_train(
         try:
             converted = ExportedNet(convert_pt2e(prepared)).eval()
         except Exception as exc:
-            raise QuantizeError(f"QAT convert_pt2e failed ({_one_line(exc)}); {ADVICE}") from None
+            raise MethodFailed("qat", f"convert_pt2e: {_one_line(exc)}", ADVICE) from None
         with atomic_path(out_path) as tmp_onnx, atomic_path(ckpt_final) as tmp_ckpt:
             try:
                 exported = export_onnx(converted, example, tmp_onnx)
             except Exception as exc:
-                raise QuantizeError(
-                    f"QAT model could not be exported to ONNX ({_one_line(exc)}); {ADVICE}"
+                raise MethodFailed(
+                    "qat", f"cannot export the int8 model to ONNX: {_one_line(exc)}", ADVICE
                 ) from None
             ptq.copy_metadata(
                 run.export_dir / "model.onnx",
@@ -436,9 +437,11 @@ def quantize_aware_train(
             )
             share = int8_share(tmp_onnx)
             if share["int8_nodes"] == 0:
-                raise QuantizeError(
-                    f"QAT model runs no int8 kernel in ONNX Runtime ({share['float_nodes']} "
-                    f"float Conv/MatMul nodes after optimisation); {ADVICE}"
+                raise MethodFailed(
+                    "qat",
+                    f"the int8 model runs no int8 kernel in ONNX Runtime: {share['float_nodes']} "
+                    "float Conv/MatMul nodes after optimisation",
+                    ADVICE,
                 )
             parity = _parity(converted, tmp_onnx, splits.test_x)
             tmp_ckpt.write_bytes(best.read_bytes())

@@ -48,4 +48,7 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
 
 
 def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:
+    """Logits for `x`, `batch` rows per `predict` call: a dynamic int8 model scales its
+    activations per run, so its accuracy depends on how the images are batched. `quantize`
+    records its accuracies through this function too, so its figures and the report's agree."""
     return np.concatenate([predictor.predict(x[i : i + batch]) for i in range(0, len(x), batch)])
