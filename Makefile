@@ -52,12 +52,12 @@ setup: $(STAMP) ## create .venv and install lightship with all extras
 args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train, bench, or the \
 	training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
-# RESUME=1 continues with the run's own config.yaml unless CONFIG is given.
-RESUME_CONFIG = $(if $(filter file,$(origin CONFIG)),,--config $(CONFIG))
-TRAIN_CONFIG = $(if $(RESUME),$(RESUME_CONFIG),--config $(CONFIG))
+# Training's flags: anew with CONFIG, or, when $(1) is not empty, resumed with the run's own
+# config.yaml unless CONFIG is given.
+train_flags = $(if $(1),$(if $(filter file,$(origin CONFIG)),,--config $(CONFIG)) --resume,--config $(CONFIG))
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
-	$(BIN)/lightship train --run $(RUN) $(TRAIN_CONFIG) $(if $(RESUME),--resume) $(ARGS)
+	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(RESUME)) $(ARGS)
 
 # A later stage builds what it needs when it is missing, so every stage target works on a fresh
 # clone: export trains first; quantize, report and serve train and export first (report then
@@ -66,7 +66,7 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # that trained before (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its
 # best checkpoint back and keeps what was made from it, where CONFIG's model would replace it.
 $(RUN)/best.ckpt: | $(STAMP)
-	$(BIN)/lightship train --run $(RUN) $(if $(wildcard $(RUN)/checkpoints/last.ckpt),$(RESUME_CONFIG) --resume,--config $(CONFIG)) $(ARGS)
+	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
 	$(call args_note,export,EXPORT_ARGS)

@@ -250,7 +250,7 @@ class RunDir:
     def require_checkpoint(self) -> Path:
         if not self.root.is_dir():
             raise RunError(
-                f"run directory {self.root} does not exist: run `make train RUN={self.root}` first"
+                f"run directory {self.root} does not exist: run {self.train_command()} first"
             )
         if not self.best_ckpt.is_file():
             raise RunError(f"no best.ckpt in {self.root}: run {self.train_command()} first")

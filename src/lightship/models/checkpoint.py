@@ -44,19 +44,25 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+def _fix(path: Path, then: str) -> str:
+    """How to get a good checkpoint at `path`: `then` around the command that trains its run
+    again, or, outside any run, where a good one comes from."""
+    run = enclosing_run(path)
+    if run is None:
+        return "give a checkpoint `lightship train` wrote (RUN/best.ckpt)"
+    return then.format(RunDir(run).train_command())
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """`torch.load(weights_only=True)` with a user-facing error for missing or corrupt files."""
-    run = enclosing_run(path)
-    train = RunDir(run).train_command() if run is not None else None
-    other = "give a checkpoint `lightship train` wrote (RUN/best.ckpt)"
     if not path.is_file():
-        raise RunError(f"checkpoint {path} not found: {f'run {train} first' if train else other}")
+        raise RunError(f"checkpoint {path} not found: {_fix(path, 'run {} first')}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
         raise RunError(
             f"checkpoint {path} is corrupt or not a lightship checkpoint ({_reason(exc)}): "
-            + (f"delete it and train again ({train})" if train else other)
+            + _fix(path, "delete it and train again ({})")
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise RunError(

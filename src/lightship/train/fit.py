@@ -224,18 +224,14 @@ def _discard_derived(run: RunDir) -> None:
         )
 
 
-def _unchanged_best(run: RunDir, best: Path, best_sha256: str) -> tuple[bool, bool]:
-    """(unchanged, restored): whether the new best checkpoint (its sha256) is the one the
+def _best_state(run: RunDir, best_sha256: str) -> tuple[bool, bool]:
+    """(unchanged, in_place): whether the new best checkpoint (its sha256) is the one the
     manifest records, from which its exports, quantized models and report were made, so they
-    stay valid; and whether RUN/best.ckpt, missing or another file, was put back as its copy."""
+    stay valid; and whether RUN/best.ckpt already is it (it may be missing, or another file)."""
     recorded = (run.artifact("checkpoint") or {}).get("sha256")
     if recorded != best_sha256:
         return False, False
-    if run.best_ckpt.is_file() and sha256_file(run.best_ckpt) == recorded:
-        return True, False
-    with atomic_path(run.best_ckpt) as tmp:
-        tmp.write_bytes(best.read_bytes())
-    return True, True
+    return True, run.best_ckpt.is_file() and sha256_file(run.best_ckpt) == recorded
 
 
 @contextlib.contextmanager
@@ -418,9 +414,15 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         )
     # RUN/best.ckpt is, or becomes below, a copy of `best`: one hash serves the check and entry
     best_sha256 = sha256_file(best)
-    unchanged, restored = _unchanged_best(run, best, best_sha256)
-    if restored:
-        print(f"best.ckpt restored from {run.relative(best)}", flush=True)
+    unchanged, in_place = _best_state(run, best_sha256)
+    if not unchanged:
+        # The old artifacts go before the new best.ckpt arrives: never listed beside it.
+        _discard_derived(run)
+    if not in_place:
+        with atomic_path(run.best_ckpt) as tmp:
+            tmp.write_bytes(best.read_bytes())
+        if unchanged:
+            print(f"best.ckpt restored from {run.relative(best)}", flush=True)
     if unchanged and resumed is not None and trainer.global_step == resumed_from_step:
         print(
             f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
@@ -429,11 +431,6 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             flush=True,
         )
         return run
-    if not unchanged:
-        # The old artifacts go before the new best.ckpt arrives: never listed beside it.
-        _discard_derived(run)
-        with atomic_path(run.best_ckpt) as tmp:
-            tmp.write_bytes(best.read_bytes())
     loaded = load_checkpoint(run.best_ckpt)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
