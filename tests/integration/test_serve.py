@@ -6,7 +6,9 @@ Each server is started with `python -m lightship serve` on a free port and is re
 
 from __future__ import annotations
 
+import gzip
 import http.client
+import io
 import json
 import os
 import shutil
@@ -26,6 +28,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import tritonclient.http as triton
+from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from lightship.runtime import load_predictor
@@ -256,6 +259,43 @@ def test_corrupt_image_and_v1_against_the_real_server(hand: Server) -> None:
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]
     r = httpx.post(f"{hand.url}/v1/predict", json={"instances": X.tolist()})
     assert [p["label"] for p in r.json()["predictions"]] == ["dark", "bright"]
+
+
+def test_bad_uploads_are_json_4xx_and_the_connection_serves_on(hand: Server) -> None:
+    # Answered before the body is read, or before all of it: uvicorn must skip the rest and
+    # read the next request on the same connection.
+    image = Image.new("L", (2, 2), 250)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    one = [("files", ("a.png", buf.getvalue(), "image/png"))]
+    form = httpx.Request("POST", hand.url, files=one)
+    url = f"{hand.url}/v1/predict/image"
+    with httpx.Client(limits=httpx.Limits(max_connections=1)) as c:
+        answers = [
+            c.post(url, data={"file": "a.png"}),
+            c.post(url, files=[("files", (f"{i}.png", b"x", "image/png")) for i in range(1001)]),
+            c.post(
+                url,
+                content=gzip.compress(form.read()),
+                headers={"content-type": form.headers["content-type"], "content-encoding": "gzip"},
+            ),
+            c.post(url, files=one),
+        ]
+    assert [(r.status_code, r.json().get("error")) for r in answers] == [
+        (400, 'send one or more images as multipart form field "files"'),
+        (
+            413,
+            "request has more than 64 images; this server takes at most 64 per request: split it",
+        ),
+        (
+            415,
+            "Content-Encoding gzip is not supported: send the body uncompressed (PNG and JPEG "
+            "are compressed already)",
+        ),
+        (200, None),
+    ]
+    assert answers[-1].json()["predictions"][0]["label"] == "bright"
+    assert [r.headers.get("connection") for r in answers] == [None] * 4  # none closes it
 
 
 def test_idle_server_uses_under_one_percent_of_a_core(hand: Server) -> None:

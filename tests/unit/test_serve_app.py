@@ -235,10 +235,63 @@ def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
                 "/v1/predict/image", files=[("files", ("x.png", b"\x89PNG broken", "image/png"))]
             )
             assert r.status_code == 400 and "x.png: not a readable PNG or JPEG" in r.json()["error"]
-            r = await client.post("/v1/predict/image", data={"nothing": "here"})
-            assert r.status_code == 422 and "files" in r.json()["error"]
 
     run(main())
+
+
+SEND_IMAGES = 'send one or more images as multipart form field "files"'
+BAD_FORMS: list[tuple[str, dict[str, Any], str]] = [
+    ("no body", {}, SEND_IMAGES),
+    ("no files field", {"files": [("other", ("a.png", b"x", "image/png"))]}, SEND_IMAGES),
+    ("another field name", {"files": [("file", ("a.png", b"x", "image/png"))]}, SEND_IMAGES),
+    ("url-encoded fields", {"data": {"nothing": "here"}}, SEND_IMAGES),
+    ("JSON", {"json": {"files": ["a.png"]}}, SEND_IMAGES),
+    (
+        "a text field",
+        {"data": {"files": "a.png"}, "files": [("other", ("a.png", b"x", "image/png"))]},
+        f'form field "files" holds text: {SEND_IMAGES}',
+    ),
+    (
+        "top_k not a number",
+        {"params": {"top_k": "two"}, "files": [("files", ("a.png", b"x", "image/png"))]},
+        "invalid request: query.top_k: Input should be a valid integer, unable to parse string "
+        "as an integer",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "request_kwargs", "message"), BAD_FORMS, ids=[c[0] for c in BAD_FORMS]
+)
+def test_an_upload_that_is_no_form_of_images_is_400_saying_what_to_send(
+    tmp_path: Path, case: str, request_kwargs: dict[str, Any], message: str
+) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            return await client.post("/v1/predict/image", **request_kwargs)
+
+    r = run(main())
+    assert (r.status_code, r.json()) == (400, {"error": message})
+
+
+def test_the_documented_answers_are_the_ones_given(tmp_path: Path) -> None:
+    """No route answers FastAPI's 422 `{"detail": [...]}`, so none documents it; the image
+    route documents its form and how many files it takes."""
+    app, _ = make_app(tmp_path, max_batch_rows=3)
+
+    async def main() -> dict[str, Any]:
+        async with serving(app) as client:
+            return dict((await client.get("/openapi.json")).json())
+
+    schema = run(main())
+    text = json.dumps(schema)
+    assert '"422"' not in text and "HTTPValidationError" not in text and "detail" not in text
+    image = schema["paths"]["/v1/predict/image"]["post"]
+    assert {"400", "413", "415"} <= set(image["responses"])
+    form = image["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["required"] == ["files"] and form["properties"]["files"]["maxItems"] == 3
 
 
 BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
@@ -544,6 +597,11 @@ def test_gzip_encoding_name_is_case_insensitive(tmp_path: Path) -> None:
     np.testing.assert_array_equal(logits_of(r), expected_logits(X))
 
 
+TOO_MANY_IMAGES = (
+    "request has more than 2 images; this server takes at most 2 per request: split it"
+)
+
+
 def test_image_uploads_are_counted_before_decoding_and_limited_while_streaming(
     tmp_path: Path,
 ) -> None:
@@ -554,7 +612,7 @@ def test_image_uploads_are_counted_before_decoding_and_limited_while_streaming(
             # Three corrupt files: counted first (413), not decoded (which would say 400).
             files = [("files", (f"{i}.png", b"\x89PNG broken", "image/png")) for i in range(3)]
             r = await client.post("/v1/predict/image", files=files)
-            assert r.status_code == 413 and "3 images" in r.json()["error"], r.text
+            assert (r.status_code, r.json()) == (413, {"error": TOO_MANY_IMAGES}), r.text
             boundary = "b0undary"
             head = (
                 f'--{boundary}\r\nContent-Disposition: form-data; name="files"; '
@@ -574,6 +632,18 @@ def test_image_uploads_are_counted_before_decoding_and_limited_while_streaming(
             assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"], r.text
 
     run(main())
+
+
+def test_more_files_than_starlettes_own_limit_are_too_many_images_too(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, max_batch_rows=2)  # its parser stopped at 1,000 with a 400
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            files = [("files", (f"{i}.png", b"x", "image/png")) for i in range(1001)]
+            return await client.post("/v1/predict/image", files=files)
+
+    r = run(main())
+    assert (r.status_code, r.json()) == (413, {"error": TOO_MANY_IMAGES})
 
 
 def test_client_leaving_mid_body_is_counted_499_not_an_error(
@@ -1130,6 +1200,44 @@ def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
     assert errors["deflate, bytes after"] == (400, "body has 4 bytes after its deflate data")
     assert errors["bomb"] == (413, "decompressed body over the limit of 4096 bytes")
     assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 1
+
+
+def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
+    tmp_path: Path,
+) -> None:
+    app, _ = make_app(tmp_path)
+    upload = httpx.Request(
+        "POST", "http://test", files=[("files", ("a.png", png(np.zeros((2, 2), np.uint8))))]
+    )
+    form, form_type = upload.read(), upload.headers["content-type"]
+    v2_body = json.dumps(v2_json(X)).encode()
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app) as client:
+            return [
+                await client.post(
+                    path, content=body, headers={"content-type": kind, "content-encoding": enc}
+                )
+                for path, body, kind, enc in [
+                    ("/v1/predict/image", gzip.compress(form), form_type, "gzip"),
+                    ("/v1/predict/image", form, form_type, "br"),
+                    ("/v1/predict/image", form, form_type, "identity"),
+                    (INFER, gzip.compress(v2_body), "application/json", "x-gzip"),
+                    (INFER, v2_body, "application/json", ""),
+                ]
+            ]
+
+    gzipped, br, identity, x_gzip, empty = run(main())
+    refused = "is not supported: send the body uncompressed (PNG and JPEG are compressed already)"
+    assert (gzipped.status_code, gzipped.json()) == (
+        415,
+        {"error": f"Content-Encoding gzip {refused}"},
+    )
+    assert (br.status_code, br.json()) == (415, {"error": f"Content-Encoding br {refused}"})
+    assert identity.status_code == 200, identity.text
+    for r in (x_gzip, empty):
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(logits_of(r), expected_logits(X))
 
 
 def test_large_bodies_are_parsed_off_the_event_loop(
