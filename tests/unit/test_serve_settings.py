@@ -113,6 +113,48 @@ def test_auto_takes_the_report_recommendation_else_fp32(tmp_path: Path) -> None:
     assert choose(ServeSettings(run=run, variant="onnx-fp32")).variant == "onnx-fp32"
 
 
+def measured(run: Path, **bytes_of: int) -> list[dict[str, Any]]:
+    """report.json's rows for the variants named, as `lightship report` measured them."""
+    return [{"name": n, "file": f"export/{n}.onnx", "bytes": b} for n, b in bytes_of.items()]
+
+
+def test_a_report_older_than_the_manifest_says_what_changed_and_how_to_serve(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = make_run(tmp_path, {"onnx-fp32": {"bytes": 100}, "onnx-int8-static": {"bytes": 50}})
+    report = run / "report" / "report.json"
+    report.parent.mkdir()
+    fix = (
+        f"re-run `make report RUN={run}` (or `lightship report --run {run}`), or serve without "
+        "it: --variant onnx-fp32"
+    )
+    out_of_date: list[tuple[str | None, list[dict[str, Any]], str]] = [
+        # reported before export: nothing to recommend then
+        (None, [], "recommends no variant, but it is older than onnx-fp32, onnx-int8-static "
+         f"(made or replaced since): {fix}"),
+        ("onnx-int8-qat", measured(run, **{"onnx-fp32": 100, "onnx-int8-static": 50}),
+         f"is out of date: it recommends onnx-int8-qat, which the manifest no longer lists: {fix}"),
+        ("onnx-int8-static", measured(run, **{"onnx-fp32": 100, "onnx-int8-static": 49}),
+         "is out of date: it recommends onnx-int8-static, made again after it was measured: "
+         f"{fix}"),
+        (None, measured(run, **{"onnx-fp32": 100, "onnx-int8-static": 50}),
+         "recommends no variant: each one it measured failed the accuracy gate or is not one to "
+         "recommend (see report.md): serve one with --variant, e.g. --variant onnx-fp32"),
+    ]  # fmt: skip
+    for recommended, rows, message in out_of_date:
+        report.write_text(json.dumps({"recommended": recommended, "variants": rows}))
+        with pytest.raises(RunError) as err:
+            choose(ServeSettings(run=run))
+        assert str(err.value) == f"{report} {message}"
+        assert choose(ServeSettings(run=run, variant="onnx-fp32")).variant == "onnx-fp32"
+    # Older than a variant it does not recommend: its recommendation is served, with a warning.
+    report.write_text(
+        json.dumps({"recommended": "onnx-fp32", "variants": measured(run, **{"onnx-fp32": 100})})
+    )
+    assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
+    assert f"{report} is older than onnx-int8-static: serving its recommendation" in caplog.text
+
+
 def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}})
     with pytest.raises(
@@ -126,7 +168,7 @@ def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(RunError, match="report.json is unreadable"):
         choose(ServeSettings(run=run))
     (run / "report" / "report.json").write_text(json.dumps({"recommended": "torchscript"}))
-    with pytest.raises(RunError, match="no 'torchscript' artifact"):
+    with pytest.raises(RunError, match="recommends torchscript, which the manifest no longer"):
         choose(ServeSettings(run=run))
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(RunError) as err:

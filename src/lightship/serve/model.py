@@ -51,22 +51,59 @@ class ServedModel:
         return predictor
 
 
-def recommended_variant(run: RunDir) -> str:
-    """The report's recommendation, or onnx-fp32 when there is no report yet."""
+def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
+    """The report's recommendation, or onnx-fp32 when there is no report yet. RunError when it
+    recommends nothing, or a variant that the manifest's `artifacts` no longer list or list
+    made again since; a warning when it only predates other variants."""
     path = run.report_dir / "report.json"
     if not path.is_file():
         return DEFAULT_VARIANT
     try:
-        recommended = json.loads(path.read_text()).get("recommended")
-    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        report = json.loads(path.read_text())
+        recommended = report.get("recommended")
+        measured = {(str(v["file"]), v["bytes"]) for v in report.get("variants", [])}
+    except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
             f"{path} is unreadable ({exc}): re-run `make report RUN={run.root}` "
             "or serve an explicit --variant"
         ) from None
+    fix = (
+        f"re-run `make report RUN={run.root}` (or `lightship report --run {run.root}`), or serve "
+        f"without it: --variant {DEFAULT_VARIANT}"
+    )
+    # Recorded after the report: no variant it measured had their file and size. (A file that
+    # differs from its manifest entry is for `verify` to say.)
+    unmeasured = [
+        name
+        for name, entry in artifacts.items()
+        if "bytes" in entry and (str(entry.get("file")), entry["bytes"]) not in measured
+    ]
     if not isinstance(recommended, str) or not recommended:
+        if unmeasured:
+            raise RunError(
+                f"{path} recommends no variant, but it is older than {', '.join(unmeasured)} "
+                f"(made or replaced since): {fix}"
+            )
         raise RunError(
-            f"{path} recommends no variant (no variant passed the accuracy gate?): "
-            "serve an explicit --variant"
+            f"{path} recommends no variant: each one it measured failed the accuracy gate or "
+            f"is not one to recommend (see report.md): serve one with --variant, e.g. --variant "
+            f"{DEFAULT_VARIANT}"
+        )
+    if recommended not in artifacts or recommended in unmeasured:
+        why = (
+            "which the manifest no longer lists"
+            if recommended not in artifacts
+            else "made again after it was measured"
+        )
+        raise RunError(f"{path} is out of date: it recommends {recommended}, {why}: {fix}")
+    if unmeasured:
+        log.warning(
+            "%s is older than %s: serving its recommendation %s, which may no longer be the "
+            "best; %s",
+            path,
+            ", ".join(unmeasured),
+            recommended,
+            fix,
         )
     return recommended
 
@@ -108,8 +145,11 @@ def choose(settings: ServeSettings) -> ServedModel:
             f"run `make export RUN={target}` first, or pass --run"
         )
     run = RunDir(target)
-    variant = recommended_variant(run) if settings.variant == "auto" else settings.variant
     artifacts = run.manifest()["artifacts"]
+    if settings.variant == "auto":
+        variant = recommended_variant(run, artifacts)
+    else:
+        variant = settings.variant
     entry = artifacts.get(variant)
     if entry is None:
         have = ", ".join(sorted(artifacts)) or "none"
