@@ -349,3 +349,90 @@ def test_quantize_runs_the_test_images_as_the_report_does() -> None:
     report_runs, predictor.runs = predictor.runs, []
     accuracy, _ = quantize_core._accuracy(predictor, x, x[:, 0, 0, 0])
     assert predictor.runs == report_runs == [256, 13] and accuracy == 1.0
+
+
+def _dynamic_int8(path: Path) -> Path:
+    """A uint8 image [N, 1, 2, 2] times a 4x2 matrix, dynamically quantized: each run
+    quantizes its whole input with one scale, that of its brightest pixel."""
+    weights = np.array([[1.0, -0.5], [0.25, 2.0], [-1.5, 0.75], [0.5, 1.0]], np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["input"], ["xf"], to=TensorProto.FLOAT),
+            helper.make_node("Flatten", ["xf"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "w"], ["logits"]),
+        ],
+        "dynamic",
+        [helper.make_tensor_value_info("input", TensorProto.UINT8, ["batch", 1, 2, 2])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
+        initializer=[onnx.numpy_helper.from_array(weights, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    fp32 = path.with_suffix(".fp32.onnx")
+    onnx.save(model, str(fp32))
+    ptq.quantize_dynamic_onnx(fp32, path, isa.SCHEMES["vnni"], conv_heavy=False)
+    return path
+
+
+def test_accuracy_of_a_dynamic_int8_model_is_the_same_on_any_core_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Served, a long batch runs as one slice per core, and each slice of a dynamic int8 model
+    gets its own activation scale: evaluated so, its accuracy, SQNR and agreement would move
+    with the core count. Here the dim images are in the first slice, the bright ones in the
+    second: two lanes quantize the dim ones finer than one run does."""
+    from lightship.runtime import ort as ort_module
+
+    model = _dynamic_int8(tmp_path / "m.onnx")
+    x = np.concatenate([np.full((128, 1, 2, 2), 3), np.full((128, 1, 2, 2), 250)])
+    x = x.astype(np.uint8) - np.arange(4, dtype=np.uint8).reshape(1, 1, 2, 2)
+    served = ort_module.OrtPredictor(model, threads=2)
+    assert served.lanes == 2 and served.split_rows <= len(x)  # the server splits this batch
+    one_core = ort_module.OrtPredictor(model, threads=1)
+    np.testing.assert_array_equal(evaluate.logits(served, x), evaluate.logits(one_core, x))
+
+    y = np.zeros(len(x), np.int64)
+    recorded = []  # what quantize records, with one core, then two
+    for cores in (1, 2):
+        monkeypatch.setattr(ort_module, "physical_cores", lambda cores=cores: cores)
+        recorded.append(quantize_core._accuracy(model, x, y)[1])
+    np.testing.assert_array_equal(recorded[0], recorded[1])
+
+
+@pytest.mark.parametrize(
+    ("name", "file", "command"),
+    [
+        ("eager", "best.ckpt", "`make train RESUME=1 RUN={run}`"),
+        ("torchscript", "export/model.ts", "`lightship export --run {run} --formats torchscript`"),
+        ("pt2", "export/model.pt2", "`lightship export --run {run} --formats pt2`"),
+        ("onnx-fp32", "export/model.onnx", "`lightship export --run {run} --formats onnx`"),
+        (
+            "onnx-int8-dynamic",
+            "quantize/model.int8-dynamic.onnx",
+            "`lightship quantize --run {run} --methods dynamic`",
+        ),
+        (
+            "onnx-int8-qat",
+            "quantize/model.int8-qat.onnx",
+            "`lightship quantize --run {run} --methods qat`",
+        ),
+    ],
+)
+def test_a_variant_changed_after_it_was_recorded_names_the_command_that_remakes_it(
+    tmp_path: Path, name: str, file: str, command: str
+) -> None:
+    from lightship.errors import RunError
+    from lightship.runs import RunDir
+
+    run = RunDir(tmp_path / "run")
+    (run.root / file).parent.mkdir(parents=True, exist_ok=True)
+    (run.root / file).write_bytes(b"edited by hand")
+    (run.checkpoints / "last.ckpt").parent.mkdir()
+    (run.checkpoints / "last.ckpt").write_bytes(b"")  # trained before: resuming restores it
+    run.record(evaluate.MANIFEST_KEY.get(name, name), {"file": file, "sha256": "0" * 64})
+    with pytest.raises(RunError) as err:
+        evaluate.candidates(run, threads=1)
+    assert str(err.value) == (
+        f"{run.root / file} differs from its manifest entry (sha256): it changed after "
+        f"`lightship` wrote it; re-run {command.format(run=run.root)}"
+    )

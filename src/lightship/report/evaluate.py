@@ -41,14 +41,34 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
         if entry is None or not (run.root / entry["file"]).is_file():
             continue
         path = run.root / entry["file"]
-        fix = f"it changed after `lightship` wrote it; re-run the stage that makes {name}"
+        fix = f"it changed after `lightship` wrote it; re-run {remake_command(run, name)}"
         check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
     return found
 
 
+def remake_command(run: RunDir, name: str) -> str:
+    """The command that makes variant `name` of `run` again, quoted for a message."""
+    if name == "eager":
+        return run.train_command()
+    if name.startswith("onnx-int8-"):
+        return f"`lightship quantize --run {run.root} --methods {name.removeprefix('onnx-int8-')}`"
+    return f"`lightship export --run {run.root} --formats {name.removesuffix('-fp32')}`"
+
+
 def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:
-    """Logits for `x`, `batch` rows per `predict` call: a dynamic int8 model scales its
-    activations per run, so its accuracy depends on how the images are batched. `quantize`
-    records its accuracies through this function too, so its figures and the report's agree."""
-    return np.concatenate([predictor.predict(x[i : i + batch]) for i in range(0, len(x), batch)])
+    """Logits for `x`, `batch` rows per run, each run whole (`unsplit`): a dynamic int8 model
+    scales its activations per run, so its accuracy depends on how the images are batched.
+    `quantize` records its accuracies through this function too, so its figures and the
+    report's agree, on any number of cores."""
+    whole = unsplit(predictor)
+    return np.concatenate([whole.predict(x[i : i + batch]) for i in range(0, len(x), batch)])
+
+
+def unsplit(predictor: Predictor) -> Predictor:
+    """`predictor`, or its model loaded again with `split=False` when it splits long batches
+    over one lane per core: each lane of a dynamic int8 model takes its own activation scale,
+    so accuracy evaluated on lanes would change with the core count. Timing keeps the lanes."""
+    if predictor.lanes == 1:
+        return predictor
+    return load_predictor(predictor.path, device=predictor.device, split=False)
