@@ -15,7 +15,7 @@ import torch
 from onnx import numpy_helper
 
 from lightship.data import DataSpec, load_splits
-from lightship.errors import LightshipError, QuantizeError
+from lightship.errors import LightshipError, QuantizeError, RunError
 from lightship.export.core import export
 from lightship.quantize import isa
 from lightship.quantize.core import QuantizeSettings, quantize
@@ -285,3 +285,39 @@ def test_a_library_error_inside_qat_costs_only_the_qat_variant(
     assert isinstance(errors["qat"], QuantizeError) and "\n" not in message
     assert "RuntimeError: expected scalar type Float" in message
     assert "--methods static,dynamic" in message
+
+
+def test_qat_without_best_ckpt_says_how_to_get_it_back(exported_run: Path, tmp_path: Path) -> None:
+    """No best.ckpt is the user's to fix, with the run's own command: not a "QAT failed" whose
+    advice is to leave QAT out, and said before the other methods spend their minutes."""
+    run = tmp_path / "no_ckpt"
+    shutil.copytree(exported_run, run)
+    (run / "best.ckpt").unlink()
+    proc = run_cli("quantize", "--run", str(run), "--methods", "dynamic,qat")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: no best.ckpt in {run}: run `make train RESUME=1 RUN={run}` first, "
+        "or quantize without QAT: --methods dynamic"
+    )
+    assert "QAT failed" not in proc.stderr and "next:" not in proc.stdout
+    assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
+    no_leftovers(run)
+
+
+def test_a_run_error_inside_qat_keeps_its_own_fix(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightship.quantize.qat as qat_module
+
+    refused = RunError("checkpoint best.ckpt is corrupt: delete it and train again")
+
+    def corrupt(*args: object, **kwargs: object) -> dict:
+        raise refused
+
+    monkeypatch.setattr(qat_module, "quantize_aware_train", corrupt)
+    run = tmp_path / "corrupt"
+    shutil.copytree(exported_run, run)
+    with pytest.raises(RunError) as err:
+        quantize(RunDir(run), "qat", on_error=pytest.fail)
+    assert err.value is refused
+    no_leftovers(run)

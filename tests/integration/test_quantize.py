@@ -7,7 +7,9 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ import onnxruntime
 import pytest
 
 from lightship.data import DataSpec, load_splits
+from lightship.errors import RunError
 from lightship.quantize.core import QuantizeSettings, int8_share, quantize
 from lightship.report import ReportSettings, report
 from lightship.runs import RunDir
@@ -267,7 +270,8 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     assert proc.returncode == 4, proc.stderr
     assert last_line(proc.stderr) == (
         f"error: {run}/quantize/model.int8-static.onnx differs from its manifest entry (sha256): "
-        "it changed after `lightship` wrote it; re-run the stage that makes onnx-int8-static"
+        f"it changed after `lightship` wrote it; re-run `lightship quantize --run {run} "
+        "--methods static`"
     )
     assert not (run / "report" / "report.json").exists() or (
         (run / "report" / "report.json").read_bytes()
@@ -357,6 +361,55 @@ def test_a_failed_quantization_leaves_no_scratch_folder(
     with pytest.raises(OSError, match="No space left"):
         quantize(RunDir(run), "static")
     assert not list(run.glob(".quantize.*")) and not (run / "quantize").exists()
+
+
+def _free_space(monkeypatch: pytest.MonkeyPatch, free: Callable[[], int]) -> None:
+    """Every folder's file system has `free()` bytes free, as `check_space` reads it."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=free()))
+
+
+def test_quantize_on_a_nearly_full_disk_says_so_before_writing(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """onnx and onnxruntime write models from C++: a full disk cut them short without an error,
+    and quantize ended in a protobuf DecodeError traceback."""
+    run = tmp_path / "nearly_full"
+    shutil.copytree(exported_run, run)
+    _free_space(monkeypatch, lambda: 1_000_000)
+    with pytest.raises(RunError) as err:
+        quantize(RunDir(run), "static,dynamic,qat")
+    model, ckpt = (run / "export" / "model.onnx").stat().st_size, (run / "best.ckpt").stat().st_size
+    need = 4 * model + 2 * ckpt + 4_000_000
+    assert str(err.value) == (
+        f"quantize needs about {need / 1e6:.0f} MB in {run} but 1 MB are free: "
+        "make room and run again"
+    )
+    assert not list(run.glob(".quantize.*")) and not (run / "quantize").exists()
+
+
+@pytest.mark.parametrize("room", [False, True])
+def test_a_model_cut_short_is_a_full_disk_only_when_the_disk_is_full(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: bool
+) -> None:
+    """The disk fills while quantize runs: the model a C++ writer cut short fails to load."""
+    from google.protobuf.message import DecodeError
+
+    run = tmp_path / "filled"
+    shutil.copytree(exported_run, run)
+    filled = []
+    _free_space(monkeypatch, lambda: 10**12 if room or not filled else 0)
+
+    def cut_short(pre: Path, out: Path) -> list[str]:
+        filled.append(out)
+        raise DecodeError("Error parsing message with type 'onnx.ModelProto'")
+
+    monkeypatch.setattr("lightship.quantize.ptq.flatten_channels_last", cut_short)
+    with pytest.raises(RunError if not room else DecodeError) as err:
+        quantize(RunDir(run), "dynamic")
+    if not room:
+        assert str(err.value).startswith("quantize needs about 4 MB in ")
+        assert str(err.value).endswith("but 0 MB are free: make room and run again")
+    assert filled and not list(run.glob(".quantize.*"))
 
 
 def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(

@@ -8,19 +8,22 @@ accuracy against fp32 and the nodes kept in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
 
 from lightship import __version__
 from lightship.config import parse_choices
@@ -29,7 +32,14 @@ from lightship.errors import ConfigError, LightshipError, QuantizeError, RunErro
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits
 from lightship.report.measure import Timing, measure
-from lightship.runs import RunDir, atomic_path, check_recorded, check_writable, sha256_file
+from lightship.runs import (
+    RunDir,
+    atomic_path,
+    check_recorded,
+    check_space,
+    check_writable,
+    sha256_file,
+)
 from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, OrtPredictor, create_session
 
@@ -53,6 +63,12 @@ INT8_OPS = {
 SPIN_MIN_RUN_MS = 0.5
 AB_BATCH = 64  # the batch at which a candidate model is timed against the current one
 FLOAT_OPS = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm"}
+# Room quantize needs free (`_check_room`), in multiples of export/model.onnx and best.ckpt. On
+# the digits CNN, static and dynamic peaked at 3.0x the model in the run folder and 1.1x in the
+# temporary folder (where onnxruntime's pre-processing keeps up to three copies at once), 3.3x
+# with both on one disk; QAT alone at 1.4x best.ckpt, pre-processing included.
+ROOM_PER_MODEL, ROOM_PER_CKPT, TEMP_ROOM_PER_MODEL = 4, 2, 3
+ROOM_MARGIN = 4_000_000
 
 
 @dataclass
@@ -160,6 +176,29 @@ def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
     return np.ascontiguousarray(splits.train_x[np.sort(idx)])
 
 
+def _check_room(run: RunDir, qat: bool) -> None:
+    """RunError unless the run's disk, and the temporary folder where onnxruntime writes its
+    own copies of the model, have the room quantize needs: onnx and onnxruntime write models
+    from C++, which a full disk cuts short without an error, and the next load of such a
+    model fails with a protobuf DecodeError instead of the disk's ENOSPC."""
+    model = (run.export_dir / "model.onnx").stat().st_size
+    ckpt = run.best_ckpt.stat().st_size if qat else 0
+    check_space(run.root, ROOM_PER_MODEL * model + ROOM_PER_CKPT * ckpt + ROOM_MARGIN, "quantize")
+    temp = Path(tempfile.gettempdir())
+    check_space(temp, TEMP_ROOM_PER_MODEL * model + ROOM_MARGIN, "quantize")
+
+
+@contextlib.contextmanager
+def _cut_short_by_a_full_disk(run: RunDir, qat: bool) -> Iterator[None]:
+    """A model that fails to load as protobuf was cut short by a full disk where the disk
+    lacks room now: `_check_room`'s error says so. Otherwise it is a bug: its traceback stays."""
+    try:
+        yield
+    except (DecodeError, InvalidProtobuf):
+        _check_room(run, qat)
+        raise
+
+
 def _settle(candidate: Path, current: Path, kept: bool) -> None:
     """A timed candidate replaces `current` when it is kept, and is deleted when not."""
     if kept:
@@ -171,8 +210,9 @@ def _settle(candidate: Path, current: Path, kept: bool) -> None:
 def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     """Accuracy and logits on `x` run exactly as the report runs them (`evaluate.logits`): a
     dynamic int8 model scales its activations per run, so its accuracy moves with the rows
-    each run gets, and the figure recorded here must be the one the report shows."""
-    predictor = model if isinstance(model, Predictor) else load_predictor(model)
+    each run gets, and the figure recorded here must be the one the report shows. A path is
+    loaded unsplit (`split=False`): `logits` would load it again otherwise."""
+    predictor = model if isinstance(model, Predictor) else load_predictor(model, split=False)
     out = logits(predictor, x)
     return float(np.mean(out.argmax(1) == y)), out
 
@@ -180,7 +220,13 @@ def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[fl
 class Quantizer:
     """One quantization session over a run: shared inputs for every method."""
 
-    def __init__(self, run: RunDir, target: str, settings: QuantizeSettings) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        target: str,
+        settings: QuantizeSettings,
+        methods: Sequence[str] = METHODS,
+    ) -> None:
         self.run = run
         self.settings = settings
         self.fp32 = run.export_dir / "model.onnx"
@@ -204,6 +250,15 @@ class Quantizer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.scheme = isa.SCHEMES[self.target]
+        if "qat" in methods:  # QAT fine-tunes best.ckpt: said before any method runs
+            try:
+                run.require_checkpoint()
+            except RunError as exc:
+                others = ",".join(m for m in methods if m != "qat")
+                if not others:
+                    raise
+                raise RunError(f"{exc}, or quantize without QAT: --methods {others}") from None
+        _check_room(run, qat="qat" in methods)
         self.cpu = isa.host_cpu()
         self.splits = load_splits(DataSpec.from_dict(run.data_spec()))
         self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
@@ -480,8 +535,8 @@ class Quantizer:
                 seed=s.seed,
                 per_channel=s.per_channel,
             )
-        except (QuantizeError, KeyboardInterrupt):
-            raise
+        except (LightshipError, KeyboardInterrupt):
+            raise  # a mistake the user can fix (no best.ckpt, unreadable data) says its own fix
         except Exception as exc:  # a library failure inside QAT must not cost the other variants
             log.debug("QAT failed", exc_info=True)
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
@@ -548,18 +603,19 @@ def quantize(
         raise ConfigError(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
-    q = Quantizer(run, target, settings)
     variants: list[Variant] = []
-    try:
-        check_writable(run.manifest_path, *(run.quantize_dir / FILENAMES[m] for m in chosen))
-        for method in chosen:
-            try:
-                variants.append(getattr(q, method)())
-            except QuantizeError as exc:
-                if on_error is None:
-                    log.error("%s: %s", method, exc)
-                else:
-                    on_error(method, exc)
-    finally:
-        q.close()
+    with _cut_short_by_a_full_disk(run, qat="qat" in chosen):
+        q = Quantizer(run, target, settings, chosen)
+        try:
+            check_writable(run.manifest_path, *(run.quantize_dir / FILENAMES[m] for m in chosen))
+            for method in chosen:
+                try:
+                    variants.append(getattr(q, method)())
+                except QuantizeError as exc:
+                    if on_error is None:
+                        log.error("%s: %s", method, exc)
+                    else:
+                        on_error(method, exc)
+        finally:
+            q.close()
     return variants

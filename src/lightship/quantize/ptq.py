@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import numpy_helper, shape_inference
 from onnxruntime.quantization import (
     CalibrationDataReader,
@@ -78,7 +79,7 @@ def preprocess(fp32: Path, out: Path) -> Path:
     try:
         with _quiet():
             quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
-    except OSError:  # a full disk or an unwritable folder, not a graph it cannot handle
+    except (OSError, DecodeError):  # a full disk (a model it wrote, cut short), not the graph
         raise
     except Exception as exc:  # pre-processing is an optimisation; quantization still works
         log.warning("quant_pre_process failed (%s): quantizing the exported graph as is", exc)
