@@ -216,8 +216,9 @@ def test_int8_for_another_cpu_is_refused_or_warned(
 def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}})
     handmade_onnx(run / "export" / "onnx-fp32.onnx", bias=5.0)  # rewritten behind the manifest
-    with pytest.raises(RunError, match="differs from its manifest entry"):
+    with pytest.raises(RunError, match="differs from its manifest entry") as err:
         verify(choose(ServeSettings(run=run)))
+    assert str(err.value).endswith(f"re-run `lightship export --run {run} --formats onnx`")
 
 
 def test_a_folder_name_that_is_no_model_name_is_made_one(tmp_path: Path) -> None:

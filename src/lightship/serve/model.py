@@ -14,6 +14,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
+from lightship.report.evaluate import remake_command
 from lightship.runs import RunDir, check_recorded, enclosing_run
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
@@ -182,9 +183,9 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     entry = model.entry
     if entry is None:
         return
-    check_recorded(
-        model.path, entry, "the file changed after it was recorded; re-run the stage that wrote it"
-    )
+    root = enclosing_run(model.path)
+    remake = remake_command(RunDir(root), model.variant) if root else "the stage that wrote it"
+    check_recorded(model.path, entry, f"it changed after it was recorded; re-run {remake}")
     made_for = entry.get("target")
     if not made_for:
         return
