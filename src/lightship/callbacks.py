@@ -107,7 +107,8 @@ def evaluate(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batch: int = 
 
 
 def fit_trainer(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-    """`trainer.fit`, with Ctrl-C a KeyboardInterrupt again (exit 130, "interrupted").
+    """`trainer.fit`, with Ctrl-C a KeyboardInterrupt again: exit 130, and the CLI's last line
+    `interrupted`, followed by what to do next where the caller said it (`note_interrupt`).
 
     Lightning catches the interrupt, tears down and calls `sys.exit(1)`: a bare exit code 1 that
     looks like a crash. A setting only Lightning checks (it does so as fitting starts) is a

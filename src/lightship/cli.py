@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from lightship.errors import LightshipError, QuantizeError
-from lightship.runs import run_dir_parser, watch_interrupts
+from lightship.runs import interrupt_message, lock_run, run_dir_parser, watch_interrupts
 
 # A bare `lightship` (or `lightship bench`) prints its help and exits 0, as `--help` does, and
 # as kubectl and docker do: asking what there is is no error (`_help_when_bare`).
@@ -112,12 +112,19 @@ def train(
     from lightship.config import load_config
     from lightship.runs import RunDir
 
-    if resume and config is None and RunDir(run).config.is_file():
-        config = RunDir(run).config
-    cfg = load_config(config, overrides)
-    from lightship.train import fit
+    with lock_run(run, "lightship train", create=True):
+        empty_fix = None
+        if resume and config is None and RunDir(run).config.is_file():
+            config = RunDir(run).config
+            empty_fix = (
+                f"restore it, resume with the config the run was trained with (`make train "
+                f"RESUME=1 RUN={_q(run)} CONFIG=...`), or train afresh (`make train RUN={_q(run)} "
+                "CONFIG=...`)"
+            )
+        cfg = load_config(config, overrides, empty_fix)
+        from lightship.train import fit
 
-    fit(cfg, RunDir(run), resume=resume)
+        fit(cfg, RunDir(run), resume=resume)
 
 
 @app.command()
@@ -135,7 +142,8 @@ def export(
     from lightship.export import export as export_run
     from lightship.runs import RunDir
 
-    artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
+    with lock_run(run, "lightship export"):
+        artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
     print(f"next: make quantize RUN={_q(run)}   (or `lightship quantize --run {_q(run)}`)")
@@ -187,7 +195,10 @@ def quantize(
         qat_lr=qat_lr,
     )
     try:
-        variants = quantize_run(RunDir(run), methods, target, settings, on_error=failed.__setitem__)
+        with lock_run(run, "lightship quantize"):
+            variants = quantize_run(
+                RunDir(run), methods, target, settings, on_error=failed.__setitem__
+            )
     except BaseException:  # what stopped the run is the last line; what failed before it stays
         print_errors()
         raise
@@ -232,9 +243,10 @@ def report(
     from lightship.report.render import speedup
     from lightship.runs import RunDir
 
-    r = report_run(
-        RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
-    )
+    with lock_run(run, "lightship report"):
+        r = report_run(
+            RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
+        )
     from rich.console import Console
     from rich.table import Table
 
@@ -308,7 +320,7 @@ def _invoke(argv: list[str] | None = None) -> int:
         print("aborted", file=sys.stderr)
         return 1
     if code == 130:  # Ctrl-C inside a command: typer turns it into this exit code
-        print("interrupted", file=sys.stderr)
+        print(interrupt_message(), file=sys.stderr)
     return code if isinstance(code, int) else 0
 
 
@@ -337,7 +349,7 @@ def main() -> None:
         )
         sys.exit(1)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(interrupt_message(), file=sys.stderr)
         sys.exit(130)
 
 

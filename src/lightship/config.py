@@ -74,7 +74,9 @@ class TrainerConfig(Section):
     max_epochs: int = Field(25, ge=1)
     min_epochs: int = Field(1, ge=0)
     max_time_s: float | None = Field(None, gt=0, description="stop fitting after this many s")
-    accelerator: str = "auto"
+    # What lightship's checks and its CUDA/CPU code paths know; Lightning's others (tpu, mps,
+    # hpu) would fail later, e.g. asking for torch_xla.
+    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
     devices: int | str = 1
     strategy: str = "auto"
     num_nodes: int = Field(1, ge=1)
@@ -222,8 +224,13 @@ def _explain(err: ValidationError, source: str) -> str:
     )
 
 
-def load_config(path: Path | str | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated."""
+def load_config(
+    path: Path | str | None = None,
+    overrides: list[str] | None = None,
+    empty_fix: str | None = None,
+) -> Config:
+    """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated.
+    `empty_fix` says what to do about an empty file (a run's own config.yaml is no --config)."""
     tree: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -245,10 +252,11 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
         if loaded is None:
-            raise ConfigError(
-                f"{path} is empty: write the sections to change (data:, model:, ...), "
+            fix = empty_fix or (
+                "write the sections to change (data:, model:, ...), "
                 "or leave out --config for the defaults"
             )
+            raise ConfigError(f"{path} is empty: {fix}")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
         tree = loaded

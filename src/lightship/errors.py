@@ -31,3 +31,9 @@ class QuantizeError(LightshipError):
     """Quantization could not produce a model (unsupported op, empty calibration set, ...)."""
 
     exit_code = 6
+
+
+class RunBusyError(LightshipError):
+    """Another process holds the run directory's lock (a stage is writing it)."""
+
+    exit_code = 7

@@ -8,6 +8,7 @@ runs/<name>/config.yaml  checkpoints/  best.ckpt  logs/  export/  quantize/  rep
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightship.errors import RunError
+from lightship import __version__
+from lightship.errors import RunBusyError, RunError
 
 MANIFEST_SCHEMA = 1
 
@@ -68,6 +70,20 @@ def watch_interrupts() -> None:
 
 def interrupted() -> bool:
     return _interrupted.is_set()
+
+
+_interrupt_note: list[str] = []
+
+
+def note_interrupt(note: str) -> None:
+    """What to do after Ctrl-C stopped this process (e.g. how to resume): the CLI's last line,
+    `interrupted: <note>`. A stage sets it where it is stopped, once it knows."""
+    _interrupt_note[:] = [note]
+
+
+def interrupt_message() -> str:
+    """The CLI's last line after Ctrl-C."""
+    return f"interrupted: {_interrupt_note[0]}" if _interrupt_note else "interrupted"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -193,6 +209,93 @@ def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
     return parse
 
 
+def _inside_run(name: object) -> bool:
+    """Whether a manifest's file name is a path inside its run (relative, without `..`)."""
+    return isinstance(name, str) and not (Path(name).is_absolute() or ".." in Path(name).parts)
+
+
+LOCK_FILE = ".lock"
+# The run directories this process holds locked: a stage that runs another in-process takes
+# the lock again without waiting on itself.
+_locked: set[Path] = set()
+
+
+def _distributed_worker() -> bool:
+    """A DDP worker: Lightning re-runs the command line with LOCAL_RANK=1.., torchrun sets RANK.
+    Rank 0 holds the run's lock and writes its files; the workers write none."""
+    return any(os.environ.get(k, "0") != "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def _lock_holder(fd: int) -> str:
+    """' (pid 1234, lightship quantize)' from a held lock file; '' when it cannot be read
+    (the holder may not have written it yet)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        return f" (pid {int(info['pid'])}, {info['command']})"
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+
+
+def _acquire(root: Path, create: bool) -> int | None:
+    """The open, locked RUN/.lock; None where it cannot be made. RunBusyError when another
+    process holds it."""
+    path = root / LOCK_FILE
+    while True:
+        try:
+            if create:
+                root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise RunBusyError(
+                f"{root} is in use by another lightship process{holder}: "
+                "wait for it to finish, or stop it"
+            ) from None
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # its holder removed it (see lock_run) before we locked it: lock anew
+
+
+@contextlib.contextmanager
+def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
+    """Hold RUN/.lock (an exclusive flock) while a stage writes the run, so that no other
+    stage reads or writes it meanwhile: RunBusyError at once when another process holds it.
+    The lock file records this process's pid and `command` for that message; the OS releases
+    the lock when the process dies. Re-entrant within a process. `create`: make a missing run
+    directory to lock it (train), and remove it again if nothing but the lock went in. Not
+    locked where the lock file cannot be made (no run directory, a read-only one): reading
+    needs no lock, and a writing stage's own checks say what is wrong."""
+    key = root.resolve()
+    if key in _locked or _distributed_worker():
+        yield
+        return
+    made = [p for p in [root, *root.parents] if not p.exists()] if create else []
+    fd = _acquire(root, create)
+    if fd is None:
+        yield
+        return
+    _locked.add(key)
+    try:
+        with contextlib.suppress(OSError):  # best effort: only the busy message reads it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": command}).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if made and [p.name for p in root.iterdir()] == [LOCK_FILE]:
+                (root / LOCK_FILE).unlink()  # still locked, so no one else wrote meanwhile
+                for folder in made:  # the run directory, then the folders made for it
+                    folder.rmdir()
+        _locked.discard(key)
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -270,29 +373,60 @@ class RunDir:
             raise RunError(
                 f"{path} is unreadable ({exc}): delete it and re-run the stages"
             ) from None
-        artifacts = data.get("artifacts", {}) if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            raise self._malformed('expected {"schema": 1, "artifacts": {name: {"file": ...}}}')
+        schema = data.get("schema")
+        if type(schema) is int and schema > MANIFEST_SCHEMA:  # not bool: True == 1
+            raise RunError(
+                f"{path} was written by a newer lightship (manifest schema {schema}; lightship "
+                f"{__version__} reads schema {MANIFEST_SCHEMA}): upgrade lightship to use this run"
+            )
+        artifacts = data.get("artifacts", {})
         if not isinstance(artifacts, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("file"), str) for e in artifacts.values()
         ):
-            raise RunError(
-                f'{path} is malformed (expected {{"artifacts": {{name: {{"file": ...}}}}}}): '
-                "delete it and re-run the stages"
-            )
-        data["artifacts"] = artifacts
+            raise self._malformed('expected {"artifacts": {name: {"file": ...}}}')
+        if type(schema) is not int or schema != MANIFEST_SCHEMA:
+            raise self._malformed(f"schema {schema!r}, expected {MANIFEST_SCHEMA}")
+        for key, entry in artifacts.items():
+            for field, value in entry.items():
+                # a path it lists outside the run would be hashed, loaded, served or deleted
+                if field.startswith("file") and not _inside_run(value):
+                    raise self._malformed(f"{key} {field} {value!r} lies outside the run directory")
         return data
+
+    def _malformed(self, what: str) -> RunError:
+        """A manifest.json that no lightship wrote as it is. Deleted, the stages write it anew:
+        training (resumed, if it can be) records the checkpoint again, export the rest."""
+        return RunError(
+            f"{self.manifest_path} is malformed ({what}): delete it and re-run the stages, "
+            f"from {self.train_command()}"
+        )
 
     def artifact(self, key: str) -> dict[str, Any] | None:
         entry = self.manifest()["artifacts"].get(key)
         return dict(entry) if entry is not None else None
 
     def data_spec(self) -> dict[str, Any]:
-        """The data set and split training used (the checkpoint entry's `data_spec`)."""
+        """The data set and split training used (the checkpoint entry's `data_spec`), checked
+        as the config checks its `data` section: the data module trusts it."""
+        from pydantic import ValidationError
+
+        from lightship.config import DataConfig  # here: serving reads manifests, never this
+
         spec = (self.artifact("checkpoint") or {}).get("data_spec")
         if not isinstance(spec, dict):
-            raise RunError(
-                f"{self.manifest_path} has no data spec for its checkpoint: re-run "
-                f"{self.train_command()}"
+            raise self._malformed("no data_spec in its checkpoint entry")
+        try:
+            DataConfig.model_validate(
+                {k: v for k, v in spec.items() if k in DataConfig.model_fields}
             )
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            raise self._malformed(
+                f"its checkpoint's data_spec.{key} = {first.get('input')!r}: {first['msg']}"
+            ) from None
         return spec
 
     def record(self, key: str, entry: dict[str, Any]) -> None:

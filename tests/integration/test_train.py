@@ -480,8 +480,9 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
                    "--set", "model.kwargs={steps: 3, error: interrupt}")  # fmt: skip
     assert proc.returncode == 130, proc.stderr
-    assert last_line(proc.stderr) == "interrupted"
-    assert f"training stopped before its first checkpoint: {run} is as it was" in proc.stderr
+    assert last_line(proc.stderr) == (
+        f"interrupted: {run} is as it was (no checkpoint was written yet)"
+    )
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert (run / "config.yaml").read_text() == config
     assert not list(run.glob(".previous.*"))
@@ -490,6 +491,7 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
                    "--set", "model.kwargs={steps: 3, error: runtime}")  # fmt: skip
     assert proc.returncode == 1 and "failed on purpose at training step 3" in proc.stderr
+    assert f"training stopped: {run} is as it was (no checkpoint was written yet)" in proc.stderr
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert (run / "config.yaml").read_text() == config
 
@@ -498,7 +500,8 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
                    "--set", f"model.kwargs={{steps: {steps}, error: interrupt}}")  # fmt: skip
     assert proc.returncode == 130, proc.stderr
-    assert f"continue it with `lightship train --run {run} --resume`" in proc.stderr
+    # the last line, not one above `interrupted`, says how to go on
+    assert last_line(proc.stderr) == f"interrupted: resume with `make train RESUME=1 RUN={run}`"
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["hyper_parameters"]["model_spec"]["name"].endswith("FailsWhileFitting")
     assert "FailsWhileFitting" in (run / "config.yaml").read_text()

@@ -78,6 +78,16 @@ def test_settings_lightning_checks_only_while_fitting_are_checked_here(
         load_config(None, [override])
 
 
+def test_an_accelerator_lightship_cannot_use_lists_the_ones_it_can() -> None:
+    # Lightning's own refusal of tpu said to install torch_xla, which would not make it work
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.accelerator=tpu"])
+    assert str(err.value) == (
+        "defaults + --set: 'trainer.accelerator' = 'tpu': Input should be 'auto', 'cpu', 'gpu' "
+        "or 'cuda'; fix it in the YAML or with --set trainer.accelerator=..."
+    )
+
+
 def test_set_without_equals() -> None:
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(None, ["trainer.max_epochs"])
@@ -136,8 +146,12 @@ def test_a_key_written_twice_is_refused(tmp_path: Path) -> None:
 def test_empty_yaml_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing yet\n")
-    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+    with pytest.raises(ConfigError, match="empty.yaml is empty: write the sections to change"):
         load_config(path)
+    # a run's own config.yaml, read by `train --resume`: the fix is the caller's
+    with pytest.raises(ConfigError) as err:
+        load_config(path, empty_fix="restore it")
+    assert str(err.value) == f"{path} is empty: restore it"
 
 
 def test_config_path_that_is_a_folder(tmp_path: Path) -> None:

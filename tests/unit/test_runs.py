@@ -1,17 +1,29 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from lightship import runs
-from lightship.errors import RunError
-from lightship.runs import RunDir, atomic_path, check_space, check_writable, sha256_file
+from lightship import __version__, runs
+from lightship.errors import RunBusyError, RunError
+from lightship.runs import (
+    RunDir,
+    atomic_path,
+    check_space,
+    check_writable,
+    lock_run,
+    sha256_file,
+)
 
 
 def test_atomic_path_leaves_old_file_on_failure(tmp_path: Path) -> None:
@@ -129,8 +141,87 @@ def test_a_checkpoint_entry_without_its_data_spec_is_a_run_error(tmp_path: Path)
     (tmp_path / "manifest.json").write_text(
         '{"schema": 1, "artifacts": {"checkpoint": {"file": "b"}}}'
     )
-    with pytest.raises(RunError, match="no data spec for its checkpoint: re-run `make train RUN="):
+    with pytest.raises(RunError) as err:
         run.data_spec()
+    assert str(err.value) == (
+        f"{run.manifest_path} is malformed (no data_spec in its checkpoint entry): delete it "
+        f"and re-run the stages, from `make train RUN={tmp_path}`"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "what"),
+    [
+        ({"source": "bogus"}, "data_spec.source = 'bogus': Input should be 'digits', 'folder' or"),
+        ({"image_size": "big"}, "data_spec.image_size = 'big': Input should be a valid integer"),
+    ],
+)
+def test_a_corrupt_data_spec_is_the_manifests_fault(
+    tmp_path: Path, spec: dict[str, object], what: str
+) -> None:
+    # it said "unknown data.source 'bogus': use digits, folder or npz", as if the config were
+    # wrong: the config is right, the manifest (read by quantize and report) is not
+    run = RunDir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_text("")
+    run.record("checkpoint", {"file": "best.ckpt", "data_spec": {"source": "digits", **spec}})
+    with pytest.raises(RunError) as err:
+        run.data_spec()
+    assert str(err.value).startswith(f"{run.manifest_path} is malformed (its checkpoint's {what}")
+    # deleted, resuming records the checkpoint entry again (a finished run trains nothing)
+    assert str(err.value).endswith(
+        f"): delete it and re-run the stages, from `make train RESUME=1 RUN={tmp_path}`"
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "name"),
+    [
+        ("file", "/etc/passwd"),
+        ("file", "../outside.onnx"),
+        ("file", "export/../../outside.onnx"),
+        ("file_ckpt", "/tmp/qat.ckpt"),
+    ],
+)
+def test_a_manifest_listing_a_file_outside_its_run_is_refused(
+    tmp_path: Path, field: str, name: str
+) -> None:
+    # report and serve hashed and loaded it: a run names only its own files
+    run = RunDir(tmp_path / "r")
+    run.root.mkdir()
+    run.manifest_path.write_text(
+        json.dumps({"schema": 1, "artifacts": {"odd": {"file": "x.onnx", field: name}}})
+    )
+    with pytest.raises(RunError) as err:
+        run.manifest()
+    assert str(err.value) == (
+        f"{run.manifest_path} is malformed (odd {field} {name!r} lies outside the run "
+        f"directory): delete it and re-run the stages, from `make train RUN={run.root}`"
+    )
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            99,
+            "was written by a newer lightship (manifest schema 99; lightship "
+            f"{__version__} reads schema 1): upgrade lightship to use this run",
+        ),
+        (0, "is malformed (schema 0, expected 1): delete it and re-run the stages, from"),
+        ("1", "is malformed (schema '1', expected 1): delete it"),
+        (True, "is malformed (schema True, expected 1): delete it"),
+        (None, "is malformed (schema None, expected 1): delete it"),
+    ],
+)
+def test_a_manifest_of_another_schema_is_refused(
+    tmp_path: Path, schema: object, message: str
+) -> None:
+    run = RunDir(tmp_path)
+    run.manifest_path.write_text(json.dumps({"schema": schema, "artifacts": {}}))
+    with pytest.raises(RunError) as err:
+        run.manifest()
+    assert str(err.value).startswith(f"{run.manifest_path} {message}")
 
 
 def _run_with_artifacts(root: Path) -> RunDir:
@@ -194,7 +285,8 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
     outside.write_text("not the run's")
     run = _run_with_artifacts(tmp_path / "r")
     (run.root / "logs").mkdir()  # empty before: not the discard's to remove
-    run.record("odd", {"file": "../outside.onnx"})
+    (run.root / "model.int8-static.onnx").symlink_to(outside)  # a link out of the run
+    run.record("odd", {"file": "model.int8-static.onnx"})
     assert run.discard_derived() == ["onnx-fp32", "onnx-int8-qat", "odd"]
     assert list(run.manifest()["artifacts"]) == ["checkpoint"]
     assert _files(run.root) == [
@@ -203,6 +295,7 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
         "config.yaml",
         "export/notes.txt",
         "manifest.json",
+        "model.int8-static.onnx",  # the link stays: what it points at is not the run's
     ]
     # the folders it emptied go, not export/ with the user's file in it, nor empty logs/
     assert sorted(p.name for p in run.root.iterdir() if p.is_dir()) == [
@@ -238,3 +331,103 @@ def test_a_checkpoint_that_cannot_be_written_raises_the_os_error(tmp_path: Path)
     assert err.value.errno == errno.EFBIG and err.value.filename == str(final)
     assert final.read_bytes() == b"the previous checkpoint"  # never half-written
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary left
+
+
+HOLD_LOCK = """
+import os, signal, sys
+from pathlib import Path
+from lightship.runs import lock_run
+with lock_run(Path(sys.argv[1]), "lightship quantize"):
+    print("held", flush=True)
+    sys.stdin.readline()  # until the test says
+    os.kill(os.getpid(), signal.SIGKILL)  # dies holding it
+"""
+
+
+def _free(root: Path) -> bool:
+    """Whether a new open file description of RUN/.lock can take the lock now."""
+    fd = os.open(root / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_run_locked_by_another_process_is_refused_at_once_naming_it(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(RunBusyError) as err, lock_run(tmp_path, "lightship train"):
+            pass
+        assert str(err.value) == (
+            f"{tmp_path} is in use by another lightship process (pid {holder.pid}, lightship "
+            "quantize): wait for it to finish, or stop it"
+        )
+    finally:
+        holder.communicate("go\n", timeout=30)
+    assert holder.returncode == -signal.SIGKILL
+    # the OS released the lock of the process that died holding it
+    with lock_run(tmp_path, "lightship train"):
+        assert json.loads((tmp_path / ".lock").read_text())["command"] == "lightship train"
+
+
+def test_the_lock_is_reentrant_and_released_on_the_way_out(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), lock_run(tmp_path, "lightship quantize"):
+        with lock_run(tmp_path, "lightship report"):  # quantize writing the report
+            assert not _free(tmp_path)
+        assert not _free(tmp_path)  # the outer holder still has it
+        raise RuntimeError("a stage crashed")
+    assert _free(tmp_path)
+
+
+def test_a_new_run_made_for_the_lock_goes_again_when_nothing_else_went_in(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "new"
+    with lock_run(run, "lightship train", create=True):
+        assert (run / ".lock").is_file()  # a config error, say: nothing written
+    assert not (tmp_path / "runs").exists()
+    with lock_run(run, "lightship train", create=True):
+        (run / "config.yaml").write_text("")
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml"]
+
+
+def test_no_lock_where_none_can_be_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a read-only run: reading needs no lock, and a writing stage's own check says what is wrong
+    real_open = os.open
+
+    def refuse(path: Path, *args: int) -> int:
+        if Path(path).name == ".lock":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args)
+
+    with lock_run(tmp_path / "missing", "lightship export"):
+        pass
+    assert not (tmp_path / "missing").exists()
+    monkeypatch.setattr(runs.os, "open", refuse)
+    with lock_run(tmp_path, "lightship report"):
+        pass
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_ddp_workers_leave_the_lock_to_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning re-runs `lightship train` for each worker while rank 0 holds the lock
+    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        with lock_run(tmp_path, "lightship train"):
+            pass
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        with pytest.raises(RunBusyError), lock_run(tmp_path, "lightship train"):
+            pass
+    finally:
+        os.close(holder)

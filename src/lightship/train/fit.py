@@ -39,7 +39,14 @@ from lightship.config import Config, dump_config, load_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
-from lightship.runs import RunDir, atomic_path, atomic_write_text, check_writable, sha256_file
+from lightship.runs import (
+    RunDir,
+    atomic_path,
+    atomic_write_text,
+    check_writable,
+    note_interrupt,
+    sha256_file,
+)
 from lightship.train.module import LitClassifier
 
 log = logging.getLogger(__name__)
@@ -208,7 +215,7 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
     try:
         return pl.Trainer(**kwargs)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as exc:
-        # ImportError: an accelerator whose package is missing (tpu needs torch_xla)
+        # ImportError: a strategy whose package is missing (deepspeed)
         raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
 
 
@@ -240,42 +247,42 @@ def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
     checkpoint of its own: until then the old ones wait in a hidden folder, and a failure (a
     setting Lightning refuses as fitting starts, Ctrl-C, a full disk) puts them back. A failure
     after the first checkpoint keeps the new ones, so `--resume` continues the new training.
-    `keep` (resuming): nothing is replaced. DDP workers leave the files to rank 0.
+    `keep` (resuming): nothing is replaced. DDP workers leave the files to rank 0. What the
+    user can do next is said on stderr, or, after Ctrl-C, in the CLI's last line.
     """
-    if keep or getattr(rank_zero_only, "rank", 0) != 0:
+    if getattr(rank_zero_only, "rank", 0) != 0:
         yield
         return
-    run.checkpoints.mkdir(parents=True, exist_ok=True)
-    stash = Path(tempfile.mkdtemp(prefix=".previous.", dir=run.root))
+    stash = None
+    if not keep:
+        run.checkpoints.mkdir(parents=True, exist_ok=True)
+        stash = Path(tempfile.mkdtemp(prefix=".previous.", dir=run.root))
     try:
-        for old in [*run.checkpoints.glob("*.ckpt"), run.config]:
-            if old.is_file():
-                os.replace(old, stash / old.name)
+        if stash is not None:
+            for old in [*run.checkpoints.glob("*.ckpt"), run.config]:
+                if old.is_file():
+                    os.replace(old, stash / old.name)
         try:
             yield
-        except BaseException:
-            if not run.last_ckpt.is_file():
+        except BaseException as exc:
+            if stash is not None and not run.last_ckpt.is_file():
                 for new in run.checkpoints.glob("*.ckpt"):
                     new.unlink()
                 for old in stash.iterdir():
                     os.replace(
                         old, run.config if old.suffix == ".yaml" else run.checkpoints / old.name
                     )
-                print(
-                    f"training stopped before its first checkpoint: {run.root} is as it was",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                what = f"{run.root} is as it was (no checkpoint was written yet)"
             else:
-                print(
-                    f"training stopped: continue it with `lightship train --run "
-                    f"{shlex.quote(str(run.root))} --resume`",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                what = f"resume with {run.train_command()}"
+            if isinstance(exc, KeyboardInterrupt):
+                note_interrupt(what)
+            else:
+                print(f"training stopped: {what}", file=sys.stderr, flush=True)
             raise
     finally:
-        shutil.rmtree(stash, ignore_errors=True)
+        if stash is not None:
+            shutil.rmtree(stash, ignore_errors=True)
 
 
 def _own_best(run: RunDir, best_model_path: str) -> Path:
