@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightship.config import Config, load_config
 from lightship.errors import ConfigError
@@ -20,6 +21,10 @@ def test_digits_yaml_is_the_defaults_written_out() -> None:
     # digits.yaml lists every key; it must not drift from the defaults in config.py
     # except where it says so (accelerator auto is the default too).
     assert load_config(CONFIGS / "digits.yaml") == Config()
+    written = yaml.safe_load((CONFIGS / "digits.yaml").read_text())
+    for section, keys in Config().model_dump().items():
+        missing = set(keys) - set(written[section]) if isinstance(keys, dict) else set()
+        assert not missing, f"digits.yaml leaves out {section}: {sorted(missing)}"
 
 
 def test_dotted_overrides_are_typed() -> None:
