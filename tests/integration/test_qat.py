@@ -318,6 +318,6 @@ def test_a_run_error_inside_qat_keeps_its_own_fix(
     run = tmp_path / "corrupt"
     shutil.copytree(exported_run, run)
     with pytest.raises(RunError) as err:
-        quantize(RunDir(run), "qat", on_error=pytest.fail)
+        quantize(RunDir(run), "qat", on_error=lambda method, exc: pytest.fail(f"{method}: {exc}"))
     assert err.value is refused
     no_leftovers(run)
