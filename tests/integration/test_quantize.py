@@ -396,7 +396,7 @@ def test_a_model_cut_short_is_a_full_disk_only_when_the_disk_is_full(
 
     run = tmp_path / "filled"
     shutil.copytree(exported_run, run)
-    filled = []
+    filled: list[Path] = []
     _free_space(monkeypatch, lambda: 10**12 if room or not filled else 0)
 
     def cut_short(pre: Path, out: Path) -> list[str]:
@@ -456,7 +456,8 @@ def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(
                 shutil.copy(static, trial)
                 pooled = q._gemm_convs(trial, acc)
             assert pooled is not None and pooled["short_batch_threads"] > 1
-            assert pooled["kept"] is False  # its runs are far below the floor
+            assert pooled["kept"] is False  # its runs are far below the floor, and it says so
+            assert pooled["not_kept"].startswith("a batch-1 run takes"), pooled
             assert pooled["batch1_p50_ms"]["direct"] < core.SPIN_MIN_RUN_MS
         monkeypatch.setattr(core, "SPIN_MIN_RUN_MS", 0.0)
         before = onnx.load(str(static)).graph
@@ -466,7 +467,7 @@ def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(
     finally:
         q.close()
     assert e is not None and e["convs"] == convs and e["accuracy"] == acc  # bit-exact rewrite
-    assert e["kept"] == rule(e)
+    assert e["kept"] == rule(e) and ("not_kept" in e) != e["kept"]
     model = onnx.load(str(static))
     zero_points = [
         onnx.numpy_helper.to_array(t)

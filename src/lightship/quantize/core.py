@@ -463,14 +463,31 @@ class Quantizer:
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
         cand_acc, _ = _accuracy(routed_model, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
-        long_enough = run_ms >= SPIN_MIN_RUN_MS or short_threads == 1
-        kept = long_enough and gain > 1.05 and gemm_ms <= run_ms and cand_acc == acc
+        # the first rule this candidate breaks; "" when it is kept
+        not_kept = next(
+            (
+                why
+                for broken, why in (
+                    (
+                        run_ms < SPIN_MIN_RUN_MS and short_threads > 1,
+                        f"a batch-1 run takes {run_ms:.3f} ms, under {SPIN_MIN_RUN_MS} ms, on "
+                        f"{short_threads} threads that would spin",
+                    ),
+                    (gain <= 1.05, f"{gain:.2f}x is not over 1.05x"),
+                    (gemm_ms > run_ms, f"slower at batch 1: {gemm_ms:.3f} against {run_ms:.3f} ms"),
+                    (cand_acc != acc, f"accuracy {cand_acc:.4f} against {acc:.4f}"),
+                )
+                if broken
+            ),
+            "",
+        )
+        kept = not not_kept
         _settle(candidate, current, kept)
         log.info(
             "deep convs on ORT's GEMM: %.0f img/s against %.0f direct at batch 64: %s",
             gemm.throughput_per_s,
             direct.throughput_per_s,
-            "kept" if kept else "not kept",
+            "kept" if kept else f"not kept ({not_kept})",
         )
         return {
             "convs": routed,
@@ -483,6 +500,7 @@ class Quantizer:
             "speedup": round(gain, 3),
             "accuracy": cand_acc,
             "kept": kept,
+            **({"not_kept": not_kept} if not_kept else {}),
         }
 
     def dynamic(self) -> Variant:
