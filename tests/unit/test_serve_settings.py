@@ -95,13 +95,19 @@ def make_run(tmp_path: Path, variants: dict[str, dict[str, Any]]) -> Path:
     return run
 
 
-def test_auto_takes_the_report_recommendation_else_fp32(tmp_path: Path) -> None:
+def test_auto_takes_the_report_recommendation_else_fp32(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}, "onnx-int8-static": {"target": "avx2"}})
     chosen = choose(ServeSettings(run=run))
     assert (chosen.variant, chosen.name, chosen.path) == (
         "onnx-fp32",
         "my-run",
         run / "export/onnx-fp32.onnx",
+    )
+    # the int8 model is left unserved out loud, with how to have it chosen
+    assert f"no report to choose between them: serving onnx-fp32; `make report RUN={run}`" in (
+        caplog.text
     )
     (run / "report").mkdir()
     (run / "report" / "report.json").write_text(

@@ -58,6 +58,14 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     made again since; a warning when it only predates other variants."""
     path = run.report_dir / "report.json"
     if not path.is_file():
+        if any(name.startswith("onnx-int8-") for name in artifacts):
+            log.warning(
+                "%s has int8 variants but no report to choose between them: serving %s; "
+                "`make report RUN=%s` measures them and recommends one",
+                run.root,
+                DEFAULT_VARIANT,
+                run.root,
+            )
         return DEFAULT_VARIANT
     try:
         report = json.loads(path.read_text())
