@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # Images live in RAM as uint8 tensors: worker processes only add IPC (see `lightship bench train`).
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
+# checkpoints/ keeps a run's earlier checkpoints on purpose: a resumed run continues from them,
+# and a retrained one keeps them until its own first checkpoint is written.
+warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
 
 
 def _input_spec(cfg: Config, mean: list[float], std: list[float]) -> dict[str, Any]:
