@@ -275,7 +275,13 @@ def report(
             f"recommended: {best['name']}: x eager {speedup(best, 'eager')}, x ONNX fp32 "
             f"{speedup(best, 'onnx_fp32')} (medians; in brackets the middle half of the rounds)"
         )
-    print(f"next: make serve RUN={_q(run)}")
+    if best is None:  # `serve`'s auto would refuse this report
+        print(
+            f"next: report.md says why none is recommended; serve one by name: "
+            f"make serve RUN={_q(run)} SERVE_ARGS='--variant onnx-fp32'"
+        )
+    else:
+        print(f"next: make serve RUN={_q(run)}")
 
 
 @bench_app.command("train")
@@ -340,11 +346,18 @@ def main() -> None:
         )
         sys.exit(1)
     except OSError as exc:
+        written = exc.filename or "a file"
+        if exc.errno == errno.EFBIG:
+            print(
+                f"error: writing {written} went past the largest file this process may write: "
+                "raise the limit (`ulimit -f unlimited`) and run again",
+                file=sys.stderr,
+            )
+            sys.exit(1)
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise  # anything else is a bug: keep its traceback
         print(
-            f"error: no space left on the device writing {exc.filename or 'a file'}: "
-            "make room and run again",
+            f"error: no space left on the device writing {written}: make room and run again",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -279,6 +279,20 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     )
 
 
+def test_a_report_that_recommends_nothing_says_how_to_serve_anyway(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "not_exported"  # eager alone: nothing to recommend, so auto would refuse
+    shutil.copytree(tiny_run, run)
+    proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)
+    lines = proc.stdout.splitlines()
+    assert lines[-2:] == [
+        "recommended: none",
+        "next: report.md says why none is recommended; serve one by name: "
+        f"make serve RUN={run} SERVE_ARGS='--variant onnx-fp32'",
+    ]
+
+
 def test_report_command_names_the_recommendation_with_its_spread(
     quantized: Path, tmp_path: Path
 ) -> None:

@@ -156,6 +156,22 @@ def test_a_full_disk_is_one_line(
     )
 
 
+def test_a_file_size_limit_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def invoke() -> int:  # what a write past `ulimit -f` raises (Python ignores SIGXFSZ)
+        raise OSError(errno.EFBIG, "File too large", "runs/x/checkpoints/.last.ckpt.tmp")
+
+    monkeypatch.setattr(cli, "_invoke", invoke)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == (
+        "error: writing runs/x/checkpoints/.last.ckpt.tmp went past the largest file this "
+        "process may write: raise the limit (`ulimit -f unlimited`) and run again\n"
+    )
+
+
 def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def invoke() -> int:
         raise ConnectionResetError(104, "Connection reset by peer")
