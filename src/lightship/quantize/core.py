@@ -57,9 +57,10 @@ INT8_OPS = {
     "MatMulIntegerToFloat",
 }
 # Threads spinning inside a run pay only when a run is long against the HTTP work between runs
-# (README, "AMX"): ResNet-18 at 1.6 ms gained 18 % served one request at a time, digits at
-# 0.1 ms lost 30 %. Only a multi-thread session has threads to spin: a model whose short
-# batches run on one thread (`OrtPredictor.short_batch_threads`) needs no floor.
+# (docs/PERFORMANCE.md, "ONNX Runtime's AMX kernels"): ResNet-18 at 1.6 ms gained 18 % served
+# one request at a time, digits at 0.1 ms lost 30 %. Only a multi-thread session has threads
+# to spin: a model whose short batches run on one thread (`OrtPredictor.short_batch_threads`)
+# needs no floor.
 SPIN_MIN_RUN_MS = 0.5
 AB_BATCH = 64  # the batch at which a candidate model is timed against the current one
 FLOAT_OPS = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm"}

@@ -56,7 +56,8 @@ def session_options(
     that sleeps between the parallel sections of one run wakes through the kernel for each.
     That cost ResNet-18 on ORT's AMX GEMM a quarter of its served throughput, yet made the
     tiny digits model 30 % slower served one request at a time, where the spinning worker
-    takes the core the HTTP side needs between short runs (README, "AMX").
+    takes the core the HTTP side needs between short runs (docs/PERFORMANCE.md, "ONNX
+    Runtime's AMX kernels").
     """
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or physical_cores()

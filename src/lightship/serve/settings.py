@@ -65,7 +65,8 @@ class ServeSettings(BaseSettings):
     # Triton's instance count. Two one-thread instances served the routed ResNet-18 on the Xeon
     # 28 % faster than one two-thread instance at 16 connections, but one request alone then
     # gets one thread (-12 % at 1 connection); `split_batches` gets that throughput inside one
-    # instance and keeps the two threads for a lone request (README, "Serving on the Xeon").
+    # instance and keeps the two threads for a lone request (docs/PERFORMANCE.md, "Two
+    # one-thread instances").
     instances: int = Field(
         1, ge=1, le=64, description="model instances: batches computed at the same time"
     )
