@@ -348,6 +348,22 @@ def test_a_new_best_checkpoint_is_hashed_once(
     assert manifest(run)["checkpoint"]["sha256"] == sha256_file(run / "best.ckpt")
 
 
+def test_resuming_a_finished_run_without_its_manifest_records_it_and_trains_nothing(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "lost_manifest"
+    shutil.copytree(tiny_run, run)
+    entry = manifest(run)["checkpoint"]
+    (run / "manifest.json").unlink()
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert f"nothing to train: {run} already finished 4 epochs (step 40); its best.ckpt is " in (
+        proc.stdout
+    )
+    assert "trained digits_cnn" not in proc.stdout
+    again = manifest(run)["checkpoint"]
+    assert (again["sha256"], again["global_step"]) == (entry["sha256"], entry["global_step"])
+
+
 def test_resuming_a_finished_run_keeps_its_exports_and_report(
     exported_run: Path, tmp_path: Path
 ) -> None:

@@ -433,7 +433,8 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             tmp.write_bytes(best.read_bytes())
         if unchanged:
             print(f"best.ckpt restored from {run.relative(best)}", flush=True)
-    if unchanged and resumed is not None and trainer.global_step == resumed_from_step:
+    trained_nothing = resumed is not None and trainer.global_step == resumed_from_step
+    if unchanged and trained_nothing:
         print(
             f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
             f"(step {trainer.global_step}); best.ckpt, exports, quantized models and report "
@@ -480,9 +481,15 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             "report kept",
             flush=True,
         )
+    done = (  # a finished run whose manifest lost its checkpoint entry: recorded again
+        f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs (step "
+        f"{trainer.global_step}); its best.ckpt is recorded in manifest.json again"
+        if trained_nothing
+        else f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
+        f"epochs, step {trainer.global_step})"
+    )
     print(
-        f"\ntrained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} epochs, "
-        f"step {trainer.global_step}): test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
+        f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
         f"next: make export RUN={shlex.quote(str(run.root))}   "
         f"(or `lightship export --run {shlex.quote(str(run.root))}`)",
