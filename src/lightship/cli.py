@@ -240,7 +240,7 @@ def report(
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import speedup
+    from lightship.report.render import speedup, why_none
     from lightship.runs import RunDir
 
     with lock_run(run, "lightship report"):
@@ -276,10 +276,11 @@ def report(
             f"{speedup(best, 'onnx_fp32')} (medians; in brackets the middle half of the rounds)"
         )
     if best is None:  # `serve`'s auto would refuse this report
-        print(
-            f"next: report.md says why none is recommended; serve one by name: "
-            f"make serve RUN={_q(run)} SERVE_ARGS='--variant onnx-fp32'"
-        )
+        print(f"why none: {why_none(r)}")
+        if any(v["recommendable"] for v in r["variants"]):
+            print(f"next: serve one by name: make serve RUN={_q(run)} SERVE_ARGS='--variant ...'")
+        else:
+            print(f"next: make export RUN={_q(run)}, then make report RUN={_q(run)}")
     else:
         print(f"next: make serve RUN={_q(run)}")
 

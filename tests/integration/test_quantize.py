@@ -279,6 +279,29 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     )
 
 
+def test_quantize_on_a_read_only_run_is_one_line(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only file system (root ignores chmod, so simulated): the run's own writability
+    check speaks before quantize makes its work folder there (an OSError traceback before)."""
+    import errno
+    import tempfile
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    run = tmp_path / "ro"
+    shutil.copytree(exported_run, run)
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(RunError) as err:
+        quantize(RunDir(run), "static")
+    assert str(err.value) == (
+        f"cannot write {run / 'manifest.json'}: Read-only file system: check the path and its "
+        "permissions"
+    )
+
+
 def test_a_report_that_recommends_nothing_says_how_to_serve_anyway(
     tiny_run: Path, tmp_path: Path
 ) -> None:
@@ -286,10 +309,40 @@ def test_a_report_that_recommends_nothing_says_how_to_serve_anyway(
     shutil.copytree(tiny_run, run)
     proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)
     lines = proc.stdout.splitlines()
-    assert lines[-2:] == [
+    why = (
+        "nothing that can be served was measured (eager PyTorch is only the reference): export "
+        "the run, then report again"
+    )
+    assert lines[-3:] == [
         "recommended: none",
-        "next: report.md says why none is recommended; serve one by name: "
-        f"make serve RUN={run} SERVE_ARGS='--variant onnx-fp32'",
+        f"why none: {why}",
+        f"next: make export RUN={run}, then make report RUN={run}",
+    ]
+    assert f"Why none: {why}." in (run / "report" / "report.md").read_text()
+
+
+def test_a_report_names_a_listed_variant_whose_file_is_gone(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "gone"
+    shutil.copytree(exported_run, run)
+    (run / "export" / "model.ts").unlink()
+    proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)
+    assert (
+        "torchscript is listed in the manifest but export/model.ts is gone: not measured; "
+        f"`lightship export --run {run} --formats torchscript` makes it again"
+    ) in proc.stderr
+    names = [v["name"] for v in json.loads((run / "report/report.json").read_text())["variants"]]
+    assert "torchscript" not in names and "onnx-fp32" in names
+
+
+def test_a_report_where_nothing_passes_the_gate_says_so(exported_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "gate"
+    shutil.copytree(exported_run, run)
+    proc = run_cli("report", "--run", str(run), "--rounds", "2", "--gate", "1.1", check=True)
+    assert proc.stdout.splitlines()[-2:] == [
+        "why none: none of torchscript, onnx-fp32 kept 1.1 of fp32's accuracy (the gate)",
+        f"next: serve one by name: make serve RUN={run} SERVE_ARGS='--variant ...'",
     ]
 
 

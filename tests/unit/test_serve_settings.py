@@ -153,6 +153,15 @@ def test_a_report_older_than_the_manifest_says_what_changed_and_how_to_serve(
             choose(ServeSettings(run=run))
         assert str(err.value) == f"{report} {message}"
         assert choose(ServeSettings(run=run, variant="onnx-fp32")).variant == "onnx-fp32"
+    # A listed variant whose file is gone was never measurable: no warning, and no refusal.
+    (run / "export" / "onnx-int8-static.onnx").unlink()
+    report.write_text(
+        json.dumps({"recommended": "onnx-fp32", "variants": measured(run, **{"onnx-fp32": 100})})
+    )
+    caplog.clear()
+    assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
+    assert "older than" not in caplog.text
+    handmade_onnx(run / "export" / "onnx-int8-static.onnx", bias=16.0)
     # Older than a variant it does not recommend: its recommendation is served, with a warning.
     report.write_text(
         json.dumps({"recommended": "onnx-fp32", "variants": measured(run, **{"onnx-fp32": 100})})
@@ -260,3 +269,14 @@ def test_a_model_routed_to_the_amx_gemm_is_served_elsewhere_with_a_warning(
     amx = CpuInfo("test AMX CPU", "x86_64", VNNI.flags | {"amx_int8"})
     verify(model, "refuse", cpu=amx)
     assert "AMX" not in caplog.text
+
+
+def test_a_report_with_nothing_to_serve_says_export_first(tmp_path: Path) -> None:
+    run = make_run(tmp_path, {})
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text(json.dumps({"recommended": None, "variants": []}))
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run))
+    assert str(err.value).endswith(
+        f"has none to serve yet: run `make export RUN={run}`, then `make report RUN={run}`"
+    )

@@ -260,6 +260,8 @@ class Quantizer:
                     raise
                 raise RunError(f"{exc}, or quantize without QAT: --methods {others}") from None
         _check_room(run, qat="qat" in methods)
+        # before its work folder goes into the run: a read-only run is this one line
+        check_writable(run.manifest_path)
         self.cpu = isa.host_cpu()
         self.splits = load_splits(DataSpec.from_dict(run.data_spec()))
         self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
@@ -626,7 +628,7 @@ def quantize(
     with _cut_short_by_a_full_disk(run, qat="qat" in chosen):
         q = Quantizer(run, target, settings, chosen)
         try:
-            check_writable(run.manifest_path, *(run.quantize_dir / FILENAMES[m] for m in chosen))
+            check_writable(*(run.quantize_dir / FILENAMES[m] for m in chosen))
             for method in chosen:
                 try:
                     variants.append(getattr(q, method)())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ VARIANTS = (
     "onnx-int8-qat",
 )
 MANIFEST_KEY = {"eager": "checkpoint"}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,14 +35,23 @@ class Candidate:
 
 
 def candidates(run: RunDir, threads: int) -> list[Candidate]:
-    """Every variant of VARIANTS whose file exists, loaded with `threads` threads."""
+    """Every variant of VARIANTS whose file exists, loaded with `threads` threads. A listed
+    variant whose file is gone is left out with a warning that says how to make it again."""
     artifacts = run.manifest()["artifacts"]
     found = []
     for name in VARIANTS:
         entry = artifacts.get(MANIFEST_KEY.get(name, name))
-        if entry is None or not (run.root / entry["file"]).is_file():
+        if entry is None:
             continue
         path = run.root / entry["file"]
+        if not path.is_file():
+            log.warning(
+                "%s is listed in the manifest but %s is gone: not measured; %s makes it again",
+                name,
+                run.relative(path),
+                remake_command(run, name),
+            )
+            continue
         fix = f"it changed after `lightship` wrote it; re-run {remake_command(run, name)}"
         check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))

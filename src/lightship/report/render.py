@@ -87,6 +87,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Recommended (fastest at batch {r['batch']} that passes the gate): "
         f"**{r['recommended'] or 'none'}** ★"
     )
+    if r["recommended"] is None:
+        lines.append(f"\nWhy none: {why_none(r)}.")
     kept = [(v["name"], v["nodes_fp32"]) for v in r["variants"] if v["nodes_fp32"]]
     for name, nodes in kept:
         lines.append(f"\nNodes kept in fp32 by the accuracy fallback in {name}: {', '.join(nodes)}")
@@ -171,3 +173,14 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def why_none(r: dict[str, Any]) -> str:
+    """Why a report recommends no variant, for report.md and the CLI."""
+    servable = [v["name"] for v in r["variants"] if v["recommendable"]]
+    if not servable:
+        return (
+            "nothing that can be served was measured (eager PyTorch is only the reference): "
+            "export the run, then report again"
+        )
+    return f"none of {', '.join(servable)} kept {r['gate']} of fp32's accuracy (the gate)"

@@ -82,16 +82,23 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     )
     # Recorded after the report: no variant it measured had their file and size. (A file that
     # differs from its manifest entry is for `verify` to say.)
-    unmeasured = [
+    unmeasured = [  # (a listed file that is gone cannot be measured, nor served)
         name
         for name, entry in artifacts.items()
-        if "bytes" in entry and (str(entry.get("file")), entry["bytes"]) not in measured
+        if "bytes" in entry
+        and (str(entry.get("file")), entry["bytes"]) not in measured
+        and (run.root / str(entry.get("file"))).is_file()
     ]
     if not isinstance(recommended, str) or not recommended:
         if unmeasured:
             raise RunError(
                 f"{path} recommends no variant, but it is older than {', '.join(unmeasured)} "
                 f"(made or replaced since): {fix}"
+            )
+        if DEFAULT_VARIANT not in artifacts:
+            raise RunError(
+                f"{path} recommends no variant: {run.root} has none to serve yet: run `make "
+                f"export RUN={run.root}`, then `make report RUN={run.root}`"
             )
         raise RunError(
             f"{path} recommends no variant: each one it measured failed the accuracy gate or "
