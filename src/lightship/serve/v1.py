@@ -136,7 +136,8 @@ def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image"
             )
         if im.format in ("JPEG", "MPO"):
             im.draft(mode, (w, h))  # let the JPEG decoder downscale by 2/4/8: far less work
-        im = _as_seen(im, filename)
+        im.load()  # decoded first: a PNG's EXIF may follow its pixels, and a cut-short file
+        im = _as_seen(im, filename)  # is a broken image, not broken EXIF
         if im.mode in ("I", "I;16", "I;16B", "I;16L"):
             # 16-bit grayscale PNG: Pillow's convert("L") clips at 255 instead of scaling.
             wide = np.asarray(im, dtype=np.float32)
