@@ -231,9 +231,16 @@ def _lock_holder(fd: int) -> str:
     (the holder may not have written it yet)."""
     try:
         info = json.loads(os.pread(fd, 4096, 0))
-        return f" (pid {int(info['pid'])}, {info['command']})"
+        pid = int(info["pid"])
     except (OSError, ValueError, TypeError, KeyError):
         return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # its forked workers (DataLoader) still hold the lock's file
+        return f" (pid {pid}, {info.get('command')}, now exiting)"
+    except OSError:
+        pass
+    return f" (pid {pid}, {info.get('command')})"
 
 
 def _acquire(root: Path, create: bool) -> int | None:

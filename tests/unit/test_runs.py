@@ -371,6 +371,13 @@ def test_a_run_locked_by_another_process_is_refused_at_once_naming_it(tmp_path: 
             f"{tmp_path} is in use by another lightship process (pid {holder.pid}, lightship "
             "quantize): wait for it to finish, or stop it"
         )
+        # the pid it names has died, and a child it forked (a DataLoader worker) holds on
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        (tmp_path / ".lock").write_text(json.dumps({"pid": gone.pid, "command": "lightship x"}))
+        with pytest.raises(RunBusyError) as err, lock_run(tmp_path, "lightship train"):
+            pass
+        assert f"(pid {gone.pid}, lightship x, now exiting): wait for it" in str(err.value)
     finally:
         holder.communicate("go\n", timeout=30)
     assert holder.returncode == -signal.SIGKILL
