@@ -303,6 +303,16 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
+def remake_command(run: RunDir, name: str) -> str:
+    """The command that makes variant `name` of `run` again, quoted for a message (here, not in
+    the report: serving needs it and must not import the report's onnx)."""
+    if name == "eager":
+        return run.train_command()
+    if name.startswith("onnx-int8-"):
+        return f"`lightship quantize --run {run.root} --methods {name.removeprefix('onnx-int8-')}`"
+    return f"`lightship export --run {run.root} --formats {name.removesuffix('-fp32')}`"
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lightship.runs import RunDir, check_recorded
+from lightship.runs import RunDir, check_recorded, remake_command
 from lightship.runtime import Predictor, load_predictor
 
 # Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
@@ -56,15 +56,6 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
         check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
     return found
-
-
-def remake_command(run: RunDir, name: str) -> str:
-    """The command that makes variant `name` of `run` again, quoted for a message."""
-    if name == "eager":
-        return run.train_command()
-    if name.startswith("onnx-int8-"):
-        return f"`lightship quantize --run {run.root} --methods {name.removeprefix('onnx-int8-')}`"
-    return f"`lightship export --run {run.root} --formats {name.removesuffix('-fp32')}`"
 
 
 def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:

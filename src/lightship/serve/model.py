@@ -14,8 +14,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.report.evaluate import remake_command
-from lightship.runs import RunDir, check_recorded, enclosing_run
+from lightship.runs import RunDir, check_recorded, enclosing_run, remake_command
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
