@@ -303,16 +303,6 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
-def remake_command(run: RunDir, name: str) -> str:
-    """The command that makes variant `name` of `run` again, quoted for a message (here, not in
-    the report: serving needs it and must not import the report's onnx)."""
-    if name == "eager":
-        return run.train_command()
-    if name.startswith("onnx-int8-"):
-        return f"`lightship quantize --run {run.root} --methods {name.removeprefix('onnx-int8-')}`"
-    return f"`lightship export --run {run.root} --formats {name.removesuffix('-fp32')}`"
-
-
 @dataclass(frozen=True)
 class RunDir:
     root: Path
@@ -366,6 +356,15 @@ class RunDir:
             return f"`make train RESUME=1 RUN={self.root}`"
         config = self.root / "config.yaml"
         return f"`make train RUN={self.root}{f' CONFIG={config}' if config.is_file() else ''}`"
+
+    def remake_command(self, variant: str) -> str:
+        """The command that makes `variant` of this run again, quoted for a message."""
+        if variant == "eager":
+            return self.train_command()
+        if variant.startswith("onnx-int8-"):
+            method = variant.removeprefix("onnx-int8-")
+            return f"`lightship quantize --run {self.root} --methods {method}`"
+        return f"`lightship export --run {self.root} --formats {variant.removesuffix('-fp32')}`"
 
     def require_checkpoint(self) -> Path:
         if not self.root.is_dir():

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lightship.runs import RunDir, check_recorded, remake_command
+from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
 
 # Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
@@ -49,10 +49,10 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
                 "%s is listed in the manifest but %s is gone: not measured; %s makes it again",
                 name,
                 run.relative(path),
-                remake_command(run, name),
+                run.remake_command(name),
             )
             continue
-        fix = f"it changed after `lightship` wrote it; re-run {remake_command(run, name)}"
+        fix = f"it changed after `lightship` wrote it; re-run {run.remake_command(name)}"
         check_recorded(path, entry, fix)
         found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
     return found

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded, enclosing_run, remake_command
+from lightship.runs import RunDir, check_recorded, enclosing_run
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
@@ -198,7 +198,7 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     if entry is None:
         return
     root = enclosing_run(model.path)
-    remake = remake_command(RunDir(root), model.variant) if root else "the stage that wrote it"
+    remake = RunDir(root).remake_command(model.variant) if root else "the stage that wrote it"
     check_recorded(model.path, entry, f"it changed after it was recorded; re-run {remake}")
     made_for = entry.get("target")
     if not made_for:
