@@ -467,23 +467,19 @@ class Quantizer:
         cand_acc, _ = _accuracy(routed_model, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
         # the first rule this candidate breaks; "" when it is kept
-        not_kept = next(
-            (
-                why
-                for broken, why in (
-                    (
-                        run_ms < SPIN_MIN_RUN_MS and short_threads > 1,
-                        f"a batch-1 run takes {run_ms:.3f} ms, under {SPIN_MIN_RUN_MS} ms, on "
-                        f"{short_threads} threads that would spin",
-                    ),
-                    (gain <= 1.05, f"{gain:.2f}x is not over 1.05x"),
-                    (gemm_ms > run_ms, f"slower at batch 1: {gemm_ms:.3f} against {run_ms:.3f} ms"),
-                    (cand_acc != acc, f"accuracy {cand_acc:.4f} against {acc:.4f}"),
-                )
-                if broken
-            ),
-            "",
-        )
+        if run_ms < SPIN_MIN_RUN_MS and short_threads > 1:
+            not_kept = (
+                f"a batch-1 run takes {run_ms:.3f} ms, under {SPIN_MIN_RUN_MS} ms, on "
+                f"{short_threads} threads that would spin"
+            )
+        elif gain <= 1.05:
+            not_kept = f"{gain:.2f}x is not over 1.05x"
+        elif gemm_ms > run_ms:
+            not_kept = f"slower at batch 1: {gemm_ms:.3f} against {run_ms:.3f} ms"
+        elif cand_acc != acc:
+            not_kept = f"accuracy {cand_acc:.4f} against {acc:.4f}"
+        else:
+            not_kept = ""
         kept = not not_kept
         _settle(candidate, current, kept)
         log.info(

@@ -434,13 +434,12 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         if unchanged:
             print(f"best.ckpt restored from {run.relative(best)}", flush=True)
     trained_nothing = resumed is not None and trainer.global_step == resumed_from_step
+    finished = (
+        f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
+        f"(step {trainer.global_step})"
+    )
     if unchanged and trained_nothing:
-        print(
-            f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
-            f"(step {trainer.global_step}); best.ckpt, exports, quantized models and report "
-            "kept",
-            flush=True,
-        )
+        print(f"{finished}; best.ckpt, exports, quantized models and report kept", flush=True)
         return run
     loaded = load_checkpoint(run.best_ckpt)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
@@ -482,8 +481,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
             flush=True,
         )
     done = (  # a finished run whose manifest lost its checkpoint entry: recorded again
-        f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs (step "
-        f"{trainer.global_step}); its best.ckpt is recorded in manifest.json again"
+        f"{finished}; its best.ckpt is recorded in manifest.json again"
         if trained_nothing
         else f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
         f"epochs, step {trainer.global_step})"
