@@ -140,36 +140,36 @@ def test_unwritable_paths_are_one_line(
     )
 
 
-def test_a_full_disk_is_one_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "runs/x/report/.pareto.tmp.png"),
+            "error: no space left on the device writing runs/x/report/.pareto.tmp.png: "
+            "make room and run again\n",
+        ),
+        (  # what a write past `ulimit -f` raises (Python ignores SIGXFSZ)
+            OSError(errno.EFBIG, "File too large", "runs/x/checkpoints/.last.ckpt.tmp"),
+            "error: writing runs/x/checkpoints/.last.ckpt.tmp went past the largest file this "
+            "process may write: raise the limit (`ulimit -f unlimited`) and run again\n",
+        ),
+    ],
+    ids=["full disk", "file size limit"],
+)
+def test_a_disk_that_takes_no_more_is_one_line(
+    error: OSError,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def invoke() -> int:
-        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/report/.pareto.tmp.png")
+        raise error
 
     monkeypatch.setattr(cli, "_invoke", invoke)
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 1
-    assert capsys.readouterr().err == (
-        "error: no space left on the device writing runs/x/report/.pareto.tmp.png: "
-        "make room and run again\n"
-    )
-
-
-def test_a_file_size_limit_is_one_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    def invoke() -> int:  # what a write past `ulimit -f` raises (Python ignores SIGXFSZ)
-        raise OSError(errno.EFBIG, "File too large", "runs/x/checkpoints/.last.ckpt.tmp")
-
-    monkeypatch.setattr(cli, "_invoke", invoke)
-    with pytest.raises(SystemExit) as stop:
-        cli.main()
-    assert stop.value.code == 1
-    assert capsys.readouterr().err == (
-        "error: writing runs/x/checkpoints/.last.ckpt.tmp went past the largest file this "
-        "process may write: raise the limit (`ulimit -f unlimited`) and run again\n"
-    )
+    assert capsys.readouterr().err == message
 
 
 def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
