@@ -259,6 +259,25 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
 
 
+def test_data_moved_after_training_says_to_put_it_back(exported_run: Path, tmp_path: Path) -> None:
+    # quantize and report take no --set: "set data.path" would name a fix they cannot take
+    run = tmp_path / "moved"
+    shutil.copytree(exported_run, run)
+    gone = tmp_path / "gone.npz"
+    rd = RunDir(run)
+    entry = rd.artifact("checkpoint")
+    assert entry is not None
+    spec = {**entry["data_spec"], "source": "npz", "path": str(gone)}
+    rd.record("checkpoint", {**entry, "data_spec": spec})
+    for stage in ("quantize", "report"):
+        proc = run_cli(stage, "--run", str(run))
+        assert proc.returncode == 3, proc.stderr
+        assert last_line(proc.stderr) == (
+            f"error: npz file {gone}, which this run was trained on, does not exist: put the "
+            "data back at that path (a symlink to its new place will do) and run again"
+        )
+
+
 def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     quantized: Path, tmp_path: Path
 ) -> None:

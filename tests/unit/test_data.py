@@ -91,6 +91,22 @@ def test_missing_and_empty_folder_name_the_path(tmp_path: Path) -> None:
         load_splits(DataSpec(source="folder", path=str(tmp_path / "empty")))
 
 
+def test_recorded_data_that_moved_is_to_be_put_back(tmp_path: Path) -> None:
+    # export, quantize and report read the run's recorded spec: they take no --set data.path
+    make_folder(tmp_path / "moved")
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
+    with pytest.raises(DataError) as err:
+        load_splits(spec, recorded=True)
+    assert str(err.value) == (
+        f"image folder {tmp_path / 'imgs'}, which this run was trained on, does not exist: put "
+        "the data back at that path (a symlink to its new place will do) and run again"
+    )
+    (tmp_path / "imgs").symlink_to(tmp_path / "moved")
+    assert load_splits(spec, recorded=True).labels == ["cat", "dog"]
+    with pytest.raises(DataError, match=r"npz file .*gone\.npz, which this run was trained on"):
+        load_splits(DataSpec(source="npz", path=str(tmp_path / "gone.npz")), recorded=True)
+
+
 def test_corrupt_image_names_the_file(tmp_path: Path) -> None:
     make_folder(tmp_path / "imgs")
     bad = tmp_path / "imgs" / "dog" / "broken.png"

@@ -238,16 +238,27 @@ def stratified_split(
     return train, val, test
 
 
-def load_splits(spec: DataSpec) -> Splits:
+def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
+    """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
+    later stages (export, quantize, report) read and take no --set to change: data no longer at
+    its path is to be put back there."""
     if spec.source == "digits":
         x, y, labels = _digits()
     elif spec.source in ("folder", "npz"):
         if not spec.path:
             raise DataError(f"data.source={spec.source} needs data.path (--set data.path=...)")
-        if spec.source == "folder":
-            x, y, labels = _folder(Path(spec.path), spec.channels, spec.image_size)
+        path = Path(spec.path)
+        folder = spec.source == "folder"
+        if recorded and not (path.is_dir() if folder else path.is_file()):
+            raise DataError(
+                f"{'image folder' if folder else 'npz file'} {path}, which this run was trained "
+                "on, does not exist: put the data back at that path (a symlink to its new place "
+                "will do) and run again"
+            )
+        if folder:
+            x, y, labels = _folder(path, spec.channels, spec.image_size)
         else:
-            x, y, labels = _npz(Path(spec.path))
+            x, y, labels = _npz(path)
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
     if len(np.unique(y)) < 2:

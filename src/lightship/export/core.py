@@ -66,7 +66,7 @@ def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
 def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
     """The held-out test split when its data is still reachable, else seeded random pixels."""
     try:
-        return load_splits(DataSpec.from_dict(loaded.data_spec)).test_x
+        return load_splits(DataSpec.from_dict(loaded.data_spec), recorded=True).test_x
     except DataError as exc:
         log.warning("test split unavailable (%s): parity on %d random images", exc, fallback)
         c, h, w = loaded.input_spec["shape"][1:]

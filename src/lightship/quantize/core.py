@@ -263,7 +263,7 @@ class Quantizer:
         # before its work folder goes into the run: a read-only run is this one line
         check_writable(run.manifest_path)
         self.cpu = isa.host_cpu()
-        self.splits = load_splits(DataSpec.from_dict(run.data_spec()))
+        self.splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
         self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
         spec = entry.get("input_spec")
         self.input_name = str(spec.get("name", "input") if isinstance(spec, dict) else "input")

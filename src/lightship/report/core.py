@@ -92,7 +92,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     found = candidates(run, threads)
     if not any(c.name == "eager" for c in found):
         raise RunError(f"{run.root}/best.ckpt is missing: run `make train RUN={run.root}`")
-    splits = load_splits(DataSpec.from_dict(run.data_spec()))
+    splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
     x, y = splits.test_x, splits.test_y
     ref = logits(next(c for c in found if c.name == "eager").predictor, x)
     ref_acc = float(np.mean(ref.argmax(1) == y))
