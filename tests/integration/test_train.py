@@ -426,13 +426,23 @@ def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
             "the onecycle learning-rate schedule cannot be stretched or changed on resume "
             "(trainer.max_epochs 4 -> 6)",
         ),
+        # below the epochs done: Lightning's refusal as fitting started (after config.yaml took
+        # the new value), or, one below, nothing trained
+        *(
+            (
+                ["--set", f"trainer.max_epochs={n}"],
+                f"it already finished 4 epochs, more than trainer.max_epochs={n}: resume with "
+                "trainer.max_epochs=4 or more, or train afresh without --resume",
+            )
+            for n in (1, 3)
+        ),
     ]
     for extra, message in cases:
         proc = run_cli("train", "--run", str(run), "--config", TINY, "--resume", *extra)
         assert proc.returncode == 2, (extra, proc.stderr)
         line = last_line(proc.stderr)
         assert line.startswith(f"error: cannot resume {run}") and message in line, line
-        assert "Traceback" not in proc.stderr
+        assert "Traceback" not in proc.stderr and "training stopped" not in proc.stderr
         assert (run / "config.yaml").read_text() == config
 
 

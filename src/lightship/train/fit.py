@@ -141,6 +141,22 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
         )
 
 
+def _check_resume_epochs(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+    """A max_epochs below the epochs the checkpoint finished: Lightning refuses it only as
+    fitting starts, with no fix, after config.yaml took the new value (or, one epoch below,
+    trains nothing). Said here, before anything is written; equal, nothing is trained."""
+    try:  # what Lightning counts against max_epochs
+        done = int(ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return  # another Lightning's layout: its own check still stands
+    if cfg.trainer.max_epochs < done:
+        raise ConfigError(
+            f"cannot resume {run.root}: it already finished {done} epochs, more than "
+            f"trainer.max_epochs={cfg.trainer.max_epochs}: resume with trainer.max_epochs={done} "
+            "or more, or train afresh without --resume"
+        )
+
+
 # Settings that fix how many optimizer steps `trainer.fit` plans (onecycle's total_steps).
 _SCHEDULE_KEYS = (
     ("trainer", "max_epochs"),
@@ -307,6 +323,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     _check_runtime_config(cfg)
     resumed = _resume_checkpoint(run) if resume else None
     if resumed is not None:
+        _check_resume_epochs(cfg, resumed, run)
         _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
