@@ -275,7 +275,8 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
     stage reads or writes it meanwhile: RunBusyError at once when another process holds it.
     The lock file records this process's pid and `command` for that message; the OS releases
     the lock when the process dies. Re-entrant within a process. `create`: make a missing run
-    directory to lock it (train), and remove it again if nothing but the lock went in. Not
+    directory to lock it (train). A folder left holding nothing but the lock (a stage that
+    failed on a folder that is no run) loses it again, and the folders made for it go. Not
     locked where the lock file cannot be made (no run directory, a read-only one): reading
     needs no lock, and a writing stage's own checks say what is wrong."""
     key = root.resolve()
@@ -295,8 +296,10 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         yield
     finally:
         with contextlib.suppress(OSError):
-            if made and [p.name for p in root.iterdir()] == [LOCK_FILE]:
-                (root / LOCK_FILE).unlink()  # still locked, so no one else wrote meanwhile
+            if [p.name for p in root.iterdir()] == [LOCK_FILE]:
+                # Still locked, so no one else wrote meanwhile; a process that opened the file
+                # meanwhile finds it gone once it locks it, and locks anew (`_acquire`).
+                (root / LOCK_FILE).unlink()
                 for folder in made:  # the run directory, then the folders made for it
                     folder.rmdir()
         _locked.discard(key)

@@ -344,7 +344,15 @@ def test_a_stage_on_a_run_in_use_is_one_line(stage: str, tmp_path: Path) -> None
     others: set[type[LightshipError]] = {LightshipError, *LightshipError.__subclasses__()}
     others.remove(RunBusyError)
     assert RunBusyError.exit_code not in {e.exit_code for e in others} | {130}
-    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing else touched
+    assert list(run.iterdir()) == []  # nothing touched; the holder's lock went with it
+
+
+@pytest.mark.parametrize("stage", ["export", "quantize", "report"])
+def test_a_stage_given_an_empty_folder_leaves_it_empty(stage: str, tmp_path: Path) -> None:
+    # a folder that is no run: the stage fails, and no .lock is left behind in it
+    with pytest.raises(RunError):
+        cli._invoke([stage, "--run", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_read_only_run_still_says_it_cannot_be_written(

@@ -387,6 +387,7 @@ def test_a_run_locked_by_another_process_is_refused_at_once_naming_it(tmp_path: 
 
 
 def test_the_lock_is_reentrant_and_released_on_the_way_out(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text("{}")  # a run: its lock file stays
     with pytest.raises(RuntimeError), lock_run(tmp_path, "lightship quantize"):
         with lock_run(tmp_path, "lightship report"):  # quantize writing the report
             assert not _free(tmp_path)
@@ -403,6 +404,38 @@ def test_a_new_run_made_for_the_lock_goes_again_when_nothing_else_went_in(tmp_pa
     with lock_run(run, "lightship train", create=True):
         (run / "config.yaml").write_text("")
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml"]
+
+
+def test_a_folder_left_with_nothing_but_the_lock_loses_it(tmp_path: Path) -> None:
+    # `lightship export --run` given an empty folder that is no run: no .lock left in it
+    with pytest.raises(RunError), lock_run(tmp_path, "lightship export"):
+        raise RunError(f"no best.ckpt in {tmp_path}")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "manifest.json").write_text("{}")  # a run keeps it: a file like its others
+    with lock_run(tmp_path, "lightship export"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "manifest.json"]
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_locked_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # its holder removed it on the way out just after this process opened it: the lock taken
+    # must be on the file now there, which another process would open, not on the removed one
+    real_open = os.open
+    removed: list[str] = []
+
+    def open_then_removed(path: Path, *args: int) -> int:
+        fd = real_open(path, *args)
+        if Path(path).name == ".lock" and not removed:
+            os.unlink(path)
+            removed.append(str(path))
+        return fd
+
+    monkeypatch.setattr(runs.os, "open", open_then_removed)
+    with lock_run(tmp_path, "lightship export"):
+        monkeypatch.undo()
+        assert removed and not _free(tmp_path)
 
 
 def test_no_lock_where_none_can_be_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
