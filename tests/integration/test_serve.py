@@ -274,6 +274,8 @@ def test_bad_uploads_are_json_4xx_and_the_connection_serves_on(hand: Server) -> 
         answers = [
             c.post(url, data={"file": "a.png"}),
             c.post(url, files=[("files", (f"{i}.png", b"x", "image/png")) for i in range(1001)]),
+            c.post(url, files=one * 64 + [("file", ("b.png", b"x", "image/png"))]),
+            c.post(url, content=form.read(), headers={"content-type": "multipart/form-data"}),
             c.post(
                 url,
                 content=gzip.compress(form.read()),
@@ -281,11 +283,18 @@ def test_bad_uploads_are_json_4xx_and_the_connection_serves_on(hand: Server) -> 
             ),
             c.post(url, files=one),
         ]
+    send = 'send one or more images as multipart form field "files"'
     assert [(r.status_code, r.json().get("error")) for r in answers] == [
-        (400, 'send one or more images as multipart form field "files"'),
+        (400, send),
         (
             413,
             "request has more than 64 images; this server takes at most 64 per request: split it",
+        ),
+        (400, f'form field "file" holds a file: {send}'),
+        (
+            400,
+            "multipart Content-Type without a boundary (let the client write that header): "
+            f"{send}, e.g. `curl -F files=@digit.png URL`",
         ),
         (
             415,
@@ -295,7 +304,7 @@ def test_bad_uploads_are_json_4xx_and_the_connection_serves_on(hand: Server) -> 
         (200, None),
     ]
     assert answers[-1].json()["predictions"][0]["label"] == "bright"
-    assert [r.headers.get("connection") for r in answers] == [None] * 4  # none closes it
+    assert [r.headers.get("connection") for r in answers] == [None] * 6  # none closes it
 
 
 def test_idle_server_uses_under_one_percent_of_a_core(hand: Server) -> None:

@@ -242,8 +242,21 @@ def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
 SEND_IMAGES = 'send one or more images as multipart form field "files"'
 BAD_FORMS: list[tuple[str, dict[str, Any], str]] = [
     ("no body", {}, SEND_IMAGES),
-    ("no files field", {"files": [("other", ("a.png", b"x", "image/png"))]}, SEND_IMAGES),
-    ("another field name", {"files": [("file", ("a.png", b"x", "image/png"))]}, SEND_IMAGES),
+    (
+        "a file in another field",
+        {"files": [("file", ("a.png", b"x", "image/png"))]},
+        f'form field "file" holds a file: {SEND_IMAGES}',
+    ),
+    (
+        "a file beside the images",
+        {
+            "files": [
+                ("files", ("a.png", b"x", "image/png")),
+                ("other", ("b.png", b"x", "image/png")),
+            ]
+        },
+        f'form field "other" holds a file: {SEND_IMAGES}',
+    ),
     ("url-encoded fields", {"data": {"nothing": "here"}}, SEND_IMAGES),
     ("JSON", {"json": {"files": ["a.png"]}}, SEND_IMAGES),
     (
@@ -274,6 +287,81 @@ def test_an_upload_that_is_no_form_of_images_is_400_saying_what_to_send(
 
     r = run(main())
     assert (r.status_code, r.json()) == (400, {"error": message})
+
+
+def multipart(*parts: str, boundary: str = "b0undary") -> bytes:
+    """A multipart body of `parts`, each its headers, a blank line and its content."""
+    return "".join(f"--{boundary}\r\n{part}\r\n" for part in parts).encode() + (
+        f"--{boundary}--\r\n".encode()
+    )
+
+
+FORM_TYPE = "multipart/form-data; boundary=b0undary"
+IMAGE_PART = 'Content-Disposition: form-data; name="files"; filename="a.png"\r\n\r\nx'
+CURL_IMAGES = f"{SEND_IMAGES}, e.g. `curl -F files=@digit.png URL`"
+# The error as a pattern: "not multipart data" holds python-multipart's own words on the fault.
+UNPARSED_FORMS: list[tuple[str, str, bytes, int, str]] = [
+    (
+        "no boundary",
+        "multipart/form-data",
+        multipart(IMAGE_PART),
+        400,
+        re.escape(
+            "multipart Content-Type without a boundary (let the client write that header): "
+            + CURL_IMAGES
+        ),
+    ),
+    (
+        "not multipart data",
+        FORM_TYPE,
+        b"not a form at all",
+        400,
+        r"body is not a valid multipart form \(.+\): " + re.escape(CURL_IMAGES),
+    ),
+    (
+        "a part without a name",
+        FORM_TYPE,
+        multipart('Content-Disposition: form-data; filename="a.png"\r\n\r\nx'),
+        400,
+        re.escape(
+            "a part of the form has no name in its Content-Disposition header: " + CURL_IMAGES
+        ),
+    ),
+    (
+        "1,001 text fields",
+        FORM_TYPE,
+        multipart(*[f'Content-Disposition: form-data; name="f{i}"\r\n\r\nx' for i in range(1001)]),
+        413,
+        re.escape("form has more than 1000 text fields: " + CURL_IMAGES),
+    ),
+    (
+        "a text field over 1 MiB",
+        FORM_TYPE,
+        multipart('Content-Disposition: form-data; name="note"\r\n\r\n' + "x" * 2**20 + "x"),
+        413,
+        re.escape("a text field is over 1024 KiB: " + CURL_IMAGES),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "content_type", "body", "status", "pattern"),
+    UNPARSED_FORMS,
+    ids=[c[0] for c in UNPARSED_FORMS],
+)
+def test_a_form_the_parser_refuses_is_answered_with_what_to_send(
+    tmp_path: Path, case: str, content_type: str, body: bytes, status: int, pattern: str
+) -> None:
+    """Starlette's own words ("Invalid multipart data.") never reach the client."""
+    app, _ = make_app(tmp_path)
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            headers = {"content-type": content_type}
+            return await client.post("/v1/predict/image", content=body, headers=headers)
+
+    r = run(main())
+    assert r.status_code == status and re.fullmatch(pattern, r.json()["error"]), r.text
 
 
 def test_the_documented_answers_are_the_ones_given(tmp_path: Path) -> None:
@@ -644,6 +732,28 @@ def test_more_files_than_starlettes_own_limit_are_too_many_images_too(tmp_path: 
 
     r = run(main())
     assert (r.status_code, r.json()) == (413, {"error": TOO_MANY_IMAGES})
+
+
+def test_only_images_count_towards_the_limit(tmp_path: Path) -> None:
+    """A file in another field is refused by its name, not counted as a third image; text
+    fields beside the images are no images and are let be."""
+    app, _ = make_app(tmp_path, max_batch_rows=2)
+    image = ("a.png", png(np.full((2, 2), 250, np.uint8)), "image/png")
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app) as client:
+            images = [("files", image), ("files", image)]
+            return [
+                await client.post("/v1/predict/image", files=[*images, ("other", image)]),
+                await client.post("/v1/predict/image", files=images, data={"note": "two"}),
+            ]
+
+    other, noted = run(main())
+    assert (other.status_code, other.json()) == (
+        400,
+        {"error": f'form field "other" holds a file: {SEND_IMAGES}'},
+    )
+    assert noted.status_code == 200 and len(noted.json()["predictions"]) == 2, noted.text
 
 
 def test_client_leaving_mid_body_is_counted_499_not_an_error(

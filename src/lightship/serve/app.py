@@ -12,14 +12,15 @@ import asyncio
 import errno
 import gc
 import logging
+import math
 import re
 import signal
 import socket
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, ClassVar
@@ -30,8 +31,9 @@ from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -826,25 +828,70 @@ async def _uploaded_images(request: Request, limit: int) -> list[tuple[bytes, st
             "(PNG and JPEG are compressed already)",
             415,
         )
-    try:
-        async with request.form(max_files=limit) as form:
-            images: list[tuple[bytes, str]] = []
-            for i, f in enumerate(form.getlist(IMAGES_FIELD)):
-                if not isinstance(f, UploadFile):
-                    raise ProtocolError(f'form field "{IMAGES_FIELD}" holds text: {SEND_IMAGES}')
-                images.append((await f.read(), f.filename or f"file {i}"))
-    except HTTPException as exc:
-        # How Starlette refuses the file after max_files (its message is all it raises);
-        # any other malformed form stays its 400.
-        if not str(exc.detail).startswith("Too many files"):
-            raise
-        raise TooManyRows(
-            f"request has more than {limit} images; this server takes at most {limit} per "
-            "request: split it"
-        ) from None
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "multipart/form-data":
+        raise ProtocolError(SEND_IMAGES)
+    async with aclosing(request.stream()) as stream:
+        images = await _ImageForm(request.headers, stream, limit).images()
     if not images:
         raise ProtocolError(SEND_IMAGES)
     return images
+
+
+class _ImageForm(MultiPartParser):
+    """Starlette's multipart parser, refusing as its part begins: text in IMAGES_FIELD, the
+    image after `limit`, and a file in any other field (skipped, the client's image would be
+    lost unsaid; counted, it would take an image's place under the limit)."""
+
+    def __init__(self, headers: Headers, stream: AsyncGenerator[bytes, None], limit: int) -> None:
+        super().__init__(headers, stream, max_files=math.inf)
+        self.limit = limit
+        self.count = 0
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        name = self._current_part.field_name
+        if self._current_part.file is None:
+            if name == IMAGES_FIELD:
+                raise ProtocolError(f'form field "{name}" holds text: {SEND_IMAGES}')
+            return
+        if name != IMAGES_FIELD:
+            raise ProtocolError(f'form field "{name}" holds a file: {SEND_IMAGES}')
+        self.count += 1
+        if self.count > self.limit:
+            raise TooManyRows(
+                f"request has more than {self.limit} images; this server takes at most "
+                f"{self.limit} per request: split it"
+            )
+
+    async def images(self) -> list[tuple[bytes, str]]:
+        try:
+            form = await self.parse()
+        except MultiPartException as exc:
+            raise self.refusal(exc) from None
+        try:
+            files = [f for f in form.getlist(IMAGES_FIELD) if isinstance(f, UploadFile)]
+            return [(await f.read(), f.filename or f"file {i}") for i, f in enumerate(files)]
+        finally:
+            await form.close()
+
+    def refusal(self, exc: MultiPartException) -> ProtocolError:
+        """Starlette's error for a form it cannot parse, said as what was wrong and what to send
+        (its messages: starlette/formparsers.py)."""
+        wrong, status = exc.message.rstrip("."), 400
+        if wrong.startswith("Missing boundary"):
+            wrong = "multipart Content-Type without a boundary (let the client write that header)"
+        elif wrong.startswith("Invalid multipart data"):
+            wrong = f"body is not a valid multipart form ({exc.__cause__})"
+        elif wrong.startswith("The Content-Disposition"):
+            wrong = "a part of the form has no name in its Content-Disposition header"
+        elif wrong.startswith("Too many fields"):
+            wrong, status = f"form has more than {self.max_fields} text fields", 413
+        elif wrong.startswith("Part exceeded"):
+            wrong, status = f"a text field is over {self.max_part_size // 1024} KiB", 413
+        return ProtocolError(
+            f"{wrong}: {SEND_IMAGES}, e.g. `curl -F {IMAGES_FIELD}=@digit.png URL`", status
+        )
 
 
 class _CoalescingTransport:
