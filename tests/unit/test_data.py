@@ -9,10 +9,17 @@ import pytest
 from PIL import Image
 
 from lightship.config import DataConfig
-from lightship.data import DataSpec, Splits, load_splits
+from lightship.data import DataSpec, Splits, load_splits, sources
 from lightship.data.module import spec_from_config
-from lightship.data.sources import resize_uint8, stratified_split
+from lightship.data.sources import _folder, resize_uint8, stratified_split
 from lightship.errors import DataError
+from lightship.serve import v1
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test a fresh process as far as the once-a-process notes about the data go."""
+    monkeypatch.setattr(sources, "_noted", set())
 
 
 def test_digits_are_uint8_nchw_and_split_stratified() -> None:
@@ -134,6 +141,27 @@ def test_npz_nhwc_with_labels(tmp_path: Path) -> None:
     assert (s.test_x[s.test_y == 1] == 200).all()
 
 
+def test_npz_rgba_nhwc_drops_the_alpha(tmp_path: Path) -> None:
+    x = np.zeros((20, 20, 20, 4), dtype=np.uint8)  # NHWC, RGBA: H=20 is no channel count
+    x[10:, ..., 0] = 200
+    x[..., 3] = 255
+    y = np.repeat([0, 1], 10)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    for channels, on in ((3, [200, 0, 0]), (1, [60])):  # 0.299 * 200: red's luma
+        s = load_splits(DataSpec(source="npz", path=str(tmp_path / "d.npz"), channels=channels))
+        assert s.test_x.shape[1:] == (channels, 28, 28)
+        assert (s.test_x[s.test_y == 1] == np.array(on, np.uint8)[:, None, None]).all()
+
+
+def test_a_data_path_from_home_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    np.savez(tmp_path / "d.npz", x=X20, y=np.repeat([0, 1], 10))
+    spec = spec_from_config(DataConfig(source="npz", path=Path("~/d.npz")))
+    assert spec.path == str(tmp_path / "d.npz")  # as recorded for export, quantize, report
+    s = load_splits(DataSpec(source="npz", path="~/d.npz", val_fraction=0.2, test_fraction=0.2))
+    assert s.labels == ["0", "1"]
+
+
 def test_npz_bad_dtype(tmp_path: Path) -> None:
     np.savez(tmp_path / "f.npz", x=np.zeros((4, 1, 4, 4), dtype=np.float32), y=np.zeros(4))
     with pytest.raises(DataError, match="uint8"):
@@ -200,6 +228,14 @@ def test_classes_without_images_are_refused(tmp_path: Path) -> None:
     (tmp_path / "imgs" / "emu").mkdir()
     with pytest.raises(DataError, match=r"1 of 3 classes have no images \('emu'\): add images"):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    # with two classes, one empty: name the empty one, not "a single class ('cat')"
+    shutil.rmtree(tmp_path / "imgs" / "dog")
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    assert str(err.value) == (
+        f"folder data {tmp_path / 'imgs'}: 1 of 2 classes have no images ('emu'): add images to "
+        "those sub-folders or remove them"
+    )
 
 
 def test_integer_pixels_that_fit_are_taken(tmp_path: Path) -> None:
@@ -207,17 +243,129 @@ def test_integer_pixels_that_fit_are_taken(tmp_path: Path) -> None:
     assert s.test_x.dtype == np.uint8 and set(np.unique(s.test_x)) == {0, 200}
 
 
-def test_folder_names_the_files_it_skips(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_folder_names_the_files_it_skips_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     make_folder(tmp_path / "imgs")
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "cat" / "x.webp")
     (tmp_path / "imgs" / "dog" / "notes.txt").write_text("")
     (tmp_path / "imgs" / "dog" / ".DS_Store").write_text("")
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
     with caplog.at_level("WARNING", logger="lightship.data.sources"):
-        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+        load_splits(spec)
+        load_splits(spec)  # as quantize does (PTQ, then QAT): said once a process
     assert caplog.messages == [
-        f"image folder {tmp_path / 'imgs'}: skipped 2 files that are not PNG/JPEG (.txt, .webp), "
-        f"e.g. {tmp_path / 'imgs' / 'cat' / 'x.webp'}"
+        f"image folder {tmp_path / 'imgs'}: skipped 2 files that are not PNG/JPEG (.txt, .webp): "
+        "cat/x.webp, dog/notes.txt"
     ]
+    caplog.clear()
+    for i in range(6):
+        (tmp_path / "imgs" / "dog" / f"{i}.gif").write_text("")
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        load_splits(spec)
+    assert caplog.messages == [
+        f"image folder {tmp_path / 'imgs'}: skipped 8 files that are not PNG/JPEG (.gif, .txt, "
+        ".webp): cat/x.webp, dog/0.gif, dog/1.gif, dog/2.gif, dog/3.gif and 3 more"
+    ]
+
+
+def test_images_in_sub_folders_belong_to_the_class(tmp_path: Path) -> None:
+    # root/<class>/2024/*.png: read, as torchvision's ImageFolder reads them (os.walk)
+    make_folder(tmp_path / "imgs", per_class=2)
+    for cls in ("cat", "dog"):
+        make_folder(tmp_path / "more", per_class=8)
+        (tmp_path / "more" / cls).rename(tmp_path / "imgs" / cls / "2024")
+        shutil.rmtree(tmp_path / "more")
+    hidden = tmp_path / "imgs" / "cat" / ".thumbs"
+    hidden.mkdir()
+    Image.new("RGB", (8, 8)).save(hidden / "t.png")
+    (tmp_path / "imgs" / "dog" / "2024" / "loop").symlink_to(tmp_path / "imgs" / "dog")
+    (tmp_path / "imgs" / "dog" / "elsewhere").symlink_to(tmp_path / "imgs" / "cat" / "2024")
+    x, y, labels = _folder(tmp_path / "imgs", 3, 8)
+    # cat: 2 + 8 (the hidden folder left out); dog: 2 + 8 + the 8 cats linked into it
+    assert labels == ["cat", "dog"] and np.bincount(y).tolist() == [10, 18]
+    assert x[y == 0].mean() < 60 and x[y == 1][:10].mean() > 190
+
+
+def test_train_and_serve_read_a_file_as_the_same_pixels(tmp_path: Path) -> None:
+    """The folder loader and the server's upload decode each file the same way: 16-bit PNGs
+    scaled (not clipped to 255), EXIF orientation applied, the same JPEG draft shrink."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "imgs"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    noise = rng.integers(0, 256, (24, 20, 4), dtype=np.uint8)
+    Image.fromarray(noise[..., 0]).save(root / "a" / "gray.png")
+    Image.fromarray(noise[..., :3]).save(root / "a" / "rgb.png")
+    Image.fromarray(noise).save(root / "a" / "rgba.png")
+    Image.fromarray(noise[..., :3]).quantize(16).save(root / "a" / "palette.png")
+    ramp = np.linspace(0, 65535, 1024).reshape(32, 32).astype(np.uint16)
+    Image.fromarray(ramp).save(root / "a" / "deep.png")
+    stored = Image.new("L", (16, 8), 0)
+    stored.paste(255, (0, 0, 8, 8))  # the left half white as stored: the top half as seen
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(root / "b" / "turned.jpg", exif=exif, quality=95)
+    for i in range(4):  # large: the decoder's draft mode shrinks them by 8 for 16x16
+        photo = rng.integers(0, 256, (300, 400 + 40 * i, 3), dtype=np.uint8)
+        Image.fromarray(photo).resize((800 + 80 * i, 600)).save(root / "b" / f"big{i}.jpg")
+    files = sorted((root / "a").iterdir()) + sorted((root / "b").iterdir())
+    for channels in (1, 3):
+        x, _, _ = _folder(root, channels, 16)
+        for trained, f in zip(x, files, strict=True):
+            served = v1.decode_image(f.read_bytes(), (channels, 16, 16), f.name)
+            np.testing.assert_array_equal(trained, served, err_msg=f"{f.name}, C={channels}")
+        deep = x[files.index(root / "a" / "deep.png")]
+        assert 120 < deep.mean() < 135  # a ramp 0..65535: mid-gray, not saturated at 255
+        turned = x[files.index(root / "b" / "turned.jpg")]
+        assert turned[:, :8].mean() > 240 and turned[:, 8:].mean() < 15  # upright
+
+
+def test_unreadable_files_are_named_together_after_empty_classes(tmp_path: Path) -> None:
+    make_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "cat" / "broken.png").write_bytes(b"\x89PNG not really")
+    (tmp_path / "imgs" / "dog" / "cut.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    (tmp_path / "imgs" / "emu").mkdir()
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
+    # an empty class is found before any image is decoded
+    with pytest.raises(DataError, match=r"1 of 3 classes have no images \('emu'\)"):
+        load_splits(spec)
+    (tmp_path / "imgs" / "emu").rmdir()
+    with pytest.raises(DataError) as err:
+        load_splits(spec)
+    assert str(err.value) == (
+        f"image folder {tmp_path / 'imgs'}: cannot read 2 of 14 images: cat/broken.png: not a "
+        "readable PNG or JPEG image (unrecognised data); dog/cut.jpg: not a readable PNG or JPEG "
+        "image (unrecognised data): remove or replace those files"
+    )
+    for i in range(3):
+        (tmp_path / "imgs" / "dog" / f"z{i}.png").write_bytes(b"")
+    with pytest.raises(DataError, match=r"cannot read 5 of 17 images: .*z0.png: .* and 2 more: "):
+        load_splits(spec)
+
+
+@pytest.mark.parametrize("source", ["folder", "npz"])
+def test_colour_read_as_gray_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, source: str
+) -> None:
+    for cls, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), colour).save(tmp_path / "imgs" / cls / f"{i}.png")
+    Image.new("L", (8, 8), 30).save(tmp_path / "imgs" / "cat" / "gray.png")  # no colour
+    x, y, _ = _folder(tmp_path / "imgs", 3, 8)
+    colour = (x[:, 0] != x[:, 2]).any(axis=(1, 2))
+    np.savez(tmp_path / "d.npz", x=x[colour], y=y[colour])  # without the gray one
+    path = tmp_path / ("imgs" if source == "folder" else "d.npz")
+    with caplog.at_level("INFO", logger="lightship.data.sources"):
+        load_splits(DataSpec(source=source, path=str(path), image_size=8, channels=3))
+        assert caplog.messages == []
+        load_splits(DataSpec(source=source, path=str(path), image_size=8, channels=1))
+    assert caplog.messages == [
+        "data.channels=1: 12 colour images converted to grayscale; set data.channels=3 to keep "
+        "colour"
+    ]
+    caplog.clear()
 
 
 def write_half(path: Path) -> None:
@@ -261,11 +409,34 @@ def write_npy(path: Path) -> None:
         ),
         (
             lambda p: np.savez(p, x=np.full(X20.shape, np.nan), y=np.repeat([0, 1], 10)),
-            r"x has dtype float64; store images as uint8 pixels 0\.\.255 \(images in 0\.\.1: ",
+            r"x has dtype float64; store images as uint8 pixels 0\.\.255 \(x holds NaN or "
+            r"infinite values\)$",
+        ),
+        (
+            lambda p: np.savez(p, x=X20 / np.float32(255), y=np.repeat([0, 1], 10)),
+            r"x has dtype float32; store images as uint8 pixels 0\.\.255 \(images in 0\.\.1: "
+            r"x = np\.round\(x \* 255\)\.astype\(np\.uint8\)\)$",
+        ),
+        (
+            # * 255 would wrap these: 200 * 255 % 256 = 56
+            lambda p: np.savez(p, x=X20.astype(np.float32), y=np.repeat([0, 1], 10)),
+            r"x has dtype float32; store images as uint8 pixels 0\.\.255 \(its values are within "
+            r"0\.\.255: x = np\.round\(x\)\.astype\(np\.uint8\)\)$",
+        ),
+        (
+            lambda p: np.savez(p, x=X20 / 100 - 1, y=np.repeat([0, 1], 10)),
+            r"x has dtype float64; store images as uint8 pixels 0\.\.255 \(its values run from "
+            r"-1 to 1: scale them to 0\.\.255\)$",
         ),
         (
             lambda p: np.savez(p, x=X20.astype(np.int64) * 2, y=np.repeat([0, 1], 10)),
-            r"x has dtype int64; store images as uint8 pixels 0\.\.255$",
+            r"x has dtype int64; store images as uint8 pixels 0\.\.255 \(its values run from 0 to "
+            r"400: scale them to 0\.\.255\)$",
+        ),
+        (
+            lambda p: np.savez(p, x=np.zeros((20, 6, 6, 5), np.uint8), y=np.repeat([0, 1], 10)),
+            r"x \(20, 6, 6, 5\) holds 6-channel images; store gray \(1\), RGB \(3\) or RGBA \(4\) "
+            r"images as \[N,C,H,W\] or \[N,H,W,C\]",
         ),
         (
             lambda p: np.savez(p, x=X20, y=np.repeat([0, 1], 10), labels=np.array("a")),
@@ -286,7 +457,11 @@ def write_npy(path: Path) -> None:
         "negative",
         "beyond-labels",
         "nan-x",
+        "float-x-0-1",
+        "float-x-0-255",
+        "float-x-normalised",
         "int-x-beyond-255",
+        "five-channels",
         "labels-scalar",
         "labels-twice",
     ],
@@ -308,7 +483,7 @@ def test_decompression_bomb_names_the_file(
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
     make_folder(tmp_path / "imgs")
     Image.new("1", (side, side)).save(tmp_path / "imgs" / "cat" / "huge.png")
-    with pytest.raises(DataError, match=r"cannot read image .*huge\.png: .*decompression bomb"):
+    with pytest.raises(DataError, match=r"cannot read 1 of 13 images: cat/huge\.png: .*bomb"):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
 
 

@@ -26,7 +26,9 @@ from fastapi import FastAPI
 from PIL import Image
 from starlette.types import Message
 
+from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
+from lightship.serve import v1
 from lightship.serve.app import Service, create_app
 from lightship.serve.model import ServedModel
 from lightship.serve.settings import ServeSettings
@@ -235,6 +237,62 @@ def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
                 "/v1/predict/image", files=[("files", ("x.png", b"\x89PNG broken", "image/png"))]
             )
             assert r.status_code == 400 and "x.png: not a readable PNG or JPEG" in r.json()["error"]
+
+    run(main())
+
+
+def test_uploads_reach_the_model_as_the_image_folder_trains_on_them(tmp_path: Path) -> None:
+    """The same file, the same pixels: a 16-bit PNG (not clipped to 255) and a JPEG stored
+    sideways with EXIF orientation 6 (turned upright), uploaded, give the model what the image
+    folder loader read from them for training."""
+    deep, turned = tmp_path / "imgs" / "a" / "deep.png", tmp_path / "imgs" / "b" / "turned.jpg"
+    deep.parent.mkdir(parents=True)
+    turned.parent.mkdir()
+    Image.fromarray(np.linspace(0, 65535, 1024).reshape(32, 32).astype(np.uint16)).save(deep)
+    stored = Image.new("L", (16, 8), 0)
+    stored.paste(255, (0, 0, 8, 8))  # the left half white as stored: the top half as seen
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(turned, exif=exif, quality=95)
+    trained, _, _ = _folder(tmp_path / "imgs", 1, 2)  # the model's input: 1x2x2
+    assert 120 < trained[0].mean() < 135  # a ramp 0..65535: mid-gray, not 255
+    assert trained[1, 0, 0].min() > 200 and trained[1, 0, 1].max() < 40  # white on top
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+    gate.open.set()
+
+    async def main() -> None:
+        async with serving(app) as client:
+            seen = len(gate.rows)  # after the warm-up batch
+            files = [
+                ("files", (f.name, f.read_bytes(), f"image/{f.suffix[1:]}")) for f in (deep, turned)
+            ]
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(np.concatenate(gate.rows[seen:]), trained)
+
+    run(main())
+
+
+def test_images_over_the_pixel_limits_are_413(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _ = make_app(tmp_path)
+    big = png(np.zeros((20, 20), np.uint8))
+
+    files = [("files", ("big.png", big, "image/png"))]
+
+    async def main() -> None:
+        async with serving(app) as client:
+            monkeypatch.setattr(v1, "MAX_IMAGE_PIXELS", 399)
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.status_code == 413
+            assert r.json()["error"] == "big.png: 20x20 pixels is too large (limit 399)"
+            # past twice Pillow's own limit Pillow will not open it: too large, not unreadable
+            monkeypatch.setattr(v1, "MAX_IMAGE_PIXELS", 10**6)
+            monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.status_code == 413 and "could be decompression bomb" in r.json()["error"]
 
     run(main())
 

@@ -18,7 +18,7 @@ def spec_from_config(cfg: DataConfig) -> DataSpec:
     return DataSpec(
         source=cfg.source,
         # absolute: later stages (quantize, report) may run from another folder
-        path=str(cfg.path.absolute()) if cfg.path else None,
+        path=str(cfg.path.expanduser().absolute()) if cfg.path else None,
         image_size=cfg.image_size,
         channels=cfg.channels,
         val_fraction=cfg.val_fraction,

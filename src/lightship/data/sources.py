@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 import zipfile
 import zlib
@@ -13,11 +14,26 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from lightship.data import images
 from lightship.errors import DataError
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+# Notes about the data already logged by this process: export, quantize (twice: PTQ and QAT)
+# and report each rebuild the splits from the same data, and a note is news once.
+_noted: set[str] = set()
+
+
+def _note_once(level: int, message: str) -> None:
+    if message not in _noted:
+        _noted.add(message)
+        log.log(level, message)
+
+
+def _some(items: list[str], most: int = 5, sep: str = ", ") -> str:
+    """`a, b, c` or, past `most` items, `a, b, c, d, e and 7 more`."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return sep.join(items[:most]) + more
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,57 @@ def _digits() -> tuple[np.ndarray, np.ndarray, list[str]]:
     return images, bunch.target.astype(np.int64), [str(t) for t in bunch.target_names]
 
 
+def _files_below(folder: Path) -> list[Path]:
+    """Every file below `folder`, in sub-folders and linked folders too (as torchvision's
+    ImageFolder reads a class folder), hidden ones left out, in a fixed order."""
+
+    def refused(exc: OSError) -> None:  # os.walk would pass over a folder it may not read
+        raise exc
+
+    found: list[Path] = []
+    walked: set[tuple[int, int]] = set()
+    for top, dirs, names in os.walk(folder, onerror=refused, followlinks=True):
+        stat = os.stat(top)
+        if (stat.st_dev, stat.st_ino) in walked:  # a link back up the tree
+            dirs.clear()
+            continue
+        walked.add((stat.st_dev, stat.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [Path(top, n) for n in sorted(names) if not n.startswith(".")]
+    return [f for f in found if f.is_file()]  # not a dangling link
+
+
+def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> None:
+    """Every class has images, and there are at least two."""
+    if empty := [labels[i] for i in np.flatnonzero(np.bincount(y, minlength=len(labels)) == 0)]:
+        # the model would get an output per class, and never see an image of these
+        fix = (
+            "add images to those sub-folders or remove them"
+            if source == "folder"
+            else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
+            "from 'labels'"
+        )
+        raise DataError(
+            f"{source} data {path}: {len(empty)} of {len(labels)} classes have no "
+            f"images ({', '.join(map(repr, empty[:5]))}{', ...' if len(empty) > 5 else ''}): {fix}"
+        )
+    if len(labels) < 2:
+        hint = ": put each class in its own sub-folder" if source == "folder" else ""
+        raise DataError(
+            f"{source} data {path} has a single class ({labels[0]!r}): "
+            f"a classifier needs at least 2{hint}"
+        )
+
+
+def _note_gray(colour: int) -> None:
+    if colour:
+        _note_once(
+            logging.INFO,
+            f"data.channels=1: {colour} colour images converted to grayscale; "
+            "set data.channels=3 to keep colour",
+        )
+
+
 def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
     if not root.is_dir():
         raise DataError(
@@ -97,42 +164,47 @@ def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarra
     files: list[tuple[Path, int]] = []
     skipped: list[Path] = []
     for idx, name in enumerate(classes):
-        for f in sorted((root / name).iterdir()):
-            if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file():
+        for f in _files_below(root / name):
+            if f.suffix.lower() in images.SUFFIXES:
                 files.append((f, idx))
-            elif f.is_file() and not f.name.startswith("."):
+            else:
                 skipped.append(f)
     if skipped:
         kinds = sorted({f.suffix.lower() or f.name for f in skipped})
-        log.warning(
-            "image folder %s: skipped %d files that are not PNG/JPEG (%s), e.g. %s",
-            root,
-            len(skipped),
-            ", ".join(kinds[:5]),
-            skipped[0],
+        _note_once(
+            logging.WARNING,
+            f"image folder {root}: skipped {len(skipped)} files that are not PNG/JPEG "
+            f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}): "
+            + _some([str(f.relative_to(root)) for f in skipped]),
         )
     if not files:
         raise DataError(
             f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "
             f"(found classes: {classes})"
         )
-    mode = "L" if channels == 1 else "RGB"
+    y = np.array([label for _, label in files], dtype=np.int64)
+    _check_classes("folder", str(root), y, classes)  # before the slow part: decoding
     x = np.empty((len(files), channels, size, size), dtype=np.uint8)
+    unreadable: list[images.ImageError] = []
+    colour = 0
     with warnings.catch_warnings():
         # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         for i, (f, _) in enumerate(files):
             try:
-                with Image.open(f) as img:
-                    arr = np.asarray(
-                        img.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
-                    )
-            except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-                raise DataError(
-                    f"cannot read image {f}: {str(exc).rstrip('.')}; remove or replace the file"
-                ) from None
-            x[i] = arr[None] if channels == 1 else arr.transpose(2, 0, 1)
-    y = np.array([label for _, label in files], dtype=np.int64)
+                x[i], is_colour = images.decode(f, (channels, size, size), str(f.relative_to(root)))
+            except images.ImageError as exc:
+                unreadable.append(exc)  # every bad file in one run, not one run per file
+                continue
+            colour += is_colour
+    if unreadable:
+        raise DataError(
+            f"image folder {root}: cannot read {len(unreadable)} of {len(files)} images: "
+            + _some([str(e) for e in unreadable], 3, "; ")
+            + ": remove or replace those files"
+        )
+    if channels == 1:
+        _note_gray(colour)
     return x, y, classes
 
 
@@ -175,11 +247,12 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
     if x.dtype.kind in "iu" and x.dtype != np.uint8 and x.size and 0 <= x.min() <= x.max() <= 255:
         x = x.astype(np.uint8)  # integer pixels that fit: the same image
     if x.dtype != np.uint8:
-        hint = " (images in 0..1: x = np.round(x * 255).astype(np.uint8))" * (x.dtype.kind == "f")
-        raise DataError(f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255{hint}")
+        raise DataError(
+            f"{path}: x has dtype {x.dtype}; store images as uint8 pixels 0..255{_uint8_hint(x)}"
+        )
     if x.ndim == 3:
         x = x[:, None]
-    elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+    elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
         x = x.transpose(0, 3, 1, 2)  # NHWC -> NCHW
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]  # a column of labels
@@ -188,6 +261,13 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
             f"{path}: need x [N,C,H,W] or [N,H,W,C] and y [N] (one class per image), "
             f"got {x.shape} and {y.shape}"
         )
+    if x.shape[1] not in (1, 3, 4):
+        raise DataError(
+            f"{path}: x {x.shape} holds {x.shape[1]}-channel images; store gray (1), RGB (3) "
+            "or RGBA (4) images as [N,C,H,W] or [N,H,W,C]"
+        )
+    if x.shape[1] == 4:
+        x = x[:, :3]  # RGBA: the alpha goes, as the image folder's convert("RGB") drops it
     if y.dtype.kind == "U":  # class names: indexed in sorted order, like the folder's class dirs
         names = labels if labels is not None else sorted(set(y.tolist()))
         index = {name: i for i, name in enumerate(names)}
@@ -218,7 +298,22 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
         raise DataError(
             f"{path}: y has class index {y.max()} but 'labels' names only {len(labels)} classes"
         )
+    _check_classes("npz", str(path), y, labels)
     return x, y, labels
+
+
+def _uint8_hint(x: np.ndarray) -> str:
+    """How to make uint8 pixels of `x`, judged by its values."""
+    if x.dtype.kind not in "iuf" or x.size == 0:
+        return ""
+    if not np.isfinite(x).all():
+        return " (x holds NaN or infinite values)"
+    low, high = x.min(), x.max()
+    if x.dtype.kind == "f" and 0 <= low <= high <= 1:
+        return " (images in 0..1: x = np.round(x * 255).astype(np.uint8))"
+    if 0 <= low <= high <= 255:
+        return " (its values are within 0..255: x = np.round(x).astype(np.uint8))"
+    return f" (its values run from {low:g} to {high:g}: scale them to 0..255)"
 
 
 def stratified_split(
@@ -247,7 +342,7 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     elif spec.source in ("folder", "npz"):
         if not spec.path:
             raise DataError(f"data.source={spec.source} needs data.path (--set data.path=...)")
-        path = Path(spec.path)
+        path = Path(spec.path).expanduser()
         folder = spec.source == "folder"
         if recorded and not (path.is_dir() if folder else path.is_file()):
             raise DataError(
@@ -259,26 +354,10 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
             x, y, labels = _folder(path, spec.channels, spec.image_size)
         else:
             x, y, labels = _npz(path)
+            if spec.channels == 1 and x.shape[1] == 3:
+                _note_gray(len(x))
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
-    if len(np.unique(y)) < 2:
-        hint = ": put each class in its own sub-folder" if spec.source == "folder" else ""
-        raise DataError(
-            f"{spec.source} data {spec.path} has a single class ({labels[int(y[0])]!r}): "
-            f"a classifier needs at least 2{hint}"
-        )
-    if empty := [labels[i] for i in np.flatnonzero(np.bincount(y, minlength=len(labels)) == 0)]:
-        # the model would get an output per class, and never see an image of these
-        fix = (
-            "add images to those sub-folders or remove them"
-            if spec.source == "folder"
-            else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
-            "from 'labels'"
-        )
-        raise DataError(
-            f"{spec.source} data {spec.path}: {len(empty)} of {len(labels)} classes have no "
-            f"images ({', '.join(map(repr, empty[:5]))}{', ...' if len(empty) > 5 else ''}): {fix}"
-        )
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:

@@ -5,18 +5,15 @@ No model and no web framework here, like `v2.py`.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
 import orjson
-from PIL import Image, UnidentifiedImageError
 
+from lightship.data import images
 from lightship.runtime.base import softmax
 from lightship.serve.v2 import ProtocolError, holds_bool
 
-# MPO: a JPEG with extra pictures appended (many phone cameras); the first is the photo.
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO")
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
 # huge canvas: a decompression bomb). Far above any classifier's input.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -85,73 +82,21 @@ def encode_predictions(
     return orjson.dumps({"model": model_name, "predictions": predictions})
 
 
-# EXIF orientation -> the transpose that shows the picture as the camera saw it (EXIF 2.32)
-_ORIENTATION = 0x0112
-_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-
-
-def _as_seen(im: Image.Image, filename: str) -> Image.Image:
-    """`im` turned upright by its EXIF orientation (a phone's portrait photo is stored
-    sideways). Not `ImageOps.exif_transpose`: it also rewrites the EXIF block, and raises on
-    tags it cannot write back (struct.error), although only the orientation is needed here."""
-    try:
-        orientation = im.getexif().get(_ORIENTATION)
-    except Exception as exc:  # Pillow's EXIF parser raises struct.error, KeyError, ...
-        raise ProtocolError(
-            f"{filename}: its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); "
-            "strip it (e.g. `exiftool -all= FILE`) and send the image again"
-        ) from None
-    method = _TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
-    return im.transpose(method) if method is not None else im
+# HTTP status for each way an upload fails to decode
+_STATUS = {"unreadable": 400, "exif": 400, "format": 415, "size": 413}
 
 
 def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image") -> np.ndarray:
-    """A PNG/JPEG as uint8 `[C, H, W]`: converted to the model's channels, resized to its H x W."""
-    c, h, w = chw
+    """A PNG/JPEG as uint8 `[C, H, W]`: the pixels training reads from the same file
+    (`lightship.data.images.decode`), converted to the model's channels and H x W."""
+    c = chw[0]
     if c not in (1, 3):
         raise ProtocolError(
             f"this model takes {c}-channel input, which no image format holds: "
             "send tensors to /v1/predict or /v2/models/{name}/infer"
         )
-    mode = "L" if c == 1 else "RGB"
     try:
-        im: Image.Image = Image.open(io.BytesIO(data))
-        if im.format not in IMAGE_FORMATS:
-            raise ProtocolError(
-                f"{filename}: {im.format} images are not accepted: send PNG or JPEG", 415
-            )
-        if im.width * im.height > MAX_IMAGE_PIXELS:
-            raise ProtocolError(
-                f"{filename}: {im.width}x{im.height} pixels is too large "
-                f"(limit {MAX_IMAGE_PIXELS:,})",
-                413,
-            )
-        if im.format in ("JPEG", "MPO"):
-            im.draft(mode, (w, h))  # let the JPEG decoder downscale by 2/4/8: far less work
-        im.load()  # decoded first: a PNG's EXIF may follow its pixels, and a cut-short file
-        im = _as_seen(im, filename)  # is a broken image, not broken EXIF
-        if im.mode in ("I", "I;16", "I;16B", "I;16L"):
-            # 16-bit grayscale PNG: Pillow's convert("L") clips at 255 instead of scaling.
-            wide = np.asarray(im, dtype=np.float32)
-            im = Image.fromarray(np.clip(np.rint(wide / 257), 0, 255).astype(np.uint8), "L")
-        converted = im.convert(mode)
-        if converted.size != (w, h):
-            converted = converted.resize((w, h), Image.Resampling.BILINEAR)
-        pixels = np.asarray(converted, dtype=np.uint8)
-    except ProtocolError:
-        raise
-    except UnidentifiedImageError:  # its message names the buffer object: say it plainly
-        raise ProtocolError(
-            f"{filename}: not a readable PNG or JPEG image (unrecognised data)"
-        ) from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise ProtocolError(f"{filename}: not a readable PNG or JPEG image ({exc})") from None
-    return pixels[None] if c == 1 else pixels.transpose(2, 0, 1)
+        pixels, _ = images.decode(data, chw, filename, MAX_IMAGE_PIXELS)
+    except images.ImageError as exc:
+        raise ProtocolError(str(exc), _STATUS[exc.problem]) from None
+    return pixels
