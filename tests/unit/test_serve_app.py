@@ -7,6 +7,7 @@ A gate can hold the inference thread, so queue-full, deadline and disconnect cas
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gzip
 import io
 import json
@@ -28,6 +29,7 @@ from starlette.types import Message
 
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
+from lightship.serve import app as serve_app
 from lightship.serve import v1
 from lightship.serve.app import Service, create_app
 from lightship.serve.model import ServedModel
@@ -873,6 +875,54 @@ def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:
             assert r.status_code == 503 and "warm-up" in r.json()["error"]
 
     run(main())
+
+
+def test_the_heap_is_trimmed_once_the_server_is_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trims: list[bool] = []
+    monkeypatch.setattr(serve_app, "_trim_heap", lambda: trims.append(service(app).ready))
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+
+    async def main() -> None:
+        async with serving(app, wait_ready=False):
+            await asyncio.to_thread(gate.entered.wait, 10)
+            assert trims == []  # loading is not over until the warm-up batch is back
+            gate.open.set()
+            await service(app).settled.wait()
+
+    run(main())
+    assert trims == [False]  # once, just before the server turned ready
+
+
+def test_trimming_the_heap_hands_freed_memory_back() -> None:
+    """What glibc keeps of memory a thread freed (ONNX Runtime loads a model in its own
+    threads' arenas) goes back to the OS: resident memory falls."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "malloc_trim"):
+        pytest.skip("not glibc: nothing to trim")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    kept: list[int] = []
+
+    def load() -> None:  # 32 MiB of small blocks, all freed but the last, which pins the heap
+        blocks = [libc.malloc(4096) for _ in range(8192)]
+        for b in blocks[:-1]:
+            libc.free(b)
+        kept.append(blocks[-1])
+
+    def rss_mib() -> float:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    before = rss_mib()
+    serve_app._trim_heap()
+    assert before - rss_mib() > 16
+    libc.free(kept[0])
 
 
 def test_metadata_metrics_and_docs(tmp_path: Path) -> None:

