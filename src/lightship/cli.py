@@ -17,7 +17,14 @@ from typing import Annotated
 import typer
 
 from lightship.errors import LightshipError, QuantizeError
-from lightship.runs import interrupt_message, lock_run, run_dir_parser, watch_interrupts
+from lightship.runs import (
+    interrupt_message,
+    lock_run,
+    next_command,
+    run_dir_parser,
+    stage_command,
+    watch_interrupts,
+)
 
 # A bare `lightship` (or `lightship bench`) prints its help and exits 0, as `--help` does, and
 # as kubectl and docker do: asking what there is is no error (`_help_when_bare`).
@@ -116,10 +123,17 @@ def train(
         empty_fix = None
         if resume and config is None and RunDir(run).config.is_file():
             config = RunDir(run).config
+            resume_with = stage_command(
+                f"make train RESUME=1 RUN={_q(run)} CONFIG=...",
+                f"lightship train --run {_q(run)} --resume --config ...",
+            )
+            afresh = stage_command(
+                f"make train RUN={_q(run)} CONFIG=...",
+                f"lightship train --run {_q(run)} --config ...",
+            )
             empty_fix = (
-                f"restore it, resume with the config the run was trained with (`make train "
-                f"RESUME=1 RUN={_q(run)} CONFIG=...`), or train afresh (`make train RUN={_q(run)} "
-                "CONFIG=...`)"
+                f"restore it, resume with the config the run was trained with (`{resume_with}`), "
+                f"or train afresh (`{afresh}`)"
             )
         cfg = load_config(config, overrides, empty_fix)
         from lightship.train import fit
@@ -146,7 +160,7 @@ def export(
         artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
-    print(f"next: make quantize RUN={_q(run)}   (or `lightship quantize --run {_q(run)}`)")
+    print(f"next: {next_command('quantize', run, _pythonpath(run))}")
 
 
 @app.command()
@@ -222,7 +236,7 @@ def quantize(
             f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
             f"{note}), target {v.entry['target']}"
         )
-    print(f"next: make report RUN={_q(run)}   (or `lightship report --run {_q(run)}`)")
+    print(f"next: {next_command('report', run, _pythonpath(run))}")
 
 
 @app.command()
@@ -278,11 +292,24 @@ def report(
     if best is None:  # `serve`'s auto would refuse this report
         print(f"why none: {why_none(r)}")
         if any(v["recommendable"] for v in r["variants"]):
-            print(f"next: serve one by name: make serve RUN={_q(run)} SERVE_ARGS='--variant ...'")
+            by_name = stage_command(
+                f"make serve RUN={_q(run)} SERVE_ARGS='--variant ...'",
+                f"lightship serve --run {_q(run)} --variant ...",
+            )
+            print(f"next: serve one by name: {by_name}")
         else:
-            print(f"next: make export RUN={_q(run)}, then make report RUN={_q(run)}")
+            env = _pythonpath(run)  # both load the checkpoint
+            print(
+                "next: "
+                + stage_command(
+                    f"{env}make export RUN={_q(run)}, then {env}make report RUN={_q(run)}",
+                    f"{env}lightship export --run {_q(run)}, then {env}lightship report --run "
+                    f"{_q(run)}",
+                )
+            )
     else:
-        print(f"next: make serve RUN={_q(run)}")
+        serve = stage_command(f"make serve RUN={_q(run)}", f"lightship serve --run {_q(run)}")
+        print(f"next: {serve}")
 
 
 @bench_app.command("train")
@@ -310,6 +337,16 @@ bench_app.command("serve")(bench_serve)
 def _q(path: Path) -> str:
     """A path as a shell word: the hints printed after a stage can be pasted as they are."""
     return shlex.quote(str(path))
+
+
+def _pythonpath(run: Path) -> str:
+    """'PYTHONPATH=DIR ' where the next stage must import the run's own model module from a
+    folder only PYTHONPATH gives it (see `models.pythonpath_prefix`), else ''."""
+    from lightship.models import pythonpath_prefix
+    from lightship.runs import RunDir
+
+    model = (RunDir(run).artifact("checkpoint") or {}).get("model") or {}
+    return pythonpath_prefix(str(model.get("name", "")), model.get("module_file"))
 
 
 def _invoke(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@ forbids unknown keys, so a typo fails loudly with the list of keys that are allo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -119,6 +122,51 @@ class EarlyStoppingConfig(Section):
     min_delta: float = Field(0.0, ge=0)
 
 
+_MISSING = object()
+
+
+def _lookup(tree: Any, parts: Sequence[str]) -> Any:
+    """The value at `parts` in a nested dict, or _MISSING."""
+    for part in parts:
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+@dataclass(frozen=True, eq=False)
+class Sources:
+    """Where a config's values came from: its YAML file (as written) and each --set key."""
+
+    file: str | None = None
+    tree: dict[str, Any] = field(default_factory=dict)
+    overrides: tuple[tuple[str, ...], ...] = ()
+
+    # Configs compare their private attributes too: two with the same values are equal,
+    # wherever the values came from.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sources)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def of(self, key: str) -> str:
+        """`key`'s source, for a message: the --set that gave it, the file, or the defaults."""
+        parts = tuple(key.split("."))
+        given = [o for o in self.overrides if parts[: len(o)] == o]
+        if given:
+            return "--set"
+        below = any(o[: len(parts)] == parts for o in self.overrides)  # e.g. model.kwargs.x
+        if self.file is not None and _lookup(self.tree, parts) is not _MISSING:
+            return f"{self.file} + --set" if below else self.file
+        return "--set" if below else "defaults"
+
+    def in_file(self, key: str, default: Any = None) -> Any:
+        """What the file wrote for `key` (`default` where it wrote nothing)."""
+        value = _lookup(self.tree, key.split("."))
+        return default if value is _MISSING else value
+
+
 class Config(Section):
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
@@ -127,6 +175,11 @@ class Config(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    _sources: Sources = PrivateAttr(default_factory=Sources)
+
+    @property
+    def sources(self) -> Sources:
+        return self._sources
 
     @model_validator(mode="after")
     def _stats_per_channel(self) -> Config:
@@ -166,7 +219,8 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
+def _set_dotted(tree: dict[str, Any], dotted: str) -> tuple[str, ...]:
+    """Apply one `--set KEY=VALUE` to `tree`; returns KEY's parts."""
     key, sep, raw = dotted.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {dotted!r}: expected KEY=VALUE, e.g. --set trainer.max_epochs=3")
@@ -184,6 +238,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
             f"--set {dotted!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
             "quote it or fix the brackets, e.g. --set 'model.kwargs={x: 1}'"
         ) from None
+    return tuple(parts)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -208,19 +263,22 @@ def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _explain(err: ValidationError, source: str) -> str:
+def _explain(err: ValidationError, sources: Sources) -> str:
+    """The first problem, named by the source of its key (the file, --set or the defaults)."""
     first = err.errors()[0]
     loc = tuple(first["loc"])
     key = ".".join(str(p) for p in loc)
+    source = sources.of(key)
     if first["type"] == "extra_forbidden":
         section = _section_at(loc)
         allowed = ", ".join(section.model_fields) if section else "?"
         where = ".".join(str(p) for p in loc[:-1]) or "top level"
         return f"{source}: unknown key '{key}'; allowed in {where}: {allowed}"
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    where = f"in {sources.file} or " if sources.file and sources.file in source else ""
     return (
         f"{source}: '{key}' = {first.get('input')!r}: {first['msg']}{more}; "
-        f"fix it in the YAML or with --set {key}=..."
+        f"fix it {where}with --set {key}=..."
     )
 
 
@@ -232,10 +290,10 @@ def load_config(
     """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated.
     `empty_fix` says what to do about an empty file (a run's own config.yaml is no --config)."""
     tree: dict[str, Any] = {}
-    source = "defaults"
+    file = None
     if path is not None:
         path = Path(path)
-        source = str(path)
+        file = str(path)
         if path.is_dir():
             raise ConfigError(
                 f"config {path} is a folder, not a YAML file: "
@@ -260,13 +318,15 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
         tree = loaded
-    for item in overrides or []:
-        _set_dotted(tree, item)
-        source = f"{source} + --set"
+    written = copy.deepcopy(tree)
+    keys = tuple(_set_dotted(tree, item) for item in overrides or [])
+    sources = Sources(file, written, keys)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_explain(err, source)) from None
+        raise ConfigError(_explain(err, sources)) from None
+    cfg._sources = sources
+    return cfg
 
 
 def dump_config(cfg: Config) -> str:

@@ -174,6 +174,31 @@ def run_path(value: str | Path) -> Path:
     return Path(value)
 
 
+def makefile_here() -> bool:
+    """Whether this folder is lightship's own checkout, whose Makefile runs the stages. Only
+    there may a message say `make export RUN=...`: elsewhere make has no such target, and from
+    the checkout a run path relative to here would name another folder."""
+    try:
+        here = Path.cwd()
+    except OSError:  # the folder was deleted under us: no checkout here either
+        return False
+    return (here / "Makefile").is_file() and (here / "src" / "lightship").is_dir()
+
+
+def stage_command(make: str, lightship: str) -> str:
+    """A command for a message that runs from here: `make` in lightship's checkout (its
+    targets chain the stages), else the lightship command."""
+    return make if makefile_here() else lightship
+
+
+def next_command(stage: str, run: Path, env: str = "") -> str:
+    """What a `next:` line says to run after a stage: `stage` on `run`, `env` (PYTHONPATH=...)
+    first: make's target and the lightship command in the checkout, else the latter."""
+    q = shlex.quote(str(run))
+    cli = f"{env}lightship {stage} --run {q}"
+    return stage_command(f"{env}make {stage} RUN={q}   (or `{cli}`)", cli)
+
+
 def enclosing_run(path: Path) -> Path | None:
     """The run directory a file lies in (the nearest parent with manifest.json or checkpoints/),
     for a message that names it in its fix; None outside any run."""
@@ -355,14 +380,29 @@ class RunDir:
         trained before resumes: that puts back the best checkpoint it wrote (keeping what was
         made from it) and finishes the epochs left. Else the run's own config, when it has one:
         make's default config may be another model."""
+        run = shlex.quote(str(self.root))
         if self.last_ckpt.is_file():
-            return f"`make train RESUME=1 RUN={self.root}`"
-        config = self.root / "config.yaml"
-        return f"`make train RUN={self.root}{f' CONFIG={config}' if config.is_file() else ''}`"
+            command = stage_command(
+                f"make train RESUME=1 RUN={run}", f"lightship train --run {run} --resume"
+            )
+        elif self.config.is_file():
+            config = shlex.quote(str(self.config))
+            command = stage_command(
+                f"make train RUN={run} CONFIG={config}",
+                f"lightship train --run {run} --config {config}",
+            )
+        else:
+            command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
+        return f"`{command}`"
+
+    def command(self, stage: str) -> str:
+        """`stage` on this run as a command that runs from here, quoted for a message."""
+        run = shlex.quote(str(self.root))
+        return f"`{stage_command(f'make {stage} RUN={run}', f'lightship {stage} --run {run}')}`"
 
     def remake_command(self, variant: str) -> str:
         """The command that makes `variant` of this run again, quoted for a message."""
-        if variant == "eager":
+        if variant in ("eager", "checkpoint"):  # the report's name, and the manifest's
             return self.train_command()
         if variant.startswith("onnx-int8-"):
             method = variant.removeprefix("onnx-int8-")

@@ -543,3 +543,69 @@ def test_resume_without_a_config_continues_with_the_runs_own(tmp_path: Path) -> 
     proc = run_cli("train", "--run", str(run), "--resume", "--set", "trainer.max_epochs=3",
                    check=True)  # fmt: skip
     assert manifest(run)["checkpoint"]["epochs"] == 3, proc.stdout
+
+
+USER_MODELS = """
+from torch import nn
+
+
+class Net(nn.Sequential):
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__(nn.Flatten(), nn.Linear(in_channels * image_size**2, num_classes))
+
+
+class Fixed4(nn.Sequential):
+    def __init__(self, in_channels: int) -> None:
+        super().__init__(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_channels, 4))
+"""
+
+
+def test_a_user_model_run_outside_the_checkout_is_led_by_hints_that_work_there(
+    tmp_path: Path,
+) -> None:
+    # A user with their own model, in their own folder: every hint and fix must be runnable
+    # there (no `make`, whose targets live in lightship's checkout) and name the PYTHONPATH
+    # every stage that loads the checkpoint needs (report too: its eager baseline).
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm" / "mymodels.py").write_text(USER_MODELS)
+    with_path = {"PYTHONPATH": "mm"}
+    net = ["--run", "runs/m", "--config", TINY, "--set", "model.name=mymodels:Net"]
+
+    proc = run_cli("train", *net, cwd=tmp_path, env=with_path)
+    assert proc.returncode == 2
+    assert last_line(proc.stderr) == (
+        "error: model 'mymodels:Net' takes no argument 'stages' (it takes in_channels, "
+        f"num_classes, image_size): model.kwargs come from {TINY}, written for model "
+        "digits_cnn; clear them with --set 'model.kwargs={}'"
+    )
+    net += ["--set", "model.kwargs={}", "--set", "trainer.max_epochs=1"]  # as the fix says
+    proc = run_cli("train", *net, cwd=tmp_path, env=with_path, check=True)
+    assert last_line(proc.stdout) == "next: PYTHONPATH=mm lightship export --run runs/m"
+
+    proc = run_cli("report", "--run", "runs/m", "--rounds", "1", cwd=tmp_path)
+    assert proc.returncode == 4
+    assert last_line(proc.stderr) == (
+        "error: checkpoint runs/m/best.ckpt: model 'mymodels:Net': cannot import mymodels "
+        "(No module named 'mymodels'): install it, or run with PYTHONPATH=mm (its folder at "
+        "training)"
+    )
+    proc = run_cli("export", "--run", "runs/m", "--formats", "onnx", cwd=tmp_path, env=with_path)
+    assert last_line(proc.stdout) == "next: PYTHONPATH=mm lightship quantize --run runs/m"
+    proc = run_cli("report", "--run", "runs/m", "--rounds", "1", cwd=tmp_path, env=with_path)
+    assert proc.returncode == 0, proc.stderr
+    assert last_line(proc.stdout) == "next: lightship serve --run runs/m"  # ONNX: no module
+
+
+def test_a_model_without_num_classes_is_told_how_many_logits_to_output(tmp_path: Path) -> None:
+    # it said "fix model.kwargs (num_classes?)", and num_classes in model.kwargs was refused
+    (tmp_path / "mymodels.py").write_text(USER_MODELS)
+    fixed = ["train", "--run", str(tmp_path / "f"), "--config", TINY, "--set", "model.kwargs={}"]
+    proc = run_cli(*fixed, "--set", "model.name=mymodels:Fixed4", env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 2
+    assert last_line(proc.stderr) == (
+        "error: model.name=mymodels:Fixed4 model.kwargs={} outputs [2, 4] for 2 images, expected "
+        "[2, 10] (one logit per class): it takes no num_classes argument, so it must output 10 "
+        "logits (the data has 10 classes) itself: make its output 10 wide, or give its __init__ "
+        "a num_classes argument"
+    )
+    assert not (tmp_path / "f").exists()

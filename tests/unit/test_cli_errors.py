@@ -22,8 +22,8 @@ def test_config_rejects_non_finite_floats(value: str, shown: str, tmp_path: Path
     proc = run_cli("train", "--run", str(run), "--set", f"optim.lr={value}")
     assert proc.returncode == 2
     assert last_line(proc.stderr) == (
-        f"error: defaults + --set: 'optim.lr' = {shown}: Input should be a finite number; "
-        "fix it in the YAML or with --set optim.lr=..."
+        f"error: --set: 'optim.lr' = {shown}: Input should be a finite number; "
+        "fix it with --set optim.lr=..."
     )
     assert not run.exists()
 
@@ -239,21 +239,43 @@ def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
     [
         (
             ["report"],
-            "no trained run in runs/default: run `make train export quantize RUN=runs/default`",
+            "no trained run in runs/default: run `lightship train --run runs/default`, then "
+            "`lightship export --run runs/default`",
         ),
         (
             ["export"],
-            "run directory runs/default does not exist: run `make train RUN=runs/default`",
+            "run directory runs/default does not exist: run `lightship train --run runs/default`",
         ),
     ],
 )
 def test_the_default_run_directory_is_used(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # outside lightship's checkout the fix is the lightship command: make has no such target
     monkeypatch.chdir(tmp_path)  # no runs/ here
     with pytest.raises(RunError) as err:
         cli._invoke(argv)
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("variant", "why"),
+    [
+        ("eager", ": the report's eager row, best.ckpt, is --variant checkpoint"),
+        ("onnx", ""),
+    ],
+)
+def test_serve_names_the_variants_it_has_for_an_unknown_one(
+    variant: str, why: str, tmp_path: Path
+) -> None:
+    # `--variant eager` said to run `make export`, which never makes a variant of that name
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": 1, "artifacts": {}}))
+    with pytest.raises(ConfigError) as err:
+        cli._invoke(["serve", "--run", str(tmp_path), "--variant", variant])
+    assert str(err.value) == (
+        f"unknown --variant '{variant}'{why}; choose from auto, onnx-fp32, onnx-int8-static, "
+        "onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2, checkpoint"
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "export", "quantize", "report"])

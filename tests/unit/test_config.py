@@ -88,9 +88,48 @@ def test_an_accelerator_lightship_cannot_use_lists_the_ones_it_can() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["trainer.accelerator=tpu"])
     assert str(err.value) == (
-        "defaults + --set: 'trainer.accelerator' = 'tpu': Input should be 'auto', 'cpu', 'gpu' "
-        "or 'cuda'; fix it in the YAML or with --set trainer.accelerator=..."
+        "--set: 'trainer.accelerator' = 'tpu': Input should be 'auto', 'cpu', 'gpu' "
+        "or 'cuda'; fix it with --set trainer.accelerator=..."
     )
+
+
+def test_a_bad_value_is_named_by_its_own_source_not_every_override(tmp_path: Path) -> None:
+    # it said "configs/tiny.yaml + --set + --set + --set + --set:", whichever gave the value
+    tiny = str(CONFIGS / "tiny.yaml")
+    many = ["trainer.max_epochs=1", "seed=1", "optim.lr=0.1"]
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, [*many, "data.image_size=[16, 20]"])
+    assert str(err.value) == (
+        "--set: 'data.image_size' = [16, 20]: Input should be a valid integer; "
+        "fix it with --set data.image_size=..."
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  image_size: [16, 20]\n  colour: true\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, many)
+    assert str(err.value) == (
+        f"{bad}: 'data.image_size' = [16, 20]: Input should be a valid integer (and 1 more); "
+        f"fix it in {bad} or with --set data.image_size=..."
+    )
+    with pytest.raises(ConfigError) as err:  # an unknown key: where it was written
+        load_config(bad, [*many, "data.image_size=16"])
+    assert str(err.value).startswith(f"{bad}: unknown key 'data.colour'; allowed in data: ")
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, [*many, "data.colour=1"])
+    assert str(err.value).startswith("--set: unknown key 'data.colour'; allowed in data: ")
+
+
+def test_sources_name_where_each_key_came_from(tmp_path: Path) -> None:
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.name=mlp", "trainer.max_epochs=1"])
+    tiny = str(CONFIGS / "tiny.yaml")
+    assert cfg.sources.of("model.kwargs") == tiny
+    assert cfg.sources.of("model.name") == "--set"
+    assert cfg.sources.of("optim.lr") == "defaults"
+    assert cfg.sources.in_file("model.name", "digits_cnn") == "digits_cnn"
+    mixed = load_config(CONFIGS / "tiny.yaml", ["model.kwargs.dropout=0.1"])
+    assert mixed.sources.of("model.kwargs") == f"{tiny} + --set"
+    # where the values came from is no part of the config
+    assert load_config(None, ["seed=0"]) == load_config(CONFIGS / "digits.yaml") == Config()
 
 
 def test_set_without_equals() -> None:

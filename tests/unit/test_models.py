@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from lightship import models
-from lightship.errors import ConfigError
+from lightship.errors import ConfigError, RunError
 
 
 def spec(name: str, **over: object) -> dict[str, object]:
@@ -96,7 +99,11 @@ def test_user_model_by_import_path_gets_only_the_arguments_it_takes() -> None:
     ("name", "message"),
     [
         ("resnet50", "unknown model 'resnet50': use one of digits_cnn, mlp, resnet"),
-        ("no_such_pkg.mod:Net", "cannot import no_such_pkg.mod"),
+        (
+            "no_such_pkg.mod:Net",
+            r"cannot import no_such_pkg.mod \(No module named 'no_such_pkg'\): install it, or "
+            "run with PYTHONPATH=<folder holding no_such_pkg/>$",
+        ),
         ("lightship.models:Nope", "has no class 'Nope'"),
         # a checkpoint naming any callable must not get it called (shell commands, files)
         ("os:system", "'os:system' is not a torch.nn.Module class"),
@@ -138,3 +145,87 @@ def test_built_in_models_name_the_bad_setting(
         models.create(spec(name, kwargs=kwargs))
     # and an empty hidden list is a linear model, not an error
     assert isinstance(models.create(spec("mlp", kwargs={"hidden": []})), nn.Module)
+
+
+def test_model_kwargs_it_does_not_take_are_named_with_the_ones_it_does() -> None:
+    with pytest.raises(models.UnknownModelArguments) as err:
+        models.create(spec(f"{__name__}:TwoTimes", kwargs={"stages": [[8]], "scale": 2.0}))
+    assert str(err.value) == (
+        f"model '{__name__}:TwoTimes' takes no argument 'stages' (it takes scale); "
+        "check model.kwargs"
+    )
+    assert (err.value.unknown, err.value.accepted) == (["stages"], ["scale"])
+    assert not models.takes_argument(f"{__name__}:TwoTimes", "num_classes")
+    assert models.takes_argument("digits_cnn", "num_classes")
+
+
+USER_MODULE = "lightship_test_user_model"
+
+
+def test_a_checkpoint_whose_model_module_cannot_be_imported_says_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # report and `serve --variant checkpoint` load best.ckpt for the eager model: they said
+    # "(... is it installed?): re-export it", and re-exporting gave the same error
+    from lightship.runtime import load_predictor
+
+    folder = tmp_path / "mm"
+    folder.mkdir()
+    module = folder / f"{USER_MODULE}.py"
+    module.write_text("from torch import nn\n\n\nclass Net(nn.Flatten):\n    pass\n")
+    monkeypatch.syspath_prepend(str(folder))
+    name = f"{USER_MODULE}:Net"
+    assert models.module_file(name) == str(module)
+    model_spec = spec(name, module_file=str(module))
+    state = {f"model.{k}": v for k, v in models.create(model_spec).state_dict().items()}
+    hparams = {"model_spec": model_spec, "labels": ["a"], "input_spec": {}, "data_spec": {}}
+    ckpt = tmp_path / "best.ckpt"
+    torch.save({"state_dict": state, "hyper_parameters": hparams}, ckpt)
+
+    sys.path.remove(str(folder))  # a later stage run without PYTHONPATH
+    monkeypatch.delitem(sys.modules, USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    cannot = (
+        f"checkpoint {ckpt}: model '{name}': cannot import {USER_MODULE} "
+        f"(No module named '{USER_MODULE}'): install it, or run with PYTHONPATH="
+    )
+    with pytest.raises(RunError) as err:
+        load_predictor(ckpt)
+    assert str(err.value) == cannot + "mm (its folder at training)"
+    assert models.pythonpath_prefix(name, str(module)) == "PYTHONPATH=mm "
+
+    moved = folder.with_name("elsewhere")
+    folder.rename(moved)
+    with pytest.raises(RunError) as err:
+        load_predictor(ckpt)
+    assert str(err.value) == cannot + f"<folder of {USER_MODULE}.py>"
+
+    monkeypatch.syspath_prepend(str(moved))  # the fix: the module on the import path
+    assert load_predictor(ckpt).labels == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("module", "file", "root"),
+    [
+        ("mymodels", "/w/mm/mymodels.py", "/w/mm"),
+        ("pkg.nets", "/w/src/pkg/nets.py", "/w/src"),
+        ("pkg", "/w/src/pkg/__init__.py", "/w/src"),
+    ],
+)
+def test_the_import_root_is_the_folder_holding_the_top_package(
+    module: str, file: str, root: str
+) -> None:
+    assert models.import_root(module, file) == Path(root)
+
+
+def test_a_module_that_imports_something_missing_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / f"{USER_MODULE}_needs.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        models.resolve(f"{USER_MODULE}_needs:Net")
+    assert str(err.value).endswith(
+        f"(No module named 'no_such_dependency_here'): install what {USER_MODULE}_needs needs, "
+        "or fix its imports"
+    )

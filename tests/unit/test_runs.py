@@ -471,3 +471,37 @@ def test_ddp_workers_leave_the_lock_to_rank_0(
             pass
     finally:
         os.close(holder)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_commands_in_messages_run_from_where_the_user_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # outside lightship's checkout `make export` is no target (and `make export RUN=../x` run
+    # from the checkout would train a new model in another folder): the lightship command
+    run = RunDir(Path("runs/no-such-run-here"))
+    monkeypatch.chdir(ROOT)
+    assert runs.next_command("export", run.root) == (
+        f"make export RUN={run.root}   (or `lightship export --run {run.root}`)"
+    )
+    assert run.train_command() == f"`make train RUN={run.root}`"
+    assert run.command("report") == f"`make report RUN={run.root}`"
+
+    monkeypatch.chdir(tmp_path)
+    assert runs.next_command("export", run.root, "PYTHONPATH=mm ") == (
+        f"PYTHONPATH=mm lightship export --run {run.root}"
+    )
+    assert run.command("report") == f"`lightship report --run {run.root}`"
+    assert run.train_command() == f"`lightship train --run {run.root}`"
+    run.root.mkdir(parents=True)
+    run.config.write_text("")
+    assert run.train_command() == (
+        f"`lightship train --run {run.root} --config {run.root}/config.yaml`"
+    )
+    run.checkpoints.mkdir()
+    run.last_ckpt.write_text("")
+    assert run.train_command() == f"`lightship train --run {run.root} --resume`"
+    assert run.remake_command("checkpoint") == run.remake_command("eager") == run.train_command()
+    assert RunDir(Path("my run")).command("export") == "`lightship export --run 'my run'`"

@@ -7,8 +7,12 @@ and every exported artifact does too.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
+import shlex
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -26,10 +30,66 @@ REGISTRY: dict[str, Builder] = {
 }
 
 # Keys of a model spec: the dict stored in every checkpoint, enough to rebuild the network.
+# A user model's spec also holds `module_file`, where its module was at training: the folder
+# to put on PYTHONPATH when a later stage cannot import it.
 SPEC_KEYS = ("name", "kwargs", "in_channels", "num_classes", "image_size", "mean", "std")
 
 
-def resolve(name: str) -> Builder:
+class UnknownModelArguments(ConfigError):
+    """model.kwargs names arguments the model's __init__ does not take."""
+
+    def __init__(self, name: str, unknown: list[str], accepted: list[str]) -> None:
+        self.name, self.unknown, self.accepted = name, unknown, accepted
+        super().__init__(
+            f"model '{name}' takes no argument {', '.join(map(repr, unknown))} (it takes "
+            f"{', '.join(accepted) or 'none'}); check model.kwargs"
+        )
+
+
+def import_root(module_name: str, file: str | Path) -> Path:
+    """The folder that puts `module_name`, found at `file`, on the import path (PYTHONPATH):
+    the one holding its top-level package."""
+    path = Path(file)
+    return path.parents[module_name.count(".") + (path.name == "__init__.py")]
+
+
+def shown_path(path: Path) -> str:
+    """`path` for a command line run here: relative when it lies below this folder, quoted."""
+    here = Path.cwd().resolve()
+    resolved = path.resolve()
+    shown = str(resolved.relative_to(here)) if resolved.is_relative_to(here) else str(resolved)
+    return shlex.quote(shown)
+
+
+def _import_fix(module_name: str, module_file: str | None) -> str:
+    """How to make `module_name` importable: install it, or put its folder on PYTHONPATH (the
+    one it was trained from, when the checkpoint recorded it and it is still there)."""
+    if module_file and Path(module_file).is_file():
+        folder = f"{shown_path(import_root(module_name, module_file))} (its folder at training)"
+    else:
+        top = module_name.partition(".")[0]
+        folder = f"<folder of {top}.py>" if top == module_name else f"<folder holding {top}/>"
+    return f"install it, or run with PYTHONPATH={folder}"
+
+
+def pythonpath_prefix(name: str, file: str | None) -> str:
+    """'PYTHONPATH=DIR ' for a command that loads user model `name` (its module at `file`) when
+    that module is importable only through PYTHONPATH or this folder, or not at all: a shell
+    without them cannot load it. '' otherwise (installed, or a registry model)."""
+    if not file or ":" not in name:
+        return ""
+    module_name = name.partition(":")[0]
+    root = import_root(module_name, file).resolve()
+    given = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    findable = importlib.util.find_spec(module_name.partition(".")[0]) is not None
+    if root in given or root == Path.cwd().resolve() or not findable:
+        return f"PYTHONPATH={shown_path(root)} "
+    return ""
+
+
+def resolve(name: str, module_file: str | None = None) -> Builder:
+    """The builder `name` stands for; `module_file`, where a user model's module was at
+    training, says where to find it when it cannot be imported."""
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" not in name:
@@ -39,9 +99,12 @@ def resolve(name: str) -> Builder:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(
-            f"model '{name}': cannot import {module_name} ({exc}); is it installed?"
-        ) from None
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing and f"{module_name}.".startswith(f"{missing}."):
+            fix = _import_fix(module_name, module_file)
+        else:  # found, but what it imports is missing or broken
+            fix = f"install what {module_name} needs, or fix its imports"
+        raise ConfigError(f"model '{name}': cannot import {module_name} ({exc}): {fix}") from None
     builder = getattr(module, attr, None)
     if builder is None:
         raise ConfigError(f"model '{name}': {module_name} has no class '{attr}'")
@@ -54,16 +117,44 @@ def resolve(name: str) -> Builder:
     return builder
 
 
+def module_file(name: str) -> str | None:
+    """The file of a user model's module (None for a registry model), recorded at training."""
+    if name in REGISTRY:
+        return None
+    resolve(name)  # imports the module, or says why it cannot
+    return getattr(importlib.import_module(name.partition(":")[0]), "__file__", None)
+
+
+def _arguments(builder: Builder) -> tuple[list[str] | None, bool]:
+    """The keyword arguments `builder` takes (None: it has no signature to read), and whether
+    it takes any (**kwargs)."""
+    try:
+        params = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):
+        return None, False
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return (
+        [p.name for p in params if p.kind in named],
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params),
+    )
+
+
+def takes_argument(name: str, argument: str) -> bool:
+    """Whether model `name` is called with `argument` (one of the standard ones)."""
+    named, takes_any = _arguments(resolve(name))
+    return takes_any or argument in (named or [])
+
+
 def _call_with_known(
-    builder: Builder, standard: dict[str, Any], extra: dict[str, Any]
+    name: str, builder: Builder, standard: dict[str, Any], extra: dict[str, Any]
 ) -> nn.Module:
     """Pass the standard arguments a builder accepts (user models may take fewer)."""
-    try:
-        params = dict(inspect.signature(builder).parameters)
-    except (TypeError, ValueError):
-        params = {}
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in standard.items() if takes_any or k in params}
+    named, takes_any = _arguments(builder)
+    if named is not None and not takes_any:
+        unknown = [k for k in extra if k not in named]
+        if unknown:
+            raise UnknownModelArguments(name, unknown, named)
+    kwargs = {k: v for k, v in standard.items() if takes_any or k in (named or [])}
     kwargs.update(extra)
     try:
         model = builder(**kwargs)
@@ -90,13 +181,13 @@ def create(spec: dict[str, Any]) -> Classifier:
     missing = [k for k in SPEC_KEYS if k not in spec]
     if missing:
         raise ConfigError(f"model spec lacks {missing}; it must carry {list(SPEC_KEYS)}")
-    builder = resolve(spec["name"])
+    builder = resolve(spec["name"], spec.get("module_file"))
     standard = {
         "in_channels": spec["in_channels"],
         "num_classes": spec["num_classes"],
         "image_size": spec["image_size"],
     }
-    net = _call_with_known(builder, standard, dict(spec["kwargs"]))
+    net = _call_with_known(spec["name"], builder, standard, dict(spec["kwargs"]))
     return Classifier(Normalize(spec["mean"], spec["std"]), net)
 
 
@@ -109,7 +200,12 @@ __all__ = [
     "SPEC_KEYS",
     "Classifier",
     "Normalize",
+    "UnknownModelArguments",
     "count_parameters",
     "create",
+    "import_root",
+    "module_file",
+    "pythonpath_prefix",
     "resolve",
+    "takes_argument",
 ]

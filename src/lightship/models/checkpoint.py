@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lightship.errors import RunError
+from lightship.errors import ConfigError, RunError
 from lightship.models import Classifier, create
 from lightship.runs import RunDir, enclosing_run
 
@@ -79,7 +79,11 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
             raise RunError(
                 f"checkpoint {path} lacks '{key}' in its hyper-parameters: train it with lightship"
             )
-    model = create(hparams["model_spec"])
+    try:
+        model = create(hparams["model_spec"])
+    except ConfigError as exc:  # said as it is: the eager loader (report, serve) would put
+        # any error but a RunError in a "re-export it", which no export fixes
+        raise RunError(f"checkpoint {path}: {exc}") from None
     prefix = "model."
     state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     try:

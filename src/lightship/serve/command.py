@@ -55,7 +55,7 @@ def serve(
         typer.Option(
             help="auto (the report's recommendation, else onnx-fp32), onnx-fp32, "
             "onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2, checkpoint "
-            f"({ENV}VARIANT)"
+            f"(best.ckpt, the report's eager) ({ENV}VARIANT)"
         ),
     ] = None,
     device: Annotated[str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE)")] = None,

@@ -8,19 +8,31 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded, enclosing_run
+from lightship.runs import RunDir, check_recorded, enclosing_run, makefile_here, stage_command
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_VARIANT = "onnx-fp32"
+# What `--variant` names (besides auto): the manifest's keys. The checkpoint is the report's
+# "eager" row.
+VARIANTS = (
+    "onnx-fp32",
+    "onnx-int8-static",
+    "onnx-int8-dynamic",
+    "onnx-int8-qat",
+    "torchscript",
+    "pt2",
+    "checkpoint",
+)
 MODEL_SUFFIXES = (".onnx", ".ts", ".pt2", ".ckpt")
 
 
@@ -60,10 +72,10 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         if any(name.startswith("onnx-int8-") for name in artifacts):
             log.warning(
                 "%s has int8 variants but no report to choose between them: serving %s; "
-                "`make report RUN=%s` measures them and recommends one",
+                "%s measures them and recommends one",
                 run.root,
                 DEFAULT_VARIANT,
-                run.root,
+                run.command("report"),
             )
         return DEFAULT_VARIANT
     try:
@@ -72,13 +84,13 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         measured = {(str(v["file"]), v["bytes"]) for v in report.get("variants", [])}
     except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
-            f"{path} is unreadable ({exc}): re-run `make report RUN={run.root}` "
+            f"{path} is unreadable ({exc}): re-run {run.command('report')} "
             "or serve an explicit --variant"
         ) from None
-    fix = (
-        f"re-run `make report RUN={run.root}` (or `lightship report --run {run.root}`), or serve "
-        f"without it: --variant {DEFAULT_VARIANT}"
-    )
+    report = run.command("report")
+    if makefile_here():
+        report += f" (or `lightship report --run {shlex.quote(str(run.root))}`)"
+    fix = f"re-run {report}, or serve without it: --variant {DEFAULT_VARIANT}"
     # Recorded after the report: no variant it measured had their file and size. (A file that
     # differs from its manifest entry is for `verify` to say.)
     unmeasured = [  # (a listed file that is gone cannot be measured, nor served)
@@ -96,8 +108,8 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
             )
         if DEFAULT_VARIANT not in artifacts:
             raise RunError(
-                f"{path} recommends no variant: {run.root} has none to serve yet: run `make "
-                f"export RUN={run.root}`, then `make report RUN={run.root}`"
+                f"{path} recommends no variant: {run.root} has none to serve yet: run "
+                f"{run.command('export')}, then {run.command('report')}"
             )
         raise RunError(
             f"{path} recommends no variant: each one it measured failed the accuracy gate or "
@@ -155,9 +167,14 @@ def choose(settings: ServeSettings) -> ServedModel:
         name = settings.model_name or _safe_name(target.stem)
         return ServedModel(name, "file", target, entry)
     if not target.is_dir():
+        q = shlex.quote(str(target))
         raise RunError(
-            f"{target} is neither a run directory nor a model file: "
-            f"run `make export RUN={target}` first, or pass --run"
+            f"{target} is neither a run directory nor a model file: run "
+            + stage_command(
+                f"`make export RUN={q}` first",  # make trains it first
+                f"`lightship train --run {q}`, then `lightship export --run {q}`",
+            )
+            + ", or pass --run"
         )
     run = RunDir(target)
     artifacts = run.manifest()["artifacts"]
@@ -165,20 +182,31 @@ def choose(settings: ServeSettings) -> ServedModel:
         variant = recommended_variant(run, artifacts)
     else:
         variant = settings.variant
+    if variant not in VARIANTS:
+        eager = variant == "eager"
+        served_as = ": the report's eager row, best.ckpt, is --variant checkpoint" if eager else ""
+        raise ConfigError(
+            f"unknown --variant '{variant}'{served_as}; choose from auto, {', '.join(VARIANTS)}"
+        )
     entry = artifacts.get(variant)
     if entry is None:
         have = ", ".join(sorted(artifacts)) or "none"
-        hint = "make quantize" if variant.startswith("onnx-int8") else "make export"
         raise RunError(
             f"{target} has no '{variant}' artifact (it has: {have}): "
-            f"run `{hint} RUN={target}` first, or choose another --variant"
+            f"run {_maker(run, variant)} first, or choose another --variant"
         )
     path = run.root / str(entry["file"])
     if not path.is_file():
-        hint = "make quantize" if variant.startswith("onnx-int8") else "make export"
-        raise RunError(f"{path} is in the manifest but missing: re-run `{hint} RUN={target}`")
+        raise RunError(f"{path} is in the manifest but missing: re-run {_maker(run, variant)}")
     name = settings.model_name or _safe_name(run.name)
     return ServedModel(name, variant, path, dict(entry))
+
+
+def _maker(run: RunDir, variant: str) -> str:
+    """The command that makes `variant` of `run`, for a message."""
+    if variant == "checkpoint":
+        return run.train_command()
+    return run.command("quantize" if variant.startswith("onnx-int8") else "export")
 
 
 def _safe_name(name: str) -> str:

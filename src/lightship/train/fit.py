@@ -18,6 +18,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+import yaml
 from pytorch_lightning.callbacks import (
     Callback,
     EarlyStopping,
@@ -35,7 +36,7 @@ from lightship.callbacks import (
     fit_trainer,
     progress,
 )
-from lightship.config import Config, dump_config, load_config
+from lightship.config import Config, ModelConfig, dump_config, load_config
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
@@ -44,8 +45,10 @@ from lightship.runs import (
     atomic_path,
     atomic_write_text,
     check_writable,
+    next_command,
     note_interrupt,
     sha256_file,
+    stage_command,
 )
 from lightship.train.module import LitClassifier
 
@@ -129,6 +132,8 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
     diffs: list[str] = []
     for key, name in _RESUME_HPARAMS.items():
         old, new = hparams[key], lit.hparams[key]
+        if key == "model_spec":  # where the module lies is no part of the model
+            old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
         if key == "labels" and old != new:
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
@@ -223,10 +228,38 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
         model.train(was_training)
     shape = list(getattr(out, "shape", []))
     if not isinstance(out, torch.Tensor) or shape != [2, num_classes]:
+        if "num_classes" in cfg.model.kwargs:
+            fix = "drop num_classes from model.kwargs: lightship passes the data's class count"
+        elif models.takes_argument(cfg.model.name, "num_classes"):
+            fix = f"it was given num_classes={num_classes}: make its output width follow it"
+        else:
+            fix = (
+                f"it takes no num_classes argument, so it must output {num_classes} logits (the "
+                f"data has {num_classes} classes) itself: make its output {num_classes} wide, "
+                "or give its __init__ a num_classes argument"
+            )
         raise ConfigError(
             f"{what} outputs {shape or type(out).__name__} for 2 images, expected "
-            f"[2, {num_classes}] (one logit per class): fix model.kwargs (num_classes?)"
+            f"[2, {num_classes}] (one logit per class): {fix}"
         )
+
+
+def _unknown_kwargs(cfg: Config, exc: models.UnknownModelArguments) -> ConfigError:
+    """model.kwargs the model does not take, said with where they came from: a config file's
+    kwargs are for the model that file names, not for a model.name given beside it."""
+    source = cfg.sources.of("model.kwargs")
+    kept = {k: v for k, v in cfg.model.kwargs.items() if k not in exc.unknown}
+    flow = yaml.safe_dump(kept, default_flow_style=True, width=1 << 16).strip()
+    fix = f"--set {shlex.quote(f'model.kwargs={flow}')}"
+    written_for = cfg.sources.in_file("model.name", ModelConfig.model_fields["name"].default)
+    if cfg.sources.file == source and written_for != cfg.model.name:
+        origin = f"model.kwargs come from {source}, written for model {written_for}"
+    else:
+        origin = f"model.kwargs come from {source}"
+    todo = f"drop {', '.join(exc.unknown)} with" if kept else "clear them with"
+    return ConfigError(
+        f"{exc.args[0].removesuffix('; check model.kwargs')}: {origin}; {todo} {fix}"
+    )
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
@@ -243,9 +276,13 @@ def _discard_derived(run: RunDir) -> None:
     their files, the report's and any unlisted leftover, so the disk matches the manifest."""
     derived = run.discard_derived()
     if derived:
+        q = shlex.quote(str(run.root))
+        again = stage_command(
+            f"make export quantize RUN={q}",
+            f"lightship export --run {q}` and `lightship quantize --run {q}",
+        )
         print(
-            f"the new best.ckpt outdates {', '.join(derived)} of this run: "
-            f"re-run `make export quantize RUN={run.root}`",
+            f"the new best.ckpt outdates {', '.join(derived)} of this run: re-run `{again}`",
             flush=True,
         )
 
@@ -334,6 +371,10 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     if mean is None or std is None:
         data_mean, data_std = splits.pixel_stats()
         mean, std = mean or data_mean, std or data_std
+    # A user model's module file: a later stage that cannot import it says which folder to put
+    # on PYTHONPATH.
+    module_file = models.module_file(cfg.model.name)
+    model_source = {"module_file": module_file} if module_file else {}
     model_spec = {
         "name": cfg.model.name,
         "kwargs": dict(cfg.model.kwargs),
@@ -342,16 +383,20 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         "image_size": cfg.data.image_size,
         "mean": list(mean),
         "std": list(std),
+        **model_source,
     }
     input_spec = _input_spec(cfg, list(mean), list(std))
-    lit = LitClassifier(
-        model_spec=model_spec,
-        labels=list(splits.labels),
-        input_spec=input_spec,
-        data_spec=dm.spec.to_dict(),
-        optim=cfg.optim.model_dump(),
-        augment=cfg.data.augment,
-    )
+    try:
+        lit = LitClassifier(
+            model_spec=model_spec,
+            labels=list(splits.labels),
+            input_spec=input_spec,
+            data_spec=dm.spec.to_dict(),
+            optim=cfg.optim.model_dump(),
+            augment=cfg.data.augment,
+        )
+    except models.UnknownModelArguments as exc:
+        raise _unknown_kwargs(cfg, exc) from None
     _check_model_trains(lit.model, cfg, len(splits.labels))
     if resumed is not None:
         _check_resume_matches(resumed["hyper_parameters"], lit, run)
@@ -467,7 +512,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         "sha256": best_sha256,
         "bytes": run.best_ckpt.stat().st_size,
         "source_checkpoint": run.relative(best),
-        "model": {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs)},
+        "model": {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs), **model_source},
         "parameters": models.count_parameters(loaded.model),
         "input_spec": input_spec,
         "labels": list(splits.labels),
@@ -503,11 +548,11 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         else f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
         f"epochs, step {trainer.global_step})"
     )
+    pythonpath = models.pythonpath_prefix(cfg.model.name, module_file)
     print(
         f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
-        f"next: make export RUN={shlex.quote(str(run.root))}   "
-        f"(or `lightship export --run {shlex.quote(str(run.root))}`)",
+        f"next: {next_command('export', run.root, pythonpath)}",
         flush=True,
     )
     return run
