@@ -880,10 +880,10 @@ def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:
 def test_the_heap_is_trimmed_once_the_server_is_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trims: list[bool] = []
-    monkeypatch.setattr(serve_app, "_trim_heap", lambda: trims.append(service(app).ready))
     app, gate = make_app(tmp_path, gate=True)
     assert gate is not None
+    trims: list[bool] = []
+    monkeypatch.setattr(serve_app, "_trim_heap", lambda: trims.append(service(app).ready))
 
     async def main() -> None:
         async with serving(app, wait_ready=False):
