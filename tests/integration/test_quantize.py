@@ -278,6 +278,25 @@ def test_data_moved_after_training_says_to_put_it_back(exported_run: Path, tmp_p
         )
 
 
+def test_data_changed_since_training_is_refused(exported_run: Path, tmp_path: Path) -> None:
+    # a split drawn anew over other data would test the model on images it trained on
+    run = tmp_path / "changed"
+    shutil.copytree(exported_run, run)
+    rd = RunDir(run)
+    entry = rd.artifact("checkpoint")
+    assert entry is not None
+    now = str(entry["data_spec"]["fingerprint"])
+    rd.record("checkpoint", {**entry, "data_spec": {**entry["data_spec"], "fingerprint": "9:0"}})
+    for stage in ("quantize", "report"):
+        proc = run_cli(stage, "--run", str(run))
+        assert proc.returncode == 3, proc.stderr
+        assert last_line(proc.stderr) == (
+            f"error: the digits data changed since this run trained on it (9 images then, "
+            f"{now.partition(':')[0]} now): its test split would mix in images the model trained "
+            "on; put the data back as it was, or train a new run on it"
+        )
+
+
 def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     quantized: Path, tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -444,6 +445,25 @@ def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
         assert line.startswith(f"error: cannot resume {run}") and message in line, line
         assert "Traceback" not in proc.stderr and "training stopped" not in proc.stderr
         assert (run / "config.yaml").read_text() == config
+
+
+def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
+    from lightship.errors import ConfigError
+    from lightship.train.fit import _check_resume_matches
+
+    hparams = torch.load(tiny_run / "best.ckpt", weights_only=False)["hyper_parameters"]
+    spec = hparams["data_spec"]
+    n = spec["fingerprint"].partition(":")[0]
+    changed = SimpleNamespace(hparams={**hparams, "data_spec": {**spec, "fingerprint": "9:0"}})
+    with pytest.raises(ConfigError) as err:
+        _check_resume_matches(hparams, changed, RunDir(tiny_run))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        f"cannot resume {tiny_run}: it was trained with a different model/data (data images "
+        f"{n} -> 9, or changed): put the data back as it was, or train afresh without --resume"
+    )
+    # a run recorded before fingerprints were kept resumes on the data as it is
+    old = {**hparams, "data_spec": {k: v for k, v in spec.items() if k != "fingerprint"}}
+    _check_resume_matches(old, SimpleNamespace(hparams=hparams), RunDir(tiny_run))  # type: ignore[arg-type]
 
 
 def test_resume_from_a_checkpoint_lightning_did_not_write(tmp_path: Path) -> None:

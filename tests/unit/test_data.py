@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,7 @@ from PIL import Image
 
 from lightship.config import DataConfig
 from lightship.data import DataSpec, Splits, load_splits, sources
-from lightship.data.module import spec_from_config
+from lightship.data.module import ImageDataModule, spec_from_config
 from lightship.data.sources import _folder, resize_uint8, stratified_split
 from lightship.errors import DataError
 from lightship.serve import v1
@@ -112,6 +113,45 @@ def test_recorded_data_that_moved_is_to_be_put_back(tmp_path: Path) -> None:
     assert load_splits(spec, recorded=True).labels == ["cat", "dog"]
     with pytest.raises(DataError, match=r"npz file .*gone\.npz, which this run was trained on"):
         load_splits(DataSpec(source="npz", path=str(tmp_path / "gone.npz")), recorded=True)
+
+
+def test_data_changed_since_training_is_refused(tmp_path: Path) -> None:
+    # the split is drawn anew over what is there: images the model trained on would be tested
+    root = tmp_path / "imgs"
+    make_folder(root)
+    trained = dataclasses.replace(
+        spec := DataSpec(source="folder", path=str(root), image_size=8),
+        fingerprint=load_splits(spec).fingerprint,
+    )
+    assert load_splits(trained, recorded=True).fingerprint == trained.fingerprint
+    shutil.copy(root / "cat" / "1.png", root / "cat" / "copy.png")
+    with pytest.raises(DataError) as err:
+        load_splits(trained, recorded=True)
+    assert str(err.value) == (
+        f"folder data {root} changed since this run trained on it (12 images then, 13 now): its "
+        "test split would mix in images the model trained on; put the data back as it was, or "
+        "train a new run on it"
+    )
+    (root / "cat" / "copy.png").unlink()
+    Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(root / "cat" / "1.png")
+    with pytest.raises(DataError, match=r"\(12 images, not the same\)"):
+        load_splits(trained, recorded=True)
+    # a run recorded before fingerprints were kept is not checked
+    assert load_splits(spec, recorded=True).labels == ["cat", "dog"]
+
+
+def test_the_data_module_records_what_it_read(tmp_path: Path) -> None:
+    np.savez(
+        tmp_path / "d.npz",
+        x=np.arange(20 * 36, dtype=np.uint8).reshape(20, 1, 6, 6),
+        y=np.repeat([0, 1], 10),
+    )
+    dm = ImageDataModule(DataConfig(source="npz", path=tmp_path / "d.npz", image_size=6))
+    assert dm.spec.fingerprint is None
+    splits = dm.splits
+    assert dm.spec.fingerprint == splits.fingerprint == load_splits(dm.spec).fingerprint
+    assert splits.fingerprint.startswith("20:")
+    assert DataSpec.from_dict(dm.spec.to_dict()) == dm.spec  # as the manifest keeps it
 
 
 def test_corrupt_image_names_the_file(tmp_path: Path) -> None:

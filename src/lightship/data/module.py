@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ class ImageDataModule(pl.LightningDataModule):
     def splits(self) -> Splits:
         if self._splits is None:
             self._splits = load_splits(self.spec)
+            # recorded with the run: later stages check the data is still what it trained on
+            self.spec = dataclasses.replace(self.spec, fingerprint=self._splits.fingerprint)
         return self._splits
 
     def _loader(self, ds: TensorDataset, batch_size: int, shuffle: bool) -> DataLoader[Any]:

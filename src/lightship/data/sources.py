@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import warnings
@@ -48,6 +49,10 @@ class DataSpec:
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     split_seed: int = 0
+    # "N:sha256" of the images and labels the run trained on (`fingerprint`): later stages
+    # refuse data that changed since, whose split would mix trained-on images into the test.
+    # None before the data is read, and in runs recorded before it was kept.
+    fingerprint: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataSpec:
@@ -66,6 +71,7 @@ class Splits:
     test_x: np.ndarray
     test_y: np.ndarray
     labels: list[str]
+    fingerprint: str
 
     def pixel_stats(self) -> tuple[list[float], list[float]]:
         """Per-channel mean and std of the training images, in pixel units (0..255)."""
@@ -333,10 +339,33 @@ def stratified_split(
     return train, val, test
 
 
+def fingerprint(x: np.ndarray, y: np.ndarray, labels: list[str]) -> str:
+    """'N:sha256' of a data set as the model sees it (pixels after resizing, classes, names)."""
+    digest = hashlib.sha256()
+    digest.update(np.ascontiguousarray(x).data)  # no copy of a large data set
+    digest.update(y.astype("<i8").tobytes())
+    digest.update("\n".join(labels).encode())
+    return f"{len(y)}:{digest.hexdigest()}"
+
+
+def _check_unchanged(spec: DataSpec, now: str) -> None:
+    """Data that changed since the run trained on it: the split is drawn anew over what is
+    there now, so its test images would no longer be the ones the model never saw."""
+    if spec.fingerprint is None or spec.fingerprint == now:
+        return
+    was, now_n = spec.fingerprint.partition(":")[0], now.partition(":")[0]
+    counts = f"{was} images then, {now_n} now" if was != now_n else f"{now_n} images, not the same"
+    where = f"{spec.source} data {spec.path}" if spec.path else f"the {spec.source} data"
+    raise DataError(
+        f"{where} changed since this run trained on it ({counts}): its test split would mix in "
+        "images the model trained on; put the data back as it was, or train a new run on it"
+    )
+
+
 def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
-    its path is to be put back there."""
+    its path is to be put back there. A spec with a fingerprint refuses data that changed."""
     if spec.source == "digits":
         x, y, labels = _digits()
     elif spec.source in ("folder", "npz"):
@@ -359,6 +388,8 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
     x = resize_uint8(x, spec.image_size, spec.channels)
+    now = fingerprint(x, y, labels)
+    _check_unchanged(spec, now)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:
         raise DataError(
@@ -367,4 +398,4 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
             "data.test_fraction"
         )
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
-    return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels)
+    return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels, now)

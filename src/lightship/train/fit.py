@@ -130,10 +130,18 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
     """Refuse a resume whose model or data differ from the checkpoint's (weights would not fit,
     or would silently continue on other data)."""
     diffs: list[str] = []
+    data_changed = False
     for key, name in _RESUME_HPARAMS.items():
         old, new = hparams[key], lit.hparams[key]
         if key == "model_spec":  # where the module lies is no part of the model
             old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
+        if key == "data_spec":  # the images themselves, when the run recorded them
+            old, new = dict(old), dict(new)
+            was, now = old.pop("fingerprint", None), new.pop("fingerprint", None)
+            data_changed = was is not None and was != now
+            if data_changed:
+                counts = [str(f).partition(":")[0] for f in (was, now)]
+                diffs.append(f"data images {counts[0]} -> {counts[1]}, or changed")
         if key == "labels" and old != new:
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
@@ -142,7 +150,11 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
         shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
         raise ConfigError(
             f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
-            f"train without --resume, or resume with the run's config ({run.config})"
+            + (
+                "put the data back as it was, or train afresh without --resume"
+                if data_changed
+                else f"train without --resume, or resume with the run's config ({run.config})"
+            )
         )
 
 
