@@ -212,6 +212,12 @@ def enclosing_run(path: Path) -> Path | None:
     )
 
 
+def export_hint(model: Path) -> str:
+    """How to make a missing exported `model`: export the run it lies in."""
+    run = enclosing_run(model)
+    return f"run {RunDir(run).command('export')} first" if run else "export it first"
+
+
 def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
     """Typer parser of a stage's run-directory `option`: as `run_path`, and a file (a model, a
     config) is refused, naming the run it lies in, where it would be taken for a run directory

@@ -303,3 +303,21 @@ def test_split_rows_and_the_short_batch_session_follow_the_timings_at_load(
     assert p.split_rows == split_rows
     assert (p.session is p._lane) == short_on_lane
     assert p.short_batch_threads == (1 if short_on_lane else 2)
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.ts"])
+def test_a_missing_export_names_the_command_that_makes_it(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "r"
+    (run / "export").mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # outside lightship's checkout: its make targets are not here
+    with pytest.raises(RunError) as err:
+        load_predictor(run / "export" / name)
+    assert str(err.value).endswith(
+        f"{run}/export/{name} not found: run `lightship export --run {run}` first"
+    )
+    with pytest.raises(RunError) as err:
+        load_predictor(tmp_path / name)  # in no run
+    assert str(err.value).endswith(f"{tmp_path / name} not found: export it first")

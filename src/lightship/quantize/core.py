@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -39,6 +40,7 @@ from lightship.runs import (
     check_space,
     check_writable,
     sha256_file,
+    stage_command,
 )
 from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, OrtPredictor, create_session
@@ -232,18 +234,21 @@ class Quantizer:
         self.settings = settings
         self.fp32 = run.export_dir / "model.onnx"
         if not run.root.is_dir():
-            raise RunError(
-                f"run directory {run.root} does not exist: run `make train export RUN={run.root}`"
+            q = shlex.quote(str(run.root))
+            todo = stage_command(
+                f"make train export RUN={q}",
+                f"lightship train --run {q}`, then `lightship export --run {q}",
             )
+            raise RunError(f"run directory {run.root} does not exist: run `{todo}`")
         entry = run.artifact("onnx-fp32")
         if entry is None or not self.fp32.is_file():
             raise RunError(
-                f"no exported ONNX model in {run.root}: run `make export RUN={run.root}` first"
+                f"no exported ONNX model in {run.root}: run {run.command('export')} first"
             )
         check_recorded(
             self.fp32,
             entry,
-            f"it changed after `lightship export` wrote it; re-run `make export RUN={run.root}`",
+            f"it changed after `lightship export` wrote it; re-run {run.command('export')}",
         )
         self.fp32_entry = entry
         try:
@@ -540,7 +545,7 @@ class Quantizer:
             # the comparison means nothing
             raise QuantizeError(
                 f"{ckpt} is not the checkpoint {self.fp32} was exported from: re-run "
-                f"`make export RUN={self.run.root}`"
+                f"{self.run.command('export')}"
             )
         try:
             info = quantize_aware_train(

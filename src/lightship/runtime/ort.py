@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from lightship.errors import RunError
+from lightship.runs import export_hint
 from lightship.runtime.base import Predictor, physical_cores, read_metadata, valid_input_spec
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ class OrtPredictor(Predictor):
         self.path = Path(path)
         self.device = device
         if not self.path.is_file():
-            raise RunError(f"ONNX model {self.path} not found: run `make export` first")
+            raise RunError(f"ONNX model {self.path} not found: {export_hint(self.path)}")
         threads = threads or physical_cores()
         self.session = self._open(threads, spinning, providers_for(device))
         inp, out = _check_graph(self.path, self.session)

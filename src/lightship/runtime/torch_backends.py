@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from lightship.errors import RunError
+from lightship.runs import export_hint
 from lightship.runtime.base import META_FILE, Predictor, physical_cores, read_metadata
 
 
@@ -72,7 +73,7 @@ def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None)
     device = _device(device)
     torch.set_num_threads(threads or physical_cores())
     if not path.is_file():
-        raise RunError(f"{path} not found: run `make export` first")
+        raise RunError(f"{path} not found: {export_hint(path)}")
     try:
         if kind == "torchscript":
             extra = {META_FILE: ""}
