@@ -3,7 +3,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+import shlex
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,13 @@ import torch
 from lightship import __version__
 from lightship.config import parse_choices
 from lightship.data import DataSpec, load_splits
-from lightship.errors import ConfigError, DataError, RunError
+from lightship.errors import ConfigError, DataError, LightshipError, ParityError, RunError
 from lightship.export import onnx as onnx_export
 from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
-from lightship.export.parity import Parity, check_parity
+from lightship.export.failure import reason
+from lightship.export.parity import Parity, check_parity, check_reference, run_batched
+from lightship.models import pythonpath_prefix
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
     RunDir,
@@ -26,7 +30,9 @@ from lightship.runs import (
     check_recorded,
     check_space,
     check_writable,
+    interrupted,
     sha256_file,
+    stage_command,
 )
 from lightship.runtime import load_predictor
 from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
@@ -72,6 +78,59 @@ def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
         c, h, w = loaded.input_spec["shape"][1:]
         rng = np.random.default_rng(0)
         return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8)
+
+
+def eager_logits(
+    model: torch.nn.Module, x: np.ndarray, batches: Sequence[int]
+) -> dict[int, np.ndarray]:
+    """The eager model's logits over `x` at each batch size, run in chunks of that size as the
+    artifacts are: each chunk is compared with the same chunk through the artifact (a model
+    whose output depends on its batch differs between batch sizes), and no forward pass holds
+    more than one chunk's activations."""
+
+    def predict(chunk: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return model(torch.from_numpy(chunk)).numpy()
+
+    return {b: run_batched(predict, x, b) for b in batches}
+
+
+def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str]) -> str:
+    """How to go on without `fmt`, as a command that runs from here: the export of the other
+    formats asked for (all the others when it was the only one), and what this export already
+    wrote before it."""
+    others = ",".join([f for f in chosen if f != fmt] or [f for f in FORMATS if f != fmt])
+    spec = loaded.model_spec
+    env = pythonpath_prefix(str(spec["name"]), spec.get("module_file"))
+    q = shlex.quote(str(run.root))
+    command = stage_command(
+        f"{env}make export RUN={q} EXPORT_ARGS='--formats {others}'",
+        f"{env}lightship export --run {q} --formats {others}",
+    )
+    written = [FILENAMES[f] for f in chosen[: chosen.index(fmt)]]
+    done = f" ({' and '.join(written)} {'are' if len(written) > 1 else 'is'} written)"
+    return f"leave {fmt} out: `{command}`{done if written else ''}"
+
+
+@contextmanager
+def _failure(what: str, fix: str) -> Iterator[None]:
+    """A library's exception inside the block becomes one ParityError line: `what`, torch's
+    reason and `fix`; the traceback goes to the debug log (`lightship --verbose`). Our own
+    errors, Ctrl-C and the OS's errors (a full disk) pass through."""
+    try:
+        yield
+    except (LightshipError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if interrupted():  # Ctrl-C, caught and re-raised as something else inside torch
+            raise KeyboardInterrupt from None
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise
+        log.debug("%s", what, exc_info=True)
+        raise ParityError(
+            f"{what}: {reason(exc)} — {fix}, or change the model's forward "
+            "(`lightship --verbose export` shows the traceback)"
+        ) from None
 
 
 Writer = Callable[[torch.nn.Module, torch.Tensor, Path, dict[str, str]], dict[str, Any]]
@@ -125,14 +184,15 @@ def export(
     )
     loaded = load_checkpoint(ckpt)
     x_test = parity_inputs(loaded)
-    with torch.inference_mode():
-        reference = loaded.model(torch.from_numpy(x_test)).numpy()
+    references = eager_logits(loaded.model, x_test, tuple(dict.fromkeys((1, parity_batch))))
+    reference = references[parity_batch]
     width = int(np.prod(reference.shape[1:]))
     if reference.ndim != 2 or width != len(loaded.labels):
         raise RunError(
             f"checkpoint {ckpt} is inconsistent: {len(loaded.labels)} labels but the model gives "
             f"{width} logits per image: train the run again ({run.train_command()})"
         )
+    check_reference(references, len(x_test))
     # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo.
     example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))
     meta = metadata(loaded, source_sha)
@@ -144,17 +204,23 @@ def export(
     artifacts: list[Artifact] = []
     for fmt in chosen:
         final = run.export_dir / FILENAMES[fmt]
+        fix = _fix(run, loaded, fmt, chosen)
         with atomic_path(final) as tmp:
-            info = writers[fmt](loaded.model, example, tmp, meta)
-            parity = check_parity(
-                load_predictor(tmp).predict,
-                reference,
-                x_test,
-                atol=atol,
-                min_agreement=min_agreement,
-                batch=parity_batch,
-                what=f"{fmt} ({final.name})",
-            )
+            with _failure(f"torch cannot export this model to {fmt}", fix):
+                info = writers[fmt](loaded.model, example, tmp, meta)
+            # outside: a bug of our own keeps its traceback, and a file the runtime cannot open
+            # is a RunError already
+            predictor = load_predictor(tmp)
+            with _failure(f"{final.name} was exported but fails when run", fix):
+                parity = check_parity(
+                    predictor.predict,
+                    references,
+                    x_test,
+                    atol=atol,
+                    min_agreement=min_agreement,
+                    what=f"{fmt} ({final.name})",
+                    fix=fix,
+                )
         entry = {
             "file": run.relative(final),
             "format": fmt,

@@ -12,6 +12,7 @@ import onnx.defs
 import torch
 
 from lightship.errors import ConfigError
+from lightship.export.failure import printout_on_failure_to_debug, reason
 from lightship.runs import interrupted
 
 log = logging.getLogger(__name__)
@@ -42,23 +43,24 @@ def file_opset(proto: onnx.ModelProto) -> int | None:
 
 def _dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
     batch = torch.export.Dim("batch")
-    torch.onnx.export(
-        model,
-        (example,),
-        str(path),
-        dynamo=True,
-        dynamic_shapes=({0: batch},),
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
-        external_data=False,
-        opset_version=opset,
-        verbose=False,
-    )
+    with printout_on_failure_to_debug(log, "the dynamo ONNX exporter"):
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=True,
+            dynamic_shapes=({0: batch},),
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            external_data=False,
+            opset_version=opset,
+            verbose=False,
+        )
 
 
 def _legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         torch.onnx.export(
             model,
             (example,),
@@ -68,6 +70,21 @@ def _legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: in
             output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
             opset_version=opset,
+        )
+    frozen = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    for w in caught:
+        if w not in frozen and not issubclass(w.category, DeprecationWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if frozen:
+        # The tracer turned a tensor into a Python value (an `if` on a tensor, a size): the file
+        # does there what the example batch did, whatever the input.
+        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in frozen})
+        log.warning(
+            "the legacy ONNX exporter froze Python control flow on tensors at %s (%s): "
+            "model.onnx takes the branch its example batch of %d took, for every input",
+            ", ".join(where),
+            str(frozen[0].message).split(". ")[0],
+            len(example),
         )
 
 
@@ -86,10 +103,7 @@ def write(
     except Exception as exc:  # dynamo raises many types; the legacy exporter may still work
         if interrupted():  # Ctrl-C, caught and re-raised as something else inside torch
             raise KeyboardInterrupt from None
-        log.warning(
-            "dynamo ONNX export failed (%s); trying the legacy exporter",
-            str(exc).splitlines()[0][:200],
-        )
+        log.warning("dynamo ONNX export failed (%s); trying the legacy exporter", reason(exc))
         exporter = "legacy"
         _legacy(model, example, path, opset)
     proto = onnx.load(str(path))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,41 +54,49 @@ def compare(reference: np.ndarray, logits: np.ndarray) -> tuple[float, float]:
     return diff, agreement
 
 
+def check_reference(references: Mapping[int, np.ndarray], samples: int) -> None:
+    """ParityError when the eager model itself gives a NaN or infinite logit."""
+    for reference in references.values():
+        bad = non_finite(reference)
+        if bad:
+            raise ParityError(
+                f"the eager model gives {bad} non-finite logits (NaN/inf) of {reference.size} on "
+                f"{samples} images: the checkpoint is unusable and nothing was written — train "
+                "again (e.g. with a lower optim.lr)"
+            )
+
+
 def check_parity(
     predict: Callable[[np.ndarray], np.ndarray],
-    reference: np.ndarray,
+    references: Mapping[int, np.ndarray],
     x: np.ndarray,
     atol: float,
     min_agreement: float,
-    batch: int,
     what: str,
+    fix: str,
 ) -> Parity:
-    """Run `predict` at batch 1 and at `batch` over `x`; raise ParityError past the limits
-    or when either side gives a NaN or infinite logit (which no |Δ| limit would catch)."""
-    bad = non_finite(reference)
-    if bad:
-        raise ParityError(
-            f"the eager model gives {bad} non-finite logits (NaN/inf) of {reference.size} on "
-            f"{len(x)} images: the checkpoint is unusable and nothing was written — train again "
-            "(e.g. with a lower optim.lr)"
-        )
+    """Run `predict` over `x` at each batch size of `references` (batch size -> the eager model's
+    logits, run in the same chunks) and compare each chunk with eager's on the same images: a
+    model whose output depends on its batch (batch statistics, a branch on the batch) is held to
+    what eager gives at that batch. Raise ParityError past the limits or when the artifact gives
+    a NaN or infinite logit (which no |Δ| limit would catch); `fix` says how to go on without
+    this artifact."""
     worst_diff, worst_agree = 0.0, 1.0
-    for b in (1, batch):
+    for b, reference in references.items():
         logits = run_batched(predict, x, b)
         bad = non_finite(logits)
         if bad:
             raise ParityError(
                 f"{what} gives {bad} non-finite logits (NaN/inf) of {logits.size} at batch {b} "
-                "where the eager model's are finite: nothing was written — try another format "
-                "or --opset"
+                f"where the eager model's are finite: it was not written — {fix}"
             )
         diff, agree = compare(reference, logits)
         worst_diff, worst_agree = max(worst_diff, diff), min(worst_agree, agree)
-    parity = Parity(worst_diff, worst_agree, len(x), (1, batch), atol, min_agreement)
+    parity = Parity(worst_diff, worst_agree, len(x), tuple(references), atol, min_agreement)
     if worst_diff > atol or worst_agree < min_agreement:
         raise ParityError(
             f"{what} disagrees with the eager model: {parity.summary()} "
-            f"(limits |Δ| <= {atol:g}, agreement >= {min_agreement:.2%}); "
-            "nothing was written — loosen with --atol if the difference is expected"
+            f"(limits |Δ| <= {atol:g}, agreement >= {min_agreement:.2%}); it was not written — "
+            f"loosen with --atol if the difference is expected, or {fix}"
         )
     return parity

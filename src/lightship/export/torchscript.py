@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightship.export.failure import reason
 from lightship.runtime.base import META_FILE
 
 log = logging.getLogger(__name__)
@@ -25,9 +26,7 @@ def write(
         with torch.inference_mode():
             module = torch.jit.trace(model, example, check_inputs=[(example[:1],), (example,)])
     except Exception as exc:
-        log.warning(
-            "torch.jit.trace failed (%s); scripting instead", str(exc).splitlines()[0][:200]
-        )
+        log.warning("torch.jit.trace failed (%s); scripting instead", reason(exc))
         method = "script"
         module = torch.jit.script(model)
     module = torch.jit.freeze(module.eval()) if method == "trace" else module
