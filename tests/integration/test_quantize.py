@@ -292,8 +292,8 @@ def test_data_changed_since_training_is_refused(exported_run: Path, tmp_path: Pa
         assert proc.returncode == 3, proc.stderr
         assert last_line(proc.stderr) == (
             f"error: the digits data changed since this run trained on it (9 images then, "
-            f"{now.partition(':')[0]} now): its test split would mix in images the model trained "
-            "on; put the data back as it was, or train a new run on it"
+            f"{now.partition(':')[0]} now): its test split would no longer be the images held out "
+            "from training; put the data back as it was, or train a new run on it"
         )
 
 

@@ -124,12 +124,15 @@ def test_data_changed_since_training_is_refused(tmp_path: Path) -> None:
         fingerprint=load_splits(spec).fingerprint,
     )
     assert load_splits(trained, recorded=True).fingerprint == trained.fingerprint
+    # the files' bytes, not the pixels they decode to at some size
+    assert load_splits(dataclasses.replace(spec, image_size=6)).fingerprint == trained.fingerprint
     shutil.copy(root / "cat" / "1.png", root / "cat" / "copy.png")
     with pytest.raises(DataError) as err:
         load_splits(trained, recorded=True)
     assert str(err.value) == (
         f"folder data {root} changed since this run trained on it (12 images then, 13 now): its "
-        "test split would mix in images the model trained on; put the data back as it was, or "
+        "test split would no longer be the images held out from training; put the data back as "
+        "it was, or "
         "train a new run on it"
     )
     (root / "cat" / "copy.png").unlink()

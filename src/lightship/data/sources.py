@@ -161,11 +161,8 @@ def _note_gray(colour: int) -> None:
         )
 
 
-def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    if not root.is_dir():
-        raise DataError(
-            f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
-        )
+def _image_files(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path]]:
+    """An image folder's classes, its (image file, class index) pairs and the other files."""
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     files: list[tuple[Path, int]] = []
     skipped: list[Path] = []
@@ -175,6 +172,15 @@ def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarra
                 files.append((f, idx))
             else:
                 skipped.append(f)
+    return classes, files, skipped
+
+
+def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    if not root.is_dir():
+        raise DataError(
+            f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
+        )
+    classes, files, skipped = _image_files(root)
     if skipped:
         kinds = sorted({f.suffix.lower() or f.name for f in skipped})
         _note_once(
@@ -339,12 +345,24 @@ def stratified_split(
     return train, val, test
 
 
-def fingerprint(x: np.ndarray, y: np.ndarray, labels: list[str]) -> str:
-    """'N:sha256' of a data set as the model sees it (pixels after resizing, classes, names)."""
+def fingerprint(spec: DataSpec, y: np.ndarray, x: np.ndarray) -> str:
+    """'N:sha256' of the data `spec` reads, N its images: the files as they are on disk (each
+    image file's path, class and bytes; the .npz file), not the pixels a Pillow version decodes
+    from them; the built-in digits' arrays `x`, `y`."""
     digest = hashlib.sha256()
-    digest.update(np.ascontiguousarray(x).data)  # no copy of a large data set
-    digest.update(y.astype("<i8").tobytes())
-    digest.update("\n".join(labels).encode())
+    if spec.source == "folder":
+        root = Path(str(spec.path)).expanduser()
+        classes, files, _ = _image_files(root)
+        for f, idx in files:
+            digest.update(f"{f.relative_to(root)}\0{classes[idx]}\0".encode())
+            with f.open("rb") as fh:
+                digest.update(hashlib.file_digest(fh, "sha256").digest())
+    elif spec.source == "npz":
+        with Path(str(spec.path)).expanduser().open("rb") as fh:
+            digest.update(hashlib.file_digest(fh, "sha256").digest())
+    else:
+        digest.update(np.ascontiguousarray(x).data)
+        digest.update(y.astype("<i8").tobytes())
     return f"{len(y)}:{digest.hexdigest()}"
 
 
@@ -357,8 +375,9 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
     counts = f"{was} images then, {now_n} now" if was != now_n else f"{now_n} images, not the same"
     where = f"{spec.source} data {spec.path}" if spec.path else f"the {spec.source} data"
     raise DataError(
-        f"{where} changed since this run trained on it ({counts}): its test split would mix in "
-        "images the model trained on; put the data back as it was, or train a new run on it"
+        f"{where} changed since this run trained on it ({counts}): its test split would no "
+        "longer be the images held out from training; put the data back as it was, or train a "
+        "new run on it"
     )
 
 
@@ -387,9 +406,9 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
                 _note_gray(len(x))
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
-    x = resize_uint8(x, spec.image_size, spec.channels)
-    now = fingerprint(x, y, labels)
+    now = fingerprint(spec, y, x)
     _check_unchanged(spec, now)
+    x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:
         raise DataError(

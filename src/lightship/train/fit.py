@@ -138,7 +138,8 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
         if key == "data_spec":  # the images themselves, when the run recorded them
             old, new = dict(old), dict(new)
             was, now = old.pop("fingerprint", None), new.pop("fingerprint", None)
-            data_changed = was is not None and was != now
+            # (read at another size or channel count, the same files give other pixels)
+            data_changed = was is not None and was != now and old == new
             if data_changed:
                 counts = [str(f).partition(":")[0] for f in (was, now)]
                 diffs.append(f"data images {counts[0]} -> {counts[1]}, or changed")
