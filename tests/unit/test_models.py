@@ -229,3 +229,29 @@ def test_a_module_that_imports_something_missing_says_so(
         f"(No module named 'no_such_dependency_here'): install what {USER_MODULE}_needs needs, "
         "or fix its imports"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "channels", "size"), [("digits_cnn", 1, 28), ("resnet", 3, 32), ("mlp", 1, 28)]
+)
+def test_every_model_scripts_for_the_torchscript_fallback(
+    name: str, channels: int, size: int
+) -> None:
+    # TorchScript export scripts a model whose trace check fails (control flow on values):
+    # Normalize's buffer annotations, strings under `from __future__ import annotations`,
+    # made that fail for every lightship model ("Unknown type annotation: 'torch.Tensor'")
+    model = models.create(
+        {
+            "name": name,
+            "kwargs": {},
+            "in_channels": channels,
+            "num_classes": 10,
+            "image_size": size,
+            "mean": [100.0] * channels,
+            "std": [50.0] * channels,
+        }
+    ).eval()
+    scripted = torch.jit.script(model)
+    x = torch.randint(0, 256, (2, channels, size, size), dtype=torch.uint8)
+    with torch.inference_mode():
+        torch.testing.assert_close(scripted(x), model(x))
