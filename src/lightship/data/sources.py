@@ -175,7 +175,11 @@ def _image_files(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Pa
     return classes, files, skipped
 
 
-def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def _folder(
+    root: Path, channels: int, size: int, digest: hashlib._Hash | None = None
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The folder's images, classes and their names; `digest` (a hashlib object) takes each
+    image file's path, class and the sha256 of its bytes, read once for both."""
     if not root.is_dir():
         raise DataError(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
@@ -202,9 +206,14 @@ def _folder(root: Path, channels: int, size: int) -> tuple[np.ndarray, np.ndarra
     with warnings.catch_warnings():
         # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        for i, (f, _) in enumerate(files):
+        for i, (f, idx) in enumerate(files):
+            name = str(f.relative_to(root))
+            data = f.read_bytes()
+            if digest is not None:
+                digest.update(f"{name}\0{classes[idx]}\0".encode())
+                digest.update(hashlib.sha256(data).digest())
             try:
-                x[i], is_colour = images.decode(f, (channels, size, size), str(f.relative_to(root)))
+                x[i], is_colour = images.decode(data, (channels, size, size), name)
             except images.ImageError as exc:
                 unreadable.append(exc)  # every bad file in one run, not one run per file
                 continue
@@ -345,27 +354,6 @@ def stratified_split(
     return train, val, test
 
 
-def fingerprint(spec: DataSpec, y: np.ndarray, x: np.ndarray) -> str:
-    """'N:sha256' of the data `spec` reads, N its images: the files as they are on disk (each
-    image file's path, class and bytes; the .npz file), not the pixels a Pillow version decodes
-    from them; the built-in digits' arrays `x`, `y`."""
-    digest = hashlib.sha256()
-    if spec.source == "folder":
-        root = Path(str(spec.path)).expanduser()
-        classes, files, _ = _image_files(root)
-        for f, idx in files:
-            digest.update(f"{f.relative_to(root)}\0{classes[idx]}\0".encode())
-            with f.open("rb") as fh:
-                digest.update(hashlib.file_digest(fh, "sha256").digest())
-    elif spec.source == "npz":
-        with Path(str(spec.path)).expanduser().open("rb") as fh:
-            digest.update(hashlib.file_digest(fh, "sha256").digest())
-    else:
-        digest.update(np.ascontiguousarray(x).data)
-        digest.update(y.astype("<i8").tobytes())
-    return f"{len(y)}:{digest.hexdigest()}"
-
-
 def _check_unchanged(spec: DataSpec, now: str) -> None:
     """Data that changed since the run trained on it: the split is drawn anew over what is
     there now, so its test images would no longer be the ones the model never saw."""
@@ -384,9 +372,15 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
 def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
-    its path is to be put back there. A spec with a fingerprint refuses data that changed."""
+    its path is to be put back there. A spec with a fingerprint refuses data that changed:
+    Splits.fingerprint is 'N:sha256' of the data as it is on disk, N its images (each image
+    file's path, class and bytes; the .npz file; the built-in digits' arrays), not the pixels a
+    Pillow version decodes from them."""
+    digest = hashlib.sha256()
     if spec.source == "digits":
         x, y, labels = _digits()
+        digest.update(np.ascontiguousarray(x).data)
+        digest.update(y.astype("<i8").tobytes())
     elif spec.source in ("folder", "npz"):
         if not spec.path:
             raise DataError(f"data.source={spec.source} needs data.path (--set data.path=...)")
@@ -399,14 +393,16 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
                 "will do) and run again"
             )
         if folder:
-            x, y, labels = _folder(path, spec.channels, spec.image_size)
+            x, y, labels = _folder(path, spec.channels, spec.image_size, digest)
         else:
             x, y, labels = _npz(path)
+            with path.open("rb") as fh:
+                digest.update(hashlib.file_digest(fh, "sha256").digest())
             if spec.channels == 1 and x.shape[1] == 3:
                 _note_gray(len(x))
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
-    now = fingerprint(spec, y, x)
+    now = f"{len(y)}:{digest.hexdigest()}"
     _check_unchanged(spec, now)
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
