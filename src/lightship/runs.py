@@ -401,10 +401,13 @@ class RunDir:
             command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
         return f"`{command}`"
 
-    def command(self, stage: str) -> str:
-        """`stage` on this run as a command that runs from here, quoted for a message."""
+    def command(self, *stages: str) -> str:
+        """`stages` on this run, in order, as a command that runs from here, quoted for a
+        message: one make call in the checkout, else a lightship command per stage."""
         run = shlex.quote(str(self.root))
-        return f"`{stage_command(f'make {stage} RUN={run}', f'lightship {stage} --run {run}')}`"
+        make = f"make {' '.join(stages)} RUN={run}"
+        cli = "`, then `".join(f"lightship {stage} --run {run}" for stage in stages)
+        return f"`{stage_command(make, cli)}`"
 
     def remake_command(self, variant: str) -> str:
         """The command that makes `variant` of this run again, quoted for a message."""

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import shlex
 import shutil
 import tempfile
 import time
@@ -40,7 +39,6 @@ from lightship.runs import (
     check_space,
     check_writable,
     sha256_file,
-    stage_command,
 )
 from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, OrtPredictor, create_session
@@ -234,12 +232,9 @@ class Quantizer:
         self.settings = settings
         self.fp32 = run.export_dir / "model.onnx"
         if not run.root.is_dir():
-            q = shlex.quote(str(run.root))
-            todo = stage_command(
-                f"make train export RUN={q}",
-                f"lightship train --run {q}`, then `lightship export --run {q}",
+            raise RunError(
+                f"run directory {run.root} does not exist: run {run.command('train', 'export')}"
             )
-            raise RunError(f"run directory {run.root} does not exist: run `{todo}`")
         entry = run.artifact("onnx-fp32")
         if entry is None or not self.fp32.is_file():
             raise RunError(

@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import json
 import platform
-import shlex
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from lightship.quantize.fallback import check_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import keep_freed_memory, measure
-from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable, stage_command
+from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable
 from lightship.runtime import physical_cores
 
 
@@ -85,12 +84,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
-        q = shlex.quote(str(run.root))
-        todo = stage_command(
-            f"make train export quantize RUN={q}",
-            f"lightship train --run {q}`, then `lightship export --run {q}",
-        )
-        raise RunError(f"no trained run in {run.root}: run `{todo}`")
+        todo = run.command("train", "export", "quantize")
+        raise RunError(f"no trained run in {run.root}: run {todo}")
     outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
     found = candidates(run, threads)

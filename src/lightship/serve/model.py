@@ -15,7 +15,7 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded, enclosing_run, makefile_here, stage_command
+from lightship.runs import RunDir, check_recorded, enclosing_run, makefile_here
 from lightship.runtime import Predictor, load_predictor
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
@@ -167,14 +167,9 @@ def choose(settings: ServeSettings) -> ServedModel:
         name = settings.model_name or _safe_name(target.stem)
         return ServedModel(name, "file", target, entry)
     if not target.is_dir():
-        q = shlex.quote(str(target))
         raise RunError(
             f"{target} is neither a run directory nor a model file: run "
-            + stage_command(
-                f"`make export RUN={q}` first",  # make trains it first
-                f"`lightship train --run {q}`, then `lightship export --run {q}`",
-            )
-            + ", or pass --run"
+            f"{RunDir(target).command('train', 'export')}, or pass --run"
         )
     run = RunDir(target)
     artifacts = run.manifest()["artifacts"]

@@ -48,7 +48,6 @@ from lightship.runs import (
     next_command,
     note_interrupt,
     sha256_file,
-    stage_command,
 )
 from lightship.train.module import LitClassifier
 
@@ -289,13 +288,9 @@ def _discard_derived(run: RunDir) -> None:
     their files, the report's and any unlisted leftover, so the disk matches the manifest."""
     derived = run.discard_derived()
     if derived:
-        q = shlex.quote(str(run.root))
-        again = stage_command(
-            f"make export quantize RUN={q}",
-            f"lightship export --run {q}` and `lightship quantize --run {q}",
-        )
         print(
-            f"the new best.ckpt outdates {', '.join(derived)} of this run: re-run `{again}`",
+            f"the new best.ckpt outdates {', '.join(derived)} of this run: re-run "
+            f"{run.command('export', 'quantize')}",
             flush=True,
         )
 
