@@ -341,6 +341,34 @@ def test_a_new_model_onnx_takes_the_report_with_it(exported_run: Path, tmp_path:
     assert [f for f in report if f.exists()] == []
 
 
+def test_an_export_from_another_checkout_is_the_same_model(exported: Path, tmp_path: Path) -> None:
+    # another clone of lightship: a symlink is a path of its own to Python
+    clone = tmp_path / "clone" / "src"
+    clone.parent.mkdir()
+    clone.symlink_to(ROOT / "src")
+    env = {"PYTHONPATH": str(clone)}
+    where = [sys.executable, "-c", "import lightship; print(lightship.__file__)"]
+    imported = subprocess.run(where, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert imported.stdout.startswith(str(clone))
+    run = tmp_path / "run"
+    shutil.copytree(exported, run)
+    data = json.loads((run / "manifest.json").read_text())
+    sha = {variant: data["artifacts"][variant]["sha256"] for variant in FILES}
+    data["artifacts"]["onnx-int8-static"] = {
+        "file": "quantize/model.int8-static.onnx",
+        "source_sha256": sha["onnx-fp32"],
+    }
+    (run / "manifest.json").write_text(json.dumps(data))
+    (run / "quantize").mkdir()
+    (run / "quantize" / "model.int8-static.onnx").write_text("int8")
+    report = fake_report(run)
+    run_cli("export", "--run", str(run), cwd=tmp_path, env=env, check=True)
+    entries = artifacts(run)
+    assert {variant: entries[variant]["sha256"] for variant in FILES} == sha
+    assert "onnx-int8-static" in entries and (run / "quantize" / "model.int8-static.onnx").is_file()
+    assert all(f.is_file() for f in report)
+
+
 @pytest.fixture(scope="module")
 def small_cnn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny run of `tests.failing_models.SmallCNN`: its weights fit every model there."""
@@ -376,8 +404,10 @@ def test_a_format_torch_cannot_export_is_one_error_line(
         "EXPORT_ARGS='--formats onnx,torchscript'` (model.onnx and model.ts are written), or "
         "change the model's forward (`lightship --verbose export` shows the traceback)"
     )
-    # neither a traceback nor the partial graphs torch.export prints when it gives up
+    # neither a traceback nor the partial graphs torch.export prints when it gives up, nor the
+    # warning it logs for each failed attempt (the dynamo ONNX exporter's and the .pt2)
     assert "Traceback" not in proc.stderr and "def forward" not in proc.stderr
+    assert "symbolic_shapes" not in proc.stderr and proc.stdout == ""
     assert "froze Python control flow on tensors at failing_models.py:" in proc.stderr
     # what was exported before it stays, listed as it is on disk; nothing half-written
     assert sorted(p.name for p in (run / "export").iterdir()) == ["model.onnx", "model.ts"]
@@ -405,6 +435,19 @@ def test_an_operator_onnx_lacks_names_it(small_cnn_run: Path, tmp_path: Path) ->
         "or change the model's forward (`lightship --verbose export` shows the traceback)"
     )
     assert not list((run / "export").glob("*")) and "onnx-fp32" not in artifacts(run)
+
+
+def test_a_failed_legacy_export_prints_only_why(small_cnn_run: Path, tmp_path: Path) -> None:
+    run = as_model(small_cnn_run, tmp_path / "bessel", "Bessel")
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stdout == ""  # the legacy exporter's TorchScript graph, printed from C++
+    dynamo, error = proc.stderr.splitlines()
+    assert dynamo.startswith("WARNING lightship.export.onnx: dynamo ONNX export failed (")
+    assert error.startswith("error: torch cannot export this model to onnx: ")
+
+    proc = run_cli("--verbose", "export", "--run", str(run), "--formats", "onnx")
+    assert "the legacy ONNX exporter printed:\nTorch IR graph at exception" in proc.stderr
 
 
 def test_parity_compares_each_batch_with_eager_on_the_same_batch(
@@ -478,3 +521,31 @@ def test_an_artifact_its_runtime_cannot_run_is_one_error(
         "(`lightship --verbose export` shows the traceback)"
     )
     assert not list((run / "export").glob("*")) and "onnx-fp32" not in artifacts(run)
+
+
+@pytest.mark.parametrize(("fmt", "runtime"), [("onnx", "onnxruntime"), ("torchscript", "torch")])
+def test_a_file_its_runtime_cannot_load_is_named_as_exported(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, runtime: str
+) -> None:
+    run = tmp_path / "unloadable"
+    shutil.copytree(tiny_run, run)
+
+    def unloadable(model: object, example: object, path: Path, *args: object, **kw: object) -> dict:
+        path.write_bytes(b"not a model")  # as an exporter writing what its runtime cannot read
+        return {}
+
+    monkeypatch.setattr(
+        {"onnx": onnx_export, "torchscript": core.ts_export}[fmt], "write", unloadable
+    )
+    with pytest.raises(ParityError) as failed:
+        export(RunDir(run), fmt)
+    name = core.FILENAMES[fmt]
+    message = str(failed.value)
+    assert message.startswith(f"{name} was exported but {runtime} cannot load it (")
+    others = ",".join(f for f in core.FORMATS if f != fmt)
+    assert message.endswith(
+        f"): it was not written — leave {fmt} out: `make export RUN={run} "
+        f"EXPORT_ARGS='--formats {others}'`"
+    )
+    assert ".tmp" not in message and "re-export" not in message and "make it again" not in message
+    assert not list((run / "export").glob("*")) and core.VARIANT_OF[fmt] not in artifacts(run)

@@ -35,7 +35,7 @@ from lightship.runs import (
     stage_command,
 )
 from lightship.runtime import load_predictor
-from lightship.runtime.base import META_INPUT_SPEC, META_LABELS
+from lightship.runtime.base import META_INPUT_SPEC, META_LABELS, LoadError
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +208,15 @@ def export(
         with atomic_path(final) as tmp:
             with _failure(f"torch cannot export this model to {fmt}", fix):
                 info = writers[fmt](loaded.model, example, tmp, meta)
-            # outside: a bug of our own keeps its traceback, and a file the runtime cannot open
-            # is a RunError already
-            predictor = load_predictor(tmp)
+            # outside `_failure`: a bug of our own keeps its traceback
+            try:
+                predictor = load_predictor(tmp)
+            except LoadError as exc:  # whose advice, to make the file again, is no use here;
+                # onnxruntime's reason names the file it read: the temporary one
+                raise ParityError(
+                    f"{final.name} was exported but {exc.runtime} cannot load it "
+                    f"({exc.reason.replace(str(tmp), final.name)}): it was not written — {fix}"
+                ) from None
             with _failure(f"{final.name} was exported but fails when run", fix):
                 parity = check_parity(
                     predictor.predict,

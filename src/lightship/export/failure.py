@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterator
+from typing import IO
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -24,15 +26,45 @@ def reason(exc: BaseException, limit: int = 200) -> str:
 
 
 @contextlib.contextmanager
-def printout_on_failure_to_debug(log: logging.Logger, what: str) -> Iterator[None]:
-    """What the block prints to sys.stderr: passed on when it succeeds, sent to `log`'s debug
-    level when it raises. torch.export prints the partial graph of an export it cannot finish
-    (hundreds of lines) before raising; the error, or the fallback that follows, says why."""
-    printed = io.StringIO()
+def _captured(name: str, into: IO[str]) -> Iterator[None]:
+    """`sys.<name>` ("stdout" or "stderr") and its file descriptor both write to `into` for the
+    block: what C++ prints, and what handlers holding the real stream (torch's logging, made
+    at import) write, land there too."""
+    stream, fd = getattr(sys, name), {"stdout": 1, "stderr": 2}[name]
+    stream.flush()
+    saved = os.dup(fd)
+    os.dup2(into.fileno(), fd)
+    setattr(sys, name, into)
     try:
-        with contextlib.redirect_stderr(printed):
-            yield
-    except BaseException:
-        log.debug("%s printed:\n%s", what, printed.getvalue())
-        raise
-    sys.stderr.write(printed.getvalue())
+        yield
+    finally:
+        into.flush()
+        setattr(sys, name, stream)
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def printout_on_failure_to_debug(log: logging.Logger, what: str) -> Iterator[None]:
+    """What the block prints, to stdout or stderr, from Python or C++: passed on when it
+    succeeds, sent to `log`'s debug level (`lightship --verbose`) when it raises. Before they
+    raise, torch.export prints the partial graph (hundreds of lines) and logs a warning from
+    `symbolic_shapes`, and the legacy ONNX exporter prints its TorchScript graph from C++ (a
+    line per node); the error, or the fallback that follows, says why."""
+    with (
+        tempfile.TemporaryFile("w+", buffering=1) as out,
+        tempfile.TemporaryFile("w+", buffering=1) as err,
+    ):
+        try:
+            with _captured("stdout", out), _captured("stderr", err):
+                yield
+        except BaseException:
+            log.debug("%s printed:\n%s%s", what, _read(out), _read(err))
+            raise
+        sys.stdout.write(_read(out))
+        sys.stderr.write(_read(err))
+
+
+def _read(file: IO[str]) -> str:
+    file.seek(0)
+    return file.read()

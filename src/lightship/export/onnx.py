@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,11 @@ OUTPUT_NAME = "logits"
 # torch's exporter writes opset 18 and converts down (to 17 reliably); above the installed onnx's
 # newest opset the exporter silently falls back to 18.
 MIN_OPSET = 17
+# The dynamo exporter's Python stack of each node: absolute paths of torch's and the model's
+# source files and their line numbers, so the file's bytes (its sha256 in the manifest) would
+# change with the install path and with any edit to those files. The node's module path and
+# class (`namespace`, `pkg.torch.onnx.class_hierarchy`) still say where it came from.
+PATH_METADATA = "pkg.torch.onnx.stack_trace"
 
 
 def opset_range() -> tuple[int, int]:
@@ -39,6 +45,23 @@ def check_opset(opset: int) -> None:
 def file_opset(proto: onnx.ModelProto) -> int | None:
     """The default-domain (ai.onnx) opset the model really imports."""
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def _nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+    """`nodes` and those of their subgraphs (If, Loop, Scan bodies), depth first."""
+    for node in nodes:
+        yield node
+        for attr in node.attribute:
+            for graph in [attr.g] if attr.HasField("g") else attr.graphs:
+                yield from _nodes(graph.node)
+
+
+def strip_paths(proto: onnx.ModelProto) -> None:
+    """Drop `PATH_METADATA` from every node, so the file's bytes depend on the model alone."""
+    for node in _nodes([*proto.graph.node, *(n for f in proto.functions for n in f.node)]):
+        kept = [p for p in node.metadata_props if p.key != PATH_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
 
 
 def _dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
@@ -59,7 +82,10 @@ def _dynamo(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: in
 
 
 def _legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
-    with warnings.catch_warnings(record=True) as caught:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        printout_on_failure_to_debug(log, "the legacy ONNX exporter"),
+    ):
         warnings.simplefilter("always")
         torch.onnx.export(
             model,
@@ -119,6 +145,7 @@ def write(
     for key, value in meta.items():
         proto.metadata_props.add(key=key, value=value)
     proto.producer_name = "lightship"
+    strip_paths(proto)
     onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(path))
     return {"exporter": exporter, "opset": actual}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -13,6 +14,27 @@ from lightship.export.failure import reason
 from lightship.runtime.base import META_FILE
 
 log = logging.getLogger(__name__)
+
+
+def save(module: torch.jit.ScriptModule, path: Path, extra: dict[str, str]) -> None:
+    """`torch.jit.save` less its `.debug_pkl` records. They map the code to the Python stack it
+    was traced or scripted from: absolute paths of torch's, lightship's and the model's files
+    and their line numbers, which would make the file's bytes (its sha256 in the manifest)
+    change with the install path and any edit to those files. TorchScript loads without them;
+    its runtime errors then name no Python source line. Written through a file object: given
+    a path, torch names the archive's top folder after the file, here a random temporary
+    name."""
+    buffer = io.BytesIO()
+    torch.jit.save(module, buffer, _extra_files=extra)
+    buffer.seek(0)
+    reader = torch._C.PyTorchFileReader(buffer)
+    with open(path, "wb") as fh:
+        writer = torch._C.PyTorchFileWriter(fh)  # torch's own zip writer, as torch.jit.save's
+        for name in reader.get_all_records():
+            if not name.endswith(".debug_pkl"):
+                data = reader.get_record(name)
+                writer.write_record(name, data, len(data))
+        writer.write_end_of_file()
 
 
 def write(
@@ -30,5 +52,5 @@ def write(
         method = "script"
         module = torch.jit.script(model)
     module = torch.jit.freeze(module.eval()) if method == "trace" else module
-    torch.jit.save(module, str(path), _extra_files={META_FILE: json.dumps(meta)})
+    save(module, path, {META_FILE: json.dumps(meta)})
     return {"method": method}

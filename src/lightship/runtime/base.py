@@ -60,6 +60,16 @@ def valid_input_spec(spec: Any) -> bool:
     )
 
 
+class LoadError(RunError):
+    """A model file its runtime cannot open. `runtime` and `reason` (the runtime's first line)
+    are kept apart from the advice to make the file again, for a stage that has just made it."""
+
+    def __init__(self, path: Path, kind: str, runtime: str, exc: Exception, fix: str) -> None:
+        self.runtime = runtime
+        self.reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        super().__init__(f"cannot load {kind} model {path} ({self.reason}): {fix}")
+
+
 class InputError(ValueError):
     """The caller's input does not fit the model (shape, dtype, values); a 4xx in a server."""
 

@@ -16,7 +16,13 @@ import onnxruntime as ort
 
 from lightship.errors import RunError
 from lightship.runs import export_hint
-from lightship.runtime.base import Predictor, physical_cores, read_metadata, valid_input_spec
+from lightship.runtime.base import (
+    LoadError,
+    Predictor,
+    physical_cores,
+    read_metadata,
+    valid_input_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +245,12 @@ class OrtPredictor(Predictor):
         except RunError:
             raise
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise RunError(
-                f"cannot load ONNX model {self.path} ({first}): make it again "
-                "(`lightship export`, or `lightship quantize` for an int8 model)"
+            raise LoadError(
+                self.path,
+                "ONNX",
+                "onnxruntime",
+                exc,
+                "make it again (`lightship export`, or `lightship quantize` for an int8 model)",
             ) from None
 
     def _plan_lanes(self, threads: int, spinning: bool) -> None:

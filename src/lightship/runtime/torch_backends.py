@@ -14,7 +14,13 @@ import torch
 
 from lightship.errors import RunError
 from lightship.runs import export_hint
-from lightship.runtime.base import META_FILE, Predictor, physical_cores, read_metadata
+from lightship.runtime.base import (
+    META_FILE,
+    LoadError,
+    Predictor,
+    physical_cores,
+    read_metadata,
+)
 
 
 class TorchPredictor(Predictor):
@@ -95,6 +101,5 @@ def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None)
     except RunError:
         raise
     except Exception as exc:
-        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise RunError(f"cannot load {kind} model {path} ({first}): re-export it") from None
+        raise LoadError(path, kind, "torch", exc, "re-export it") from None
     return TorchPredictor(path, module, meta, kind, device)

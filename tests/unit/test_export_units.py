@@ -1,0 +1,101 @@
+"""The exporters' writers and their printout capture, on models of a few weights (seconds)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from lightship.export import onnx as onnx_export
+from lightship.export import pt2 as pt2_export
+from lightship.export import torchscript as ts_export
+from lightship.export.failure import printout_on_failure_to_debug
+from tests.conftest import ROOT
+
+WRITERS = {"onnx": onnx_export.write, "ts": ts_export.write, "pt2": pt2_export.write}
+
+
+class Tiny(torch.nn.Sequential):
+    """Defined here, under the checkout: its file's path would be in a stack trace."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+
+
+def contents(path: Path) -> list[bytes]:
+    """The file's bytes; a zip archive's members decompressed (TorchScript deflates some)."""
+    if not zipfile.is_zipfile(path):
+        return [path.read_bytes()]
+    with zipfile.ZipFile(path) as z:
+        return [name.encode() for name in z.namelist()] + [z.read(n) for n in z.namelist()]
+
+
+@pytest.mark.parametrize("suffix", list(WRITERS))
+def test_an_exported_file_names_no_install_path_nor_its_temporary_name(
+    tmp_path: Path, suffix: str
+) -> None:
+    path = tmp_path / f".model.k3x9q2.tmp.{suffix}"  # as `atomic_path` names it
+    WRITERS[suffix](Tiny().eval(), torch.rand(2, 1, 4, 4), path, {"lightship.labels": "[]"})
+    site_packages = Path(torch.__file__).parents[1]
+    for part in contents(path):
+        for text in (str(ROOT), str(site_packages), "k3x9q2"):
+            assert text.encode() not in part
+
+
+def test_stack_traces_are_stripped_from_subgraphs_and_functions() -> None:
+    def node(op: str, inputs: list[str], output: str, **attrs: Any) -> onnx.NodeProto:
+        n = helper.make_node(op, inputs, [output], **attrs)
+        n.metadata_props.add(key=onnx_export.PATH_METADATA, value='File "/src/m.py", line 1')
+        n.metadata_props.add(key="namespace", value="net.0")
+        return n
+
+    def branch(name: str) -> onnx.GraphProto:
+        out = helper.make_tensor_value_info(name, TensorProto.FLOAT, [1])
+        return helper.make_graph([node("Identity", ["x"], name)], name, [], [out])
+
+    cond = node("If", ["c"], "y", then_branch=branch("a"), else_branch=branch("b"))
+    function = helper.make_function("f", "g", ["x"], ["z"], [node("Neg", ["x"], "z")], [])
+    graph = helper.make_graph([cond], "g", [], [])
+    proto = helper.make_model(graph, functions=[function])  # copies of the nodes above
+    onnx_export.strip_paths(proto)
+    (top,) = proto.graph.node
+    nodes = [top, *(n for a in top.attribute for n in a.g.node), *proto.functions[0].node]
+    keys = [[p.key for p in n.metadata_props] for n in nodes]
+    assert keys == [["namespace"]] * 4
+
+
+def test_what_a_failing_block_prints_goes_to_the_debug_log_even_from_cpp(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    log = logging.getLogger("test.exporter")
+    with (
+        caplog.at_level(logging.DEBUG),
+        pytest.raises(RuntimeError),
+        printout_on_failure_to_debug(log, "the exporter"),
+    ):
+        os.write(1, b"graph(%0 : Float)\n")  # as C++ (std::cout) writes, below sys.stdout
+        print("def forward(self):")
+        os.write(2, b"W symbolic_shapes.py] Unable to find user code\n")
+        raise RuntimeError("cannot export")
+    assert capfd.readouterr() == ("", "")
+    assert caplog.messages == [
+        "the exporter printed:\ngraph(%0 : Float)\ndef forward(self):\n"
+        "W symbolic_shapes.py] Unable to find user code\n"
+    ]
+
+
+def test_what_a_block_that_succeeds_prints_is_passed_on(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    with printout_on_failure_to_debug(logging.getLogger("test.exporter"), "the exporter"):
+        os.write(1, b"from C++\n")
+        print("from Python")
+        os.write(2, b"a warning\n")
+    assert capfd.readouterr() == ("from C++\nfrom Python\n", "a warning\n")
