@@ -186,6 +186,51 @@ def test_tritonclient_fp32_compressed_and_errors(hand: Server) -> None:
         c.infer("hand", [nan])
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compresses_requests_and_answers(hand: Server, algorithm: str) -> None:
+    c = client(hand)
+    x = np.random.default_rng(6).integers(0, 256, (64, 1, 2, 2), dtype=np.uint8)
+    inp = triton.InferInput("input", list(x.shape), "UINT8")
+    inp.set_data_from_numpy(x)
+    result = c.infer(
+        "hand",
+        [inp],
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    )
+    np.testing.assert_array_equal(result.as_numpy("logits"), expected_logits(x))
+    # The answer came compressed (tritonclient reads an uncompressed one too), in the layout
+    # tritonclient's own parser reads: the header length counts the JSON before compression.
+    body, json_size = triton.InferenceServerClient.generate_request_body([inp])
+    headers = {"Inference-Header-Content-Length": str(json_size), "Accept-Encoding": algorithm}
+    url = f"{hand.url}/v2/models/hand/infer"
+    with httpx.stream("POST", url, content=body, headers=headers) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.status_code == 200 and r.headers["content-encoding"] == algorithm
+    parsed = triton.InferenceServerClient.parse_response_body(
+        raw,
+        header_length=int(r.headers["inference-header-content-length"]),
+        content_encoding=algorithm,
+    )
+    np.testing.assert_array_equal(parsed.as_numpy("logits"), expected_logits(x))
+
+
+def test_tritonclient_timeout_0_is_no_timeout_and_other_parameters_pass(hand: Server) -> None:
+    # Triton reads timeout 0 as none; sequence, priority and custom parameters change nothing
+    # for a model without sequences or priority levels.
+    c = client(hand)
+    inp = triton.InferInput("input", list(X.shape), "UINT8")
+    inp.set_data_from_numpy(X)
+    for kwargs in (
+        {"timeout": 0},
+        {"timeout": 5_000_000, "priority": 2},
+        {"sequence_id": 7, "sequence_start": True, "sequence_end": True},
+        {"parameters": {"note": "x", "n": 1}, "headers": {"x-request-timeout-ms": "5000"}},
+    ):
+        result = c.infer("hand", [inp], **kwargs)
+        np.testing.assert_array_equal(result.as_numpy("logits"), expected_logits(X))
+
+
 def test_a_64_mb_body_is_refused_with_413_json(hand: Server) -> None:
     body = b"0" * (64 * 1024 * 1024)
     r = httpx.post(f"{hand.url}/v2/models/hand/infer", content=body, timeout=30)

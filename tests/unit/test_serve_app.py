@@ -37,6 +37,7 @@ from lightship.serve.settings import ServeSettings
 from tests.handmade import expected_logits, handmade_onnx
 
 INFER = "/v2/models/hand/infer"
+HAND = "/v2/models/hand"
 
 
 class Crash(BaseException):
@@ -440,6 +441,9 @@ def test_the_documented_answers_are_the_ones_given(tmp_path: Path) -> None:
     assert {"400", "413", "415"} <= set(image["responses"])
     form = image["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["required"] == ["files"] and form["properties"]["files"]["maxItems"] == 3
+    infer = schema["paths"]["/v2/models/{model_name}/infer"]["post"]
+    v2_request = infer["requestBody"]["content"]["application/json"]["schema"]
+    assert v2_request["properties"]["parameters"]["properties"]["timeout"]["minimum"] == 0
 
 
 BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
@@ -1151,6 +1155,34 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
     assert 0.55 < answered < 0.95, answered
 
 
+def test_a_bug_is_a_500_with_a_json_error_body_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tritonclient reads every error as `{"error": ...}`: a bug answered Starlette's text
+    "Internal Server Error", which it reports as a failure to decode the answer."""
+    app, _ = make_app(tmp_path)
+
+    def bug(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(serve_app.v2, "encode_response", bug)
+    monkeypatch.setattr(serve_app.v2, "model_metadata", bug)
+
+    async def main() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(service(app).settled.wait(), 10)
+            # as a server does: the app's exception reaches uvicorn (which logs it), the
+            # client gets the answer sent before
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return [await client.post(INFER, json=v2_json(X)), await client.get(HAND)]
+
+    for r in run(main()):
+        assert r.status_code == 500
+        assert r.headers["content-type"] == "application/json"
+        assert r.json() == {"error": "internal server error (a bug: see the server's log)"}
+
+
 def test_tensor_routes_answer_other_methods_405_and_label_each_route(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
 
@@ -1420,6 +1452,83 @@ def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
     assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 1
 
 
+def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path) -> None:
+    """As Triton (tritonclient's response_compression_algorithm): gzip or deflate as the
+    header ranks them, the first listed on a tie; answers under 1 KiB and errors as they are."""
+    app, _ = make_app(tmp_path, max_batch_rows=256)
+    rows = np.tile(X, (128, 1, 1, 1))  # a JSON answer of ~7 KB, a binary one of ~2 KB
+    as_json = json.dumps(v2_json(rows)).encode()
+    as_binary, binary_headers = v2_binary(rows)
+    cases = [
+        ("gzip", as_json, {}, "gzip"),
+        ("deflate", as_binary, binary_headers, "deflate"),
+        ("gzip;q=0, deflate", as_json, {}, "deflate"),
+        ("deflate;q=0.5, x-gzip;q=0.8", as_json, {}, "gzip"),
+        ("deflate, gzip", as_binary, binary_headers, "deflate"),
+        ("br, *;q=0.1", as_json, {}, "gzip"),
+        ("identity, gzip;q=0.5", as_json, {}, None),
+        ("br", as_json, {}, None),
+        ("gzip;q=0", as_json, {}, None),
+        ("gzip;q=2", as_json, {}, None),  # no valid weight: not asked for
+        ("gzip", json.dumps(v2_json(X)).encode(), {}, None),  # 2 rows: under 1 KiB
+    ]
+
+    async def main() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
+        async with serving(app) as client:
+            answers = [
+                await client.post(INFER, content=body, headers={"accept-encoding": ae} | headers)
+                for ae, body, headers, _ in cases
+            ]
+            gzip_please = {"accept-encoding": "gzip"}
+            error = await client.post(INFER, content=b"{" * 2000, headers=gzip_please)
+            v1_rows = {"instances": rows.tolist()}
+            v1_answer = await client.post("/v1/predict", json=v1_rows, headers=gzip_please)
+            return answers, error, v1_answer
+
+    answers, error, v1_answer = run(main())
+    for (accept, body, _, coding), r in zip(cases, answers, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.headers.get("content-encoding") == coding, (accept, r.headers)
+        # content-length counts the bytes sent; httpx decoded them into r.content
+        assert (int(r.headers["content-length"]) < len(r.content)) == (coding is not None)
+        x = rows if len(body) > 1000 else X
+        np.testing.assert_array_equal(logits_of(r), expected_logits(x))
+    assert error.status_code == 400 and "content-encoding" not in error.headers
+    assert v1_answer.headers["content-encoding"] == "gzip"
+    assert len(v1_answer.json()["predictions"]) == 256
+
+
+def test_large_answers_are_compressed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _ = make_app(tmp_path, max_batch_rows=256)
+    monkeypatch.setattr(serve_app, "COMPRESS_IN_THREAD_BYTES", 4096)
+    threads: list[tuple[int, str]] = []
+    real = serve_app._compress
+
+    def recording(body: bytes, coding: str) -> bytes:
+        threads.append((len(body), threading.current_thread().name))
+        return real(body, coding)
+
+    monkeypatch.setattr(serve_app, "_compress", recording)
+    rows = np.tile(X, (128, 1, 1, 1))
+    as_binary, headers = v2_binary(rows)
+
+    async def main() -> str:
+        async with serving(app) as client:
+            for body, extra in ((json.dumps(v2_json(rows)).encode(), {}), (as_binary, headers)):
+                r = await client.post(
+                    INFER, content=body, headers={"accept-encoding": "gzip"} | extra
+                )
+                np.testing.assert_array_equal(logits_of(r), expected_logits(rows))
+            return threading.current_thread().name
+
+    loop_thread = run(main())
+    (large, large_thread), (small, small_thread) = threads
+    assert large >= 4096 > small
+    assert large_thread != loop_thread and small_thread == loop_thread
+
+
 def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
     tmp_path: Path,
 ) -> None:
@@ -1442,10 +1551,14 @@ def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
                     ("/v1/predict/image", form, form_type, "identity"),
                     (INFER, gzip.compress(v2_body), "application/json", "x-gzip"),
                     (INFER, v2_body, "application/json", ""),
+                    (INFER, v2_body, "application/json", "br"),
                 ]
             ]
 
-    gzipped, br, identity, x_gzip, empty = run(main())
+    gzipped, br, identity, x_gzip, empty, v2_br = run(main())
+    # a 415 for its Content-Encoding says which it takes (RFC 9110, 12.5.3; Triton does too)
+    assert gzipped.headers["accept-encoding"] == br.headers["accept-encoding"] == "identity"
+    assert v2_br.status_code == 415 and v2_br.headers["accept-encoding"] == "gzip, deflate"
     refused = "is not supported: send the body uncompressed (PNG and JPEG are compressed already)"
     assert (gzipped.status_code, gzipped.json()) == (
         415,

@@ -66,6 +66,13 @@ def test_fp32_binary_and_timeout_parameter() -> None:
     assert req.x.dtype == np.float32 and req.timeout_s == 0.25
 
 
+def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
+    # Triton reads parameters.timeout as uint64 microseconds, 0 meaning none of the request's
+    # own; tritonclient sends infer(timeout=0) as it is. It was answered 400.
+    body = json_request([1, 2, 3, 4], [1, 1, 2, 2], parameters={"timeout": 0})
+    assert v2.decode_request(body, None, "input").timeout_s is None
+
+
 @pytest.mark.parametrize(
     ("body", "length", "message"),
     [
@@ -89,6 +96,23 @@ def test_fp32_binary_and_timeout_parameter() -> None:
             json_request([1.5, 2, 3, 4], [1, 1, 2, 2], "INT64"),
             None,
             "fractional numbers but its datatype is INT64",
+        ),
+        # whole numbers written as JSON floats, and an integer just below INT64 that orjson
+        # reads as the float -2**63: both were called fractional
+        (
+            json_request([1.0, 2, 3, 4], [1, 1, 2, 2]),
+            None,
+            re.escape(
+                "input data holds 1.0, a JSON float (written with a point or an exponent, or an "
+                "integer beyond 64 bits), but its datatype is UINT8: send integers"
+            ),
+        ),
+        (
+            json_request([1, 2, 3, 4], [1, 1, 2, 2], "INT64").replace(
+                b"[1, 2, 3, 4]", b"[1, 2, 3, -9223372036854775809]"
+            ),
+            None,
+            re.escape("input data holds -9.223372036854776e+18, a JSON float"),
         ),
         # JSON true/false are Python ints: bytes() and numpy took them as pixels 1 and 0
         (
@@ -161,7 +185,7 @@ def test_fp32_binary_and_timeout_parameter() -> None:
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2], parameters={"timeout": -5}),
             None,
-            "positive microseconds",
+            re.escape("parameters.timeout must be microseconds (0: none), got -5"),
         ),
         (json_request([1, 2, 3, 4], [1, 1, 2, 2], id=7), None, "id must be a string"),
         (
@@ -183,8 +207,14 @@ def test_fp32_binary_and_timeout_parameter() -> None:
             "output 'logits' is asked for twice: ask once",
         ),
         (binary_request(X)[0], "100000", "but the body has"),
+        # past Python's 4,300 digits int() raised ValueError: a 500
+        (binary_request(X)[0], "9" * 5000, "is 9999999999999999999... but the body has"),
         (binary_request(X)[0][:-1], binary_request(X)[1], "needs 8 bytes"),
         (binary_request(X)[0] + b"\0", binary_request(X)[1], "needs 8 bytes"),
+        # binary tensors after the JSON but no header to say where the JSON ends: orjson's
+        # "unexpected content after document" (or "not valid UTF-8") said nothing of the header
+        (binary_request(X)[0], None, f"{v2.HEADER_LENGTH} header"),
+        (binary_request(X + 200)[0], None, f"{v2.HEADER_LENGTH} header"),
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2]) + b"\0\0",
             str(len(json_request([1, 2, 3, 4], [1, 1, 2, 2]))),

@@ -86,7 +86,11 @@ def v2_request(input_name: str) -> dict[str, Any]:
                 "type": "object",
                 "properties": {
                     "binary_data_output": {"type": "boolean"},
-                    "timeout": {"type": "integer", "minimum": 1, "description": "microseconds"},
+                    "timeout": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "microseconds; 0: none of the request's own",
+                    },
                 },
             },
             "inputs": {"type": "array", "items": tensor},
@@ -225,7 +229,9 @@ def raw_paths(
         "tags": ["v2"],
         "summary": "Run the model (JSON or binary tensors)",
         "description": "KServe V2 inference. Shorten the deadline with x-request-timeout-ms "
-        "or parameters.timeout (µs).",
+        "or parameters.timeout (µs). Bodies may come gzip or deflate compressed "
+        "(Content-Encoding), and answers of 1 KiB or more go compressed when Accept-Encoding "
+        "asks.",
         **body(v2_request(input_name), binary=True),
         "responses": infer_responses,
     }

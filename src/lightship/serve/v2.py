@@ -76,11 +76,17 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _parse_json(raw: bytes | memoryview) -> dict[str, Any]:
+def _parse_json(raw: bytes | memoryview, header_length: str | None = None) -> dict[str, Any]:
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"malformed JSON: {exc}") from None
+        hint = ""
+        if header_length is None and b'"binary_data_size"' in bytes(raw):
+            # orjson says "unexpected content after document", or "not valid UTF-8"
+            hint = (
+                f" (binary tensors follow the JSON: say its length in the {HEADER_LENGTH} header)"
+            )
+        raise ProtocolError(f"malformed JSON: {exc}{hint}") from None
     return _object(doc, "request body")
 
 
@@ -187,8 +193,15 @@ def _from_json_data(
         # integers beyond 64 bits. The values as parsed tell which (Python compares exactly).
         values = np.asarray(data, dtype=object).ravel().tolist()
         _check_range(min(values), max(values), dtype, name)
-        if any(type(v) is float for v in values):
+        floats = [v for v in values if type(v) is float]
+        if any(not v.is_integer() for v in floats):
             raise ProtocolError(f"input data holds fractional numbers but its datatype is {name}")
+        if floats:  # 3.0, 1e2, or an integer beyond 64 bits (rounded: not the value sent)
+            raise ProtocolError(
+                f"input data holds {floats[0]!r}, a JSON float (written with a point or an "
+                f"exponent, or an integer beyond 64 bits), but its datatype is {name}: "
+                "send integers"
+            )
         x = np.array(values, dtype).reshape(x.shape)
     elif x.size:
         _check_range(x.min().item(), x.max().item(), dtype, name)
@@ -205,11 +218,15 @@ def decode_request(
     if header_length is not None:
         if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
             raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
-        json_end = int(header_length)
+        try:
+            json_end = int(header_length)
+        except ValueError:  # more digits than Python converts (4,300): more than any body
+            json_end = -1
         if not 0 < json_end <= len(body):
-            raise ProtocolError(f"{HEADER_LENGTH} is {json_end} but the body has {len(body)} bytes")
+            said = header_length if len(header_length) <= 20 else header_length[:19] + "..."
+            raise ProtocolError(f"{HEADER_LENGTH} is {said} but the body has {len(body)} bytes")
     view = memoryview(body)
-    doc = _parse_json(view[:json_end])
+    doc = _parse_json(view[:json_end], header_length)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"id must be a string, got {type(request_id).__name__}")
@@ -273,11 +290,12 @@ def decode_request(
     timeout = params.get("timeout")
     timeout_s = None
     if timeout is not None:
-        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
             raise ProtocolError(
-                f"parameters.timeout must be positive microseconds, got {timeout!r}"
+                f"parameters.timeout must be microseconds (0: none), got {timeout!r}"
             )
-        timeout_s = timeout / 1e6
+        # 0 is no deadline of the request's own, as Triton reads it (tritonclient sends it)
+        timeout_s = timeout / 1e6 if timeout else None
     return InferRequest(request_id, x, wanted, timeout_s)
 
 
