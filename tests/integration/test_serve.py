@@ -576,11 +576,49 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in heavy))
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
+# `lightship serve` as `python -m lightship` runs it, in an interpreter where torch cannot be
+# imported: the serving install (and its Docker images) has none.
+NO_TORCH = "import sys; sys.modules['torch'] = None; from lightship.cli import main; main()"
+
+
+def test_torch_models_without_torch_are_one_line_naming_the_fix(tmp_path: Path) -> None:
+    from lightship.runs import RunDir, sha256_file
+
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    for variant, name in [("torchscript", "export/model.ts"), ("checkpoint", "best.ckpt")]:
+        (run / name).write_bytes(b"never read: torch is needed first")
+        RunDir(run).record(variant, {"file": name, "sha256": sha256_file(run / name)})
+    (tmp_path / "model.pt2").write_bytes(b"")
+    (tmp_path / "model.ts").write_bytes(b"")
+    cases = [
+        (["--run", str(run), "--variant", "torchscript"], run / "export/model.ts", "TorchScript"),
+        (["--run", str(run), "--variant", "checkpoint"], run / "best.ckpt", "checkpoint"),
+        (["--run", str(tmp_path / "model.pt2")], tmp_path / "model.pt2", "torch.export (.pt2)"),
+        (["--run", str(tmp_path / "model.ts")], tmp_path / "model.ts", "TorchScript"),
+    ]
+    for args, path, kind in cases:
+        proc = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, "serve", *args, "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert proc.returncode == 4, proc.stderr
+        assert proc.stderr.strip() == (
+            f"error: {path} is a {kind} model, which needs torch, and this install has none: "
+            "`pip install torch==2.13.0` (or lightship's train extra, `pip install "
+            "'lightship[train]'`), or serve an ONNX variant (--variant onnx-fp32, or an .onnx "
+            "file)"
+        )
+
+
 def test_cli_errors_are_one_line_with_the_fix(tmp_path: Path, hand_model: Path) -> None:
     r = run_cli("serve", "--run", str(tmp_path / "missing"))
     assert r.returncode == 4 and "error: " in r.stderr and "neither a run directory" in r.stderr
     r = run_cli("serve", "--run", str(hand_model), env={"LIGHTSHIP_MAX_BATCH_ROWS": "0"})
-    assert r.returncode == 2 and "max_batch_rows" in r.stderr
+    assert r.returncode == 2 and "LIGHTSHIP_MAX_BATCH_ROWS=0" in r.stderr
     run = tmp_path / "run"
     (run / "export").mkdir(parents=True)
     shutil.copy(hand_model, run / "export" / "model.onnx")

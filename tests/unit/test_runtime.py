@@ -4,16 +4,17 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 from onnx import TensorProto, helper
 
 from lightship.errors import RunError
 from lightship.runtime import InputError, load_predictor, softmax
-from lightship.runtime.ort import SPIN_IN_RUN, OrtPredictor
+from lightship.runtime.ort import SPIN_IN_RUN, OrtPredictor, providers_for
 from tests.handmade import expected_logits, handmade_onnx
 
 
@@ -321,3 +322,87 @@ def test_a_missing_export_names_the_command_that_makes_it(
     with pytest.raises(RunError) as err:
         load_predictor(tmp_path / name)  # in no run
     assert str(err.value).endswith(f"{tmp_path / name} not found: export it first")
+
+
+def test_a_cuda_device_gives_trt_and_cuda_the_gpu_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: gpu)
+    monkeypatch.delenv("LIGHTSHIP_TENSORRT", raising=False)
+    providers = providers_for("cuda:1", cache_dir=Path("/cache"))
+    assert providers == [
+        (
+            "TensorrtExecutionProvider",
+            {
+                "device_id": 1,
+                "trt_engine_cache_enable": True,
+                "trt_engine_cache_path": "/cache",
+                "trt_fp16_enable": True,
+            },
+        ),
+        ("CUDAExecutionProvider", {"device_id": 1}),
+        "CPUExecutionProvider",
+    ]
+    assert providers_for("cuda")[1] == ("CUDAExecutionProvider", {"device_id": 0})
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
+def test_cuda_that_falls_back_to_the_cpu_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # onnxruntime-gpu without a usable GPU lists CUDA, then runs the session on the CPU: here
+    # the CPU build is told CUDA is there, and its session runs on the CPU as that one does.
+    monkeypatch.setattr(
+        onnxruntime,
+        "get_available_providers",
+        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    )
+    with pytest.raises(RunError) as err:
+        OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), device="cuda")
+    assert str(err.value) == (
+        "device=cuda but onnxruntime could not use the GPU and fell back to the CPU (its log "
+        "above says why): run the container with `--gpus all` and check the NVIDIA driver and "
+        "CUDA libraries (`nvidia-smi`), or serve with --device cpu"
+    )
+
+
+class TensorrtMissing(onnxruntime.InferenceSession):
+    """onnxruntime-gpu where TensorRT's libraries are missing: a session asked for TensorRT
+    falls back to CUDA without the provider options it was given, so on GPU 0 (onnxruntime's
+    `_fallback_providers`); one asked for CUDA alone runs on the GPU its options name. It runs
+    on the CPU here, reporting what onnxruntime-gpu would."""
+
+    asked: ClassVar[list[list[Any]]] = []
+
+    def __init__(self, path: str, options: Any = None, providers: Any = (), **kw: Any) -> None:
+        self.asked.append(list(providers))
+        given: dict[str, dict[str, Any]] = dict(p for p in providers if isinstance(p, tuple))
+        trt = "TensorrtExecutionProvider" in given
+        self.gpu = "0" if trt else str(given["CUDAExecutionProvider"]["device_id"])
+        super().__init__(path, options, providers=["CPUExecutionProvider"], **kw)
+
+    def get_providers(self) -> list[str]:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        return {"CUDAExecutionProvider": {"device_id": self.gpu}, "CPUExecutionProvider": {}}
+
+
+def test_cuda_n_stays_on_gpu_n_when_tensorrt_cannot_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: gpu)
+    monkeypatch.setattr(onnxruntime, "InferenceSession", TensorrtMissing)
+    monkeypatch.setattr(TensorrtMissing, "asked", [])
+    monkeypatch.delenv("LIGHTSHIP_TENSORRT", raising=False)
+    p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), device="cuda:1")
+    assert p.session.get_provider_options()["CUDAExecutionProvider"]["device_id"] == "1"
+    assert TensorrtMissing.asked[-1] == [
+        ("CUDAExecutionProvider", {"device_id": 1}),
+        "CPUExecutionProvider",
+    ]
+    assert "TensorRT could not be used" in caplog.text
+    x = np.array([[[[1, 2], [3, 4]]]], np.uint8)
+    np.testing.assert_array_equal(p.predict(x), expected_logits(x))

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightship.errors import RunError
 from lightship.runtime.base import InputError, Predictor, physical_cores, softmax
 from lightship.runtime.ort import OrtPredictor
 
 TORCH_SUFFIXES = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "eager"}
+TORCH_KINDS = {"torchscript": "TorchScript", "pt2": "torch.export (.pt2)", "eager": "checkpoint"}
 
 
 def load_predictor(
@@ -24,13 +26,21 @@ def load_predictor(
     if path.suffix == ".onnx":
         return OrtPredictor(path, device=device, threads=threads, split=split)
     if path.suffix in TORCH_SUFFIXES:
-        from lightship.runtime import torch_backends
-
-        return torch_backends.load(
-            path, TORCH_SUFFIXES[path.suffix], device=device, threads=threads
-        )
-    from lightship.errors import RunError
-
+        kind = TORCH_SUFFIXES[path.suffix]
+        try:
+            from lightship.runtime import torch_backends
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":
+                raise
+            # The serving install (and its Docker image) has no torch: a user's choice of model
+            # to fix, not a bug to show a traceback for.
+            raise RunError(
+                f"{path} is a {TORCH_KINDS[kind]} model, which needs torch, and this install has "
+                "none: `pip install torch==2.13.0` (or lightship's train extra, "
+                "`pip install 'lightship[train]'`), or serve an ONNX variant "
+                "(--variant onnx-fp32, or an .onnx file)"
+            ) from None
+        return torch_backends.load(path, kind, device=device, threads=threads)
     raise RunError(f"{path}: unknown model file type; expected .onnx, .ts, .pt2 or .ckpt")
 
 

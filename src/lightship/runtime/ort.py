@@ -44,6 +44,10 @@ DISABLED_OPTIMIZERS = "lightship.ort.disabled_optimizers"
 # lightship's quantizer sets it where it measured it paying (`Quantizer._gemm_convs`).
 SPIN_IN_RUN = "lightship.ort.spin_in_run"
 
+# The CPU an int8 model was quantized for (`lightship.quantize.isa.TARGETS`), in its metadata:
+# `serve` checks it against this CPU for a lone file, which has no manifest entry to say it.
+TARGET = "lightship.target"
+
 # A batch is split across one-thread sessions only when each lane's share takes at least this
 # long on one thread: below it, handing rows to the other lane (a future, a thread wake-up)
 # costs more than the second core gives. On the Xeon, two one-thread lanes beat one two-thread
@@ -96,21 +100,58 @@ def create_session(
     return session
 
 
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def device_index(device: str) -> int:
+    """The GPU `cuda:N` names (N), and 0 for `cuda`: torch's reading of the same names."""
+    _, _, index = device.partition(":")
+    return int(index or 0)
+
+
+def file_metadata(path: Path) -> dict[str, str]:
+    """An ONNX file's metadata_props, read without optimising its graph; LoadError when
+    onnxruntime cannot open it."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    try:
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
+        raise _load_error(path, exc) from None
+    return dict(session.get_modelmeta().custom_metadata_map)
+
+
+def _load_error(path: Path, exc: Exception) -> LoadError:
+    return LoadError(
+        path,
+        "ONNX",
+        "onnxruntime",
+        exc,
+        "make it again (`lightship export`, or `lightship quantize` for an int8 model)",
+    )
+
+
 def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
-    """TensorRT, then CUDA, then CPU on a GPU host; CPU alone otherwise."""
+    """TensorRT, then CUDA, then CPU on a GPU host, both on the GPU `device` names; CPU alone
+    otherwise."""
     if device == "cpu":
         return ["CPUExecutionProvider"]
     available = ort.get_available_providers()
+    gpu = device_index(device)
     chosen: list[Any] = []
     if (
         "TensorrtExecutionProvider" in available
         and os.environ.get("LIGHTSHIP_TENSORRT", "1") != "0"
     ):
-        cache = str(cache_dir or os.environ.get("LIGHTSHIP_TRT_CACHE", "/tmp/lightship-trt-cache"))
+        cache = str(
+            cache_dir or os.environ.get("LIGHTSHIP_TRT_CACHE") or "/tmp/lightship-trt-cache"
+        )  # empty: the default, as for every LIGHTSHIP_ variable
         chosen.append(
             (
                 "TensorrtExecutionProvider",
                 {
+                    "device_id": gpu,
                     "trt_engine_cache_enable": True,
                     "trt_engine_cache_path": cache,
                     "trt_fp16_enable": True,
@@ -118,13 +159,27 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
             )
         )
     if "CUDAExecutionProvider" in available:
-        chosen.append("CUDAExecutionProvider")
+        chosen.append(("CUDAExecutionProvider", {"device_id": gpu}))
     if not chosen:
         raise RunError(
             f"device={device} but this onnxruntime has no CUDA provider (has {available}): "
             "install onnxruntime-gpu or serve with --device cpu"
         )
     return [*chosen, "CPUExecutionProvider"]
+
+
+def _is_tensorrt(provider: Any) -> bool:
+    return isinstance(provider, tuple) and provider[0] == "TensorrtExecutionProvider"
+
+
+def _gpu_ids(session: ort.InferenceSession) -> set[str]:
+    """The device_id of each GPU provider `session` runs on; empty when it runs on none."""
+    options = session.get_provider_options()
+    return {
+        str(options.get(name, {}).get("device_id", "0"))
+        for name in session.get_providers()
+        if name in GPU_PROVIDERS
+    }
 
 
 def _describe(arg: Any) -> str:
@@ -200,7 +255,10 @@ class OrtPredictor(Predictor):
         if not self.path.is_file():
             raise RunError(f"ONNX model {self.path} not found: {export_hint(self.path)}")
         threads = threads or physical_cores()
-        self.session = self._open(threads, spinning, providers_for(device))
+        if device == "cpu":
+            self.session = self._open(threads, spinning, providers_for(device))
+        else:
+            self.session = self._open_gpu(threads, spinning, device)
         inp, out = _check_graph(self.path, self.session)
         self.input_name = inp.name
         self.output_name = out.name
@@ -245,13 +303,32 @@ class OrtPredictor(Predictor):
         except RunError:
             raise
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise LoadError(
+            raise _load_error(self.path, exc) from None
+
+    def _open_gpu(self, threads: int, spinning: bool, device: str) -> ort.InferenceSession:
+        """A session on the GPU `device` names, or RunError. onnxruntime does not fail when
+        it cannot use a GPU: it logs "Failed to create CUDAExecutionProvider" and runs on the
+        CPU. Nor does it keep the GPU asked for when TensorRT fails to load (its libraries
+        missing): it retries on CUDA without the provider options, so on GPU 0; then the
+        session is made again without TensorRT, on the GPU asked for."""
+        providers = providers_for(device)
+        session = self._open(threads, spinning, providers)
+        wanted = {str(device_index(device))}
+        if _gpu_ids(session) not in (set(), wanted):
+            log.warning(
+                "%s: TensorRT could not be used (onnxruntime's log above says why): running on "
+                "CUDA alone",
                 self.path,
-                "ONNX",
-                "onnxruntime",
-                exc,
-                "make it again (`lightship export`, or `lightship quantize` for an int8 model)",
-            ) from None
+            )
+            cuda = [p for p in providers if not _is_tensorrt(p)]
+            session = self._open(threads, spinning, cuda)
+        if not _gpu_ids(session):
+            raise RunError(
+                f"device={device} but onnxruntime could not use the GPU and fell back to the CPU "
+                "(its log above says why): run the container with `--gpus all` and check the "
+                "NVIDIA driver and CUDA libraries (`nvidia-smi`), or serve with --device cpu"
+            )
+        return session
 
     def _plan_lanes(self, threads: int, spinning: bool) -> None:
         """Open the one-thread session the lanes share (ORT runs one session from several

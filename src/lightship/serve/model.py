@@ -15,8 +15,9 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded, enclosing_run, makefile_here
+from lightship.runs import RunDir, check_recorded, enclosing_run, export_hint, makefile_here
 from lightship.runtime import Predictor, load_predictor
+from lightship.runtime.ort import TARGET, file_metadata
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ VARIANTS = (
     "checkpoint",
 )
 MODEL_SUFFIXES = (".onnx", ".ts", ".pt2", ".ckpt")
+# What the stages write in a run directory: a folder holding none of it is no run.
+RUN_CONTENTS = ("manifest.json", "best.ckpt", "export", "quantize", "report")
 
 
 @dataclass(frozen=True)
@@ -166,12 +169,27 @@ def choose(settings: ServeSettings) -> ServedModel:
         entry = _manifest_entry_for(target)
         name = settings.model_name or _safe_name(target.stem)
         return ServedModel(name, "file", target, entry)
+    if not target.exists():
+        raise RunError(_missing(target))
     if not target.is_dir():
         raise RunError(
-            f"{target} is neither a run directory nor a model file: run "
-            f"{RunDir(target).command('train', 'export')}, or pass --run"
+            f"{target} is neither a run directory nor a model file: give --run (LIGHTSHIP_RUN) "
+            f"a run directory or a model file ({', '.join(MODEL_SUFFIXES)})"
         )
     run = RunDir(target)
+    trained = run.manifest_path.is_file() or run.best_ckpt.is_file()
+    if not trained and run.checkpoints.is_dir():  # training stopped before its best checkpoint
+        raise RunError(
+            f"{target} has no best.ckpt yet: run {run.train_command()}, then "
+            f"{run.command('export')}"
+        )
+    if not any((target / name).exists() for name in RUN_CONTENTS):
+        # e.g. the empty folder Docker mounts for a -v host path that does not exist
+        raise RunError(
+            f"{target} is not a lightship run (no manifest.json, no best.ckpt): mount or copy "
+            f"a run directory there (one `lightship train` and `lightship export` made), or "
+            f"train one there: {run.train_command()}"
+        )
     artifacts = run.manifest()["artifacts"]
     if settings.variant == "auto":
         variant = recommended_variant(run, artifacts)
@@ -197,6 +215,19 @@ def choose(settings: ServeSettings) -> ServedModel:
     return ServedModel(name, variant, path, dict(entry))
 
 
+def _missing(target: Path) -> str:
+    """What to say of a --run that does not exist: a model file is not made by training it."""
+    if target.suffix in MODEL_SUFFIXES:
+        run = enclosing_run(target)
+        made = f", or make it: {export_hint(target)}" if run and target.suffix != ".ckpt" else ""
+        return f"no such model file: {target} does not exist: check the path{made}"
+    return (
+        f"{target} does not exist: neither a run directory nor a model file is there; give "
+        "--run (LIGHTSHIP_RUN) a run directory (one `lightship train` and `lightship export` "
+        f"made) or a model file ({', '.join(MODEL_SUFFIXES)})"
+    )
+
+
 def _maker(run: RunDir, variant: str) -> str:
     """The command that makes `variant` of `run`, for a message."""
     if variant == "checkpoint":
@@ -216,28 +247,33 @@ def _safe_name(name: str) -> str:
 
 
 def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = None) -> None:
-    """The file is the one the manifest describes, and an int8 model suits this CPU."""
+    """The file is the one the manifest describes, and an int8 model suits this CPU: the CPU it
+    was made for is its manifest entry's, or for a lone ONNX file its own metadata's."""
     entry = model.entry
     if entry is None:
-        return
-    root = enclosing_run(model.path)
-    remake = RunDir(root).remake_command(model.variant) if root else "the stage that wrote it"
-    check_recorded(model.path, entry, f"it changed after it was recorded; re-run {remake}")
-    made_for = entry.get("target")
+        what = str(model.path)
+        made_for = file_metadata(model.path).get(TARGET) if model.path.suffix == ".onnx" else None
+        gemm = None
+    else:
+        what = model.variant
+        root = enclosing_run(model.path)
+        remake = RunDir(root).remake_command(model.variant) if root else "the stage that wrote it"
+        check_recorded(model.path, entry, f"it changed after it was recorded; re-run {remake}")
+        made_for = entry.get("target")
+        gemm = entry.get("gemm_convs")
     if not made_for:
         return
     cpu = cpu or host_cpu()  # read once, for both checks
-    gemm = entry.get("gemm_convs")
     if isinstance(gemm, dict) and gemm.get("kept") and "amx_int8" not in cpu.flags:
         log.warning(
             "%s: its deep convs were sent to ONNX Runtime's AMX int8 GEMM, measured faster on "
             "the AMX CPU it was quantized on; this CPU has no AMX, so they may run slower than "
             "they could: `lightship quantize` on this machine measures again",
-            model.variant,
+            what,
         )
     problem = compatibility(str(made_for), cpu)
     if problem is None:
         return
     if isa_check == "refuse":
-        raise RunError(f"{model.variant}: {problem} (or start with --isa-check warn to serve it)")
-    log.warning("%s: %s; serving it anyway (--isa-check warn)", model.variant, problem)
+        raise RunError(f"{what}: {problem} (or start with --isa-check warn to serve it)")
+    log.warning("%s: %s; serving it anyway (--isa-check warn)", what, problem)
