@@ -312,7 +312,7 @@ def test_serve_still_takes_a_model_file(tmp_path: Path) -> None:
     model = tmp_path / "model.onnx"
     model.write_bytes(b"")
     # --run is accepted: the next check, on the settings, is the one that fails
-    with pytest.raises(ConfigError, match="^invalid serve settings \\(port:"):
+    with pytest.raises(ConfigError, match="^invalid serve settings \\(--port 70000:"):
         cli._invoke(["serve", "--run", str(model), "--port", "70000"])
 
 

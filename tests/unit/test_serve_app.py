@@ -11,7 +11,10 @@ import ctypes
 import gzip
 import io
 import json
+import logging
 import re
+import signal
+import sys
 import threading
 import time
 import zlib
@@ -624,10 +627,10 @@ def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
     for a, b in zip(together, alone, strict=False):
         np.testing.assert_array_equal(a, b)  # and the answer to the same rows sent alone
     rows = sum(len(x) for x in requests)
-    batches = metric(text, "lightship_batch_rows_count") - 1  # minus the warm-up batch
-    assert metric(text, "lightship_batch_rows_sum") - 1 == rows
+    batches = metric(text, "lightship_batch_rows_count")  # requests' only: no warm-up batch
+    assert metric(text, "lightship_batch_rows_sum") == rows
     assert batches < len(requests) / 2, f"{batches} batches for {len(requests)} requests"
-    assert metric(text, 'lightship_batch_rows_bucket{le="1.0"}') <= 1  # only the warm-up
+    assert metric(text, 'lightship_batch_rows_bucket{le="1.0"}') == 0  # no request went alone
 
 
 def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path) -> None:
@@ -959,7 +962,7 @@ def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
                 )
                 == 1
             )
-            assert metric(text, "lightship_queue_wait_seconds_count") == 2  # warm-up, request
+            assert metric(text, "lightship_queue_wait_seconds_count") == 1  # not the warm-up
             assert (
                 'lightship_model_info{backend="onnxruntime",device="cpu",name="hand",variant="file"} 1.0'
                 in text
@@ -1657,3 +1660,81 @@ def test_docs_pages_load_everything_from_the_server_itself(tmp_path: Path) -> No
     # one label for every file, not one per name asked for
     assert metric(text, 'lightship_requests_total{route="/docs/{name}",status="200"}') == 4
     assert metric(text, 'lightship_requests_total{route="/docs/{name}",status="404"}') == 1
+
+
+def start_up_log(
+    settings: ServeSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> list[str]:
+    """What `serve` logs up to uvicorn's start, which is skipped (and so are its process-wide
+    signal handler and GIL switch interval)."""
+    monkeypatch.setattr(serve_app._Server, "run", lambda self, sockets=None: None)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda interval: None)
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "lightship"):
+        serve_app.serve(settings)
+    return [r.getMessage() for r in caplog.records if r.name == "lightship.serve.app"]
+
+
+def test_the_start_up_log_says_what_is_served_on_which_cpu_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightship.quantize.isa import host_cpu
+    from lightship.runs import RunDir, sha256_file
+
+    run = tmp_path / "my-run"
+    (run / "export").mkdir(parents=True)
+    path = handmade_onnx(run / "export" / "m.onnx")
+    RunDir(run).record(
+        "onnx-fp32", {"file": "export/m.onnx", "format": "onnx", "sha256": sha256_file(path)}
+    )
+    monkeypatch.setattr(serve_app, "physical_cores", lambda: 2)
+    cpu = f"CPU: {host_cpu().describe()}, int8 target {host_cpu().target}; 2 cores for this process"
+    served = rf"serving 'my-run' \(onnx-fp32{{}}: {re.escape(str(path))}; 1 instance x 1 thread\)"
+
+    lines = start_up_log(ServeSettings(run=run, host="::", port=0, threads=1), monkeypatch, caplog)
+    assert lines[0] == cpu
+    assert re.fullmatch(
+        served.format(", the default without a report")
+        + r" at http://\[::\]:\d+  \(docs at /docs\)",
+        lines[1],
+    ), lines
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text(json.dumps({"recommended": "onnx-fp32"}))
+    lines = start_up_log(ServeSettings(run=run, port=0, threads=1), monkeypatch, caplog)
+    assert re.fullmatch(
+        served.format(", the report's recommendation") + r" at http://127\.0\.0\.1:\d+ .*", lines[1]
+    ), lines
+    settings = ServeSettings(run=run, variant="onnx-fp32", port=0, threads=1)
+    lines = start_up_log(settings, monkeypatch, caplog)
+    assert re.fullmatch(served.format("") + " at .*", lines[1]), lines
+
+
+@pytest.mark.parametrize(
+    ("threads", "instances", "warning"),
+    [
+        (8, 1, "1 instance x 8 threads = 8 inference threads on 2 cores: "
+         "the threads beyond the cores take turns on them and slow every batch; "
+         "serve with --threads unset (cores / instances)"),
+        (None, 3, "3 instances x 1 thread = 3 inference threads on 2 cores: "
+         "the threads beyond the cores take turns on them and slow every batch; "
+         "serve with --instances 2 or fewer"),
+        (2, 1, None),
+        (None, 2, None),
+    ],
+)  # fmt: skip
+def test_more_inference_threads_than_cores_are_warned_about(
+    threads: int | None,
+    instances: int,
+    warning: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(serve_app, "physical_cores", lambda: 2)
+    monkeypatch.setattr("lightship.runtime.base.physical_cores", lambda: 2)
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    settings = ServeSettings(run=path, port=0, threads=threads, instances=instances)
+    start_up_log(settings, monkeypatch, caplog)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ([warning] if warning else [])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +39,21 @@ def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"max_batch_rows": 0}, "max_batch_rows"),
+        ({"max_batch_rows": 0}, "--max-batch-rows 0: Input should be greater than"),
         ({"max_batch_rows": 64, "max_queue_rows": 8}, "one full batch"),
         ({"device": "gpu"}, "cpu, cuda or cuda:N"),
         ({"model_name": "a/b"}, "model name"),
-        ({"isa_check": "maybe"}, "isa_check"),
-        ({"instances": 0}, "instances"),
-        ({"host": ""}, "host"),
+        ({"isa_check": "maybe"}, "--isa-check maybe: Input should be 'refuse' or 'warn'"),
+        ({"instances": 0}, "--instances 0"),
+        ({"host": ""}, "--host '': String should have at least 1 character"),
         ({"run": " "}, r"run is empty: give a run directory or a model file"),
-        ({"threads": 100_000}, "threads"),
-        ({"timeout_ms": float("inf")}, "timeout_ms"),
-        ({"max_wait_ms": float("inf")}, "max_wait_ms"),  # it killed the batcher thread
-        ({"max_wait_ms": 20_000}, r"max_wait_ms \(20000\) must be less than timeout_ms"),
+        ({"threads": 100_000}, "--threads 100000: Input should be less than or equal to 256"),
+        ({"timeout_ms": float("inf")}, "--timeout-ms inf: Input should be a finite number"),
+        ({"max_wait_ms": float("inf")}, "--max-wait-ms inf"),  # it killed the batcher thread
+        (
+            {"max_wait_ms": 20_000},
+            r"--max-wait-ms / LIGHTSHIP_MAX_WAIT_MS \(20000\) must be less than --timeout-ms",
+        ),
     ],
 )
 def test_bad_settings_are_a_config_error(
@@ -56,12 +61,125 @@ def test_bad_settings_are_a_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _settings(**given)
-    if "run" in given:  # LIGHTSHIP_RUN= is refused like --run ""
-        monkeypatch.setenv("LIGHTSHIP_RUN", "")
+    if "run" in given:  # LIGHTSHIP_RUN=" " is refused like --run " " (an empty one is unset)
+        monkeypatch.setenv("LIGHTSHIP_RUN", " ")
         with pytest.raises(ConfigError, match=message):
             _settings()
     with pytest.raises(ValidationError):
         ServeSettings(**given)  # type: ignore[arg-type]
+
+
+def test_a_bad_value_is_named_as_it_was_given_flag_or_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        _settings(max_batch_rows=0)
+    assert str(err.value) == (
+        "invalid serve settings (--max-batch-rows 0: Input should be greater than or equal to 1)"
+    )
+    monkeypatch.setenv("LIGHTSHIP_MAX_BATCH_ROWS", "0")
+    monkeypatch.setenv("lightship_threads", "many")  # read whatever its case, named as written
+    with pytest.raises(ConfigError) as err:
+        _settings()
+    assert str(err.value) == (
+        "invalid serve settings (LIGHTSHIP_MAX_BATCH_ROWS=0: Input should be greater than or "
+        "equal to 1; lightship_threads=many: Input should be a valid integer, unable to parse "
+        "string as an integer)"
+    )
+    monkeypatch.delenv("LIGHTSHIP_MAX_BATCH_ROWS")
+    monkeypatch.delenv("lightship_threads")
+    monkeypatch.setenv("LIGHTSHIP_MAX_QUEUE_ROWS", "8")  # a conflict: either may be the fix
+    with pytest.raises(ConfigError) as err:
+        _settings(max_batch_rows=16)
+    assert str(err.value) == (
+        "invalid serve settings (--max-queue-rows / LIGHTSHIP_MAX_QUEUE_ROWS (8) must be at "
+        "least --max-batch-rows / LIGHTSHIP_MAX_BATCH_ROWS (16): the queue has to hold one full "
+        "batch)"
+    )
+
+
+def test_an_unknown_variant_is_named_as_it_was_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    choices = (
+        "choose from auto, onnx-fp32, onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, "
+        "torchscript, pt2, checkpoint"
+    )
+    with pytest.raises(ConfigError) as err:
+        _settings(run=tmp_path, variant="torchscipt")
+    assert str(err.value) == f"unknown --variant 'torchscipt'; {choices}"
+    monkeypatch.setenv("LIGHTSHIP_VARIANT", "torchscipt")
+    with pytest.raises(ConfigError) as err:
+        _settings(run=tmp_path)
+    assert str(err.value) == f"unknown LIGHTSHIP_VARIANT 'torchscipt'; {choices}"
+    assert _settings(run=tmp_path, variant="pt2").variant == "pt2"  # the flag wins
+
+
+def test_an_empty_variable_is_unset_as_templates_leave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = ServeSettings().model_dump()
+    for name in ServeSettings.model_fields:  # docker-compose's ${VAR:-}, a k8s template's ""
+        monkeypatch.setenv(f"LIGHTSHIP_{name.upper()}", "")
+    assert _settings().model_dump() == defaults
+    assert _settings(threads=3).threads == 3
+
+
+def test_help_lists_every_variable_serve_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightship import cli
+    from lightship.serve.settings import OTHER_VARIABLES
+
+    assert cli._invoke(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in [f"LIGHTSHIP_{field.upper()}" for field in ServeSettings.model_fields]:
+        assert name in out, name
+    for name in OTHER_VARIABLES:
+        assert name in out, name
+
+
+@pytest.fixture
+def lightship_log_level() -> Iterator[logging.Logger]:
+    logger = logging.getLogger("lightship")
+    level = logger.level
+    yield logger
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_log_level_applies_to_lightships_own_loggers_too(
+    how: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    lightship_log_level: logging.Logger,
+) -> None:
+    from lightship import cli
+
+    seen: list[ServeSettings] = []
+
+    def fake_serve(settings: ServeSettings) -> None:  # what the server would log
+        logging.getLogger("lightship.serve.app").info("serving")
+        logging.getLogger("lightship.serve.model").warning("a warning")
+        logging.getLogger("lightship.serve.app").error("an error")
+        seen.append(settings)
+
+    monkeypatch.setattr("lightship.serve.app.serve", fake_serve)
+    monkeypatch.setenv("LIGHTSHIP_ZZZ", "1")  # warned about at start-up, a warning like others
+    caplog.set_level(logging.DEBUG)
+    argv = ["serve", "--run", str(tmp_path)]
+    assert cli._invoke(argv) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "LIGHTSHIP_ZZZ is not a serve setting and is ignored",
+        "serving",
+        "a warning",
+        "an error",
+    ]
+    caplog.clear()
+    if how == "flag":
+        argv += ["--log-level", "error"]
+    else:
+        monkeypatch.setenv("LIGHTSHIP_LOG_LEVEL", "error")
+    assert cli._invoke(argv) == 0
+    assert seen[-1].log_level == "error"
+    assert [r.getMessage() for r in caplog.records] == ["an error"]
 
 
 def test_instances_share_the_cores_unless_threads_are_given(

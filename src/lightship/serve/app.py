@@ -41,6 +41,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightship import __version__
 from lightship.errors import ConfigError
+from lightship.quantize.isa import host_cpu
+from lightship.runs import RunDir
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
 from lightship.serve import openapi, v1, v2
@@ -138,18 +140,18 @@ class Service:
         self.labels = list(predictor.labels)
         self.chw = predictor.chw
         self.input_name = str(predictor.input_spec.get("name", "input"))
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.max_batch_rows)
         self.metrics.model_info.labels(
             self.name, served.variant, predictor.kind, predictor.device
         ).set(1)
         # `_run` is the predictor's unchecked hot path: every request was checked on the event
-        # loop (Predictor.check) before it was queued, so a bad row never reaches a batch.
+        # loop (Predictor.check) before it was queued, so a bad row never reaches a batch. The
+        # metrics observe it from the end of the warm-up batch (`warm_up`): served traffic only.
         self.batcher = Batcher(
             predictor._run,
             max_batch_rows=settings.max_batch_rows,
             max_wait_ms=settings.max_wait_ms,
             max_queue_rows=settings.max_queue_rows,
-            observer=self.metrics,
             instances=settings.instances,
         )
         self.ready = False
@@ -182,6 +184,9 @@ class Service:
             # that per-request garbage triggers stop re-scanning it.
             gc.freeze()
             _trim_heap()
+            # The warm-up batch was observed (and its wait and compute timed) before its answer
+            # came back: from here on the batcher reports requests only.
+            self.batcher.observer = self.metrics
             self.ready = True
             log.info(
                 "ready: model '%s' (%s, %s on %s), input '%s' uint8 %s",
@@ -1111,6 +1116,9 @@ def serve(settings: ServeSettings) -> None:
     sock = _listen(settings.host, settings.port)  # a taken port fails before the model loads
     served = choose(settings)
     verify(served, settings.isa_check)
+    cores = physical_cores()
+    if warning := _oversubscribed(settings, cores):  # before the sessions open their threads
+        log.warning("%s", warning)
     predictor = served.load(settings.device, settings.model_threads(), settings.split_batches)
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
@@ -1131,18 +1139,58 @@ def serve(settings: ServeSettings) -> None:
     # by default, death by signal (status 143). A drained server has done its job: make the
     # previous handler a no-op, and the process exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
     log.info(
-        "serving '%s' (%s: %s; %d instance%s x %d threads) at http://%s:%d  (docs at /docs)",
+        "CPU: %s, int8 target %s; %d cores for this process", cpu.describe(), cpu.target, cores
+    )
+    log.info(
+        "serving '%s' (%s%s: %s; %s) at %s  (docs at /docs)",
         served.name,
         served.variant,
+        _chosen_by(settings, served),
         served.path,
-        settings.instances,
-        "" if settings.instances == 1 else "s",
-        settings.model_threads(),
-        settings.host,
-        sock.getsockname()[1],
+        _count(settings.instances, "instance") + " x " + _count(settings.model_threads(), "thread"),
+        _url(settings.host, sock.getsockname()[1]),
     )
     server.run(sockets=[sock])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _url(host: str, port: int) -> str:
+    """The server's URL: an IPv6 address in brackets (RFC 3986), http://[::]:8000."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _chosen_by(settings: ServeSettings, served: ServedModel) -> str:
+    """Why `--variant auto` served this variant: `recommended_variant` takes the report's
+    recommendation, or onnx-fp32 when there is no report."""
+    if settings.variant != "auto" or served.variant == "file":
+        return ""
+    if (RunDir(settings.run).report_dir / "report.json").is_file():
+        return ", the report's recommendation"
+    return ", the default without a report"
+
+
+def _oversubscribed(settings: ServeSettings, cores: int) -> str | None:
+    """A warning when the model instances run more threads than there are cores: a batch's
+    parallel work ends with its last thread, and a thread left waiting for a core holds it up."""
+    threads = settings.model_threads()
+    total = settings.instances * threads
+    if total <= cores:
+        return None
+    fixes = []
+    if settings.threads is not None and settings.threads > max(1, cores // settings.instances):
+        fixes.append("--threads unset (cores / instances)")
+    if settings.instances > cores:
+        fixes.append(f"--instances {cores} or fewer")
+    return (
+        f"{_count(settings.instances, 'instance')} x {_count(threads, 'thread')} = {total} "
+        f"inference threads on {cores} cores: the threads beyond the cores take turns on them "
+        f"and slow every batch; serve with {' and '.join(fixes)}"
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:

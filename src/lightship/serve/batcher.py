@@ -149,7 +149,9 @@ class Batcher:
         self.max_batch_rows = max_batch_rows
         self.max_wait_s = max_wait_ms / 1000
         self.max_queue_rows = max_queue_rows
-        self._observer: Observer = observer or NullObserver()
+        # Read per batch and per rejection, so it may be replaced while running: the server
+        # attaches its metrics once the warm-up batch is back, which is no served traffic.
+        self.observer: Observer = observer or NullObserver()
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
         self._rows = 0  # rows in _queue, abandoned ones included until the worker pops them
@@ -204,13 +206,13 @@ class Batcher:
         item = _Item(x, rows, now, due, now + timeout_s, loop.create_future())
         with self._cond:
             if self.failure is not None:
-                self._observer.rejected("worker_died")
+                self.observer.rejected("worker_died")
                 raise WorkerDied(self.failure)
             if self._closed:
                 raise Closed("server is shutting down")
             if self._rows + rows > self.max_queue_rows:
                 queued, retry = self._rows, self._retry_after()
-                self._observer.rejected("queue_full")
+                self.observer.rejected("queue_full")
                 raise QueueFull(queued, retry)
             was_empty = not self._queue
             self._queue.append(item)
@@ -221,7 +223,7 @@ class Batcher:
             # (and a worker that takes a batch wakes a peer for any rows it leaves).
             if was_empty or depth >= self.max_batch_rows or self._draining or not wait:
                 self._cond.notify()
-        self._observer.queue_depth(depth)
+        self.observer.queue_depth(depth)
         item.timer = loop.call_later(timeout_s, self._expire, item)
         return Ticket(self, item)
 
@@ -255,7 +257,7 @@ class Batcher:
         if item.timer is not None:
             item.timer.cancel()
         item.future.set_exception(exc)
-        self._observer.rejected(reason)
+        self.observer.rejected(reason)
 
     def _deliver(self, items: list[_Item], y: np.ndarray | None, error: str | None) -> None:
         offset = 0
@@ -305,7 +307,7 @@ class Batcher:
             depth = self._rows
             if self._queue and self.instances > 1:
                 self._cond.notify()  # rows left behind: an idle instance may take them
-        self._observer.queue_depth(depth)
+        self.observer.queue_depth(depth)
         return batch
 
     def _work(self) -> None:
@@ -338,7 +340,7 @@ class Batcher:
                     self._rows_per_s = (
                         rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
                     )
-                self._observer.batch(len(x), [now - it.arrival for it in live], compute_s)
+                self.observer.batch(len(x), [now - it.arrival for it in live], compute_s)
                 try:
                     loop.call_soon_threadsafe(self._deliver, live, y, error)
                 except RuntimeError:  # the loop closed under us: nobody is waiting any more

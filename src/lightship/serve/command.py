@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,23 +20,60 @@ ENV = "env LIGHTSHIP_"
 
 
 def _settings(**given: Any) -> Any:
-    """ServeSettings from the flags given; the environment fills the rest (flags win)."""
+    """ServeSettings from the flags given; the environment fills the rest (flags win). A bad
+    value is named as it was given: by its flag, or by its variable."""
     from pydantic import ValidationError
 
     from lightship.errors import ConfigError
-    from lightship.serve.settings import ServeSettings, unknown_variables
+    from lightship.serve.settings import ServeSettings
+
+    flags = {k: v for k, v in given.items() if v is not None}
+    try:
+        settings = ServeSettings(**flags)
+    except ValidationError as exc:
+        _warn_unknown_variables()  # a misspelt variable may be why
+        problems = "; ".join(_problem(e, flags) for e in exc.errors())
+        raise ConfigError(f"invalid serve settings ({problems})") from None
+    _check_variant(settings.variant, "--variant" if "variant" in flags else "LIGHTSHIP_VARIANT")
+    return settings
+
+
+def _problem(error: Any, flags: dict[str, Any]) -> str:
+    """One pydantic error, said of the flag or variable that gave the value."""
+    from lightship.serve.settings import ENV_PREFIX, flag, names
+
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not error["loc"]:  # a check across settings: its message names each both ways
+        return message
+    field = str(error["loc"][0])
+    if field in flags:
+        return f"{flag(field)} {shlex.quote(str(error['input']))}: {message}"
+    variable = ENV_PREFIX + field.upper()
+    for name, value in os.environ.items():  # pydantic-settings reads them in any case
+        if name.upper() == variable and value:
+            return f"{name}={shlex.quote(value)}: {message}"
+    return f"{names(field)}: {message}"
+
+
+def _check_variant(variant: str, given_as: str) -> None:
+    """Before the run is read, so that the error names `given_as`, flag or variable."""
+    from lightship.errors import ConfigError
+    from lightship.serve.model import VARIANTS
+
+    if variant == "auto" or variant in VARIANTS:
+        return
+    served_as = ": the report's eager row, best.ckpt, is --variant checkpoint"
+    raise ConfigError(
+        f"unknown {given_as} '{variant}'{served_as if variant == 'eager' else ''}; choose from "
+        f"auto, {', '.join(VARIANTS)}"
+    )
+
+
+def _warn_unknown_variables() -> None:
+    from lightship.serve.settings import unknown_variables
 
     for warning in unknown_variables(os.environ):
         logging.getLogger("lightship.serve").warning(warning)
-    try:
-        return ServeSettings(**{k: v for k, v in given.items() if v is not None})
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(
-            f"invalid serve settings ({problems}); check the flags and LIGHTSHIP_* variables"
-        ) from None
 
 
 def serve(
@@ -107,11 +145,27 @@ def serve(
     warmup_rows: Annotated[
         int | None, typer.Option(help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1)")
     ] = None,
+    top_k: Annotated[
+        int | None, typer.Option(help=f"default top-k of /v1/predict ({ENV}TOP_K; 5)")
+    ] = None,
     access_log: Annotated[
         bool | None, typer.Option("--access-log/--no-access-log", help=f"({ENV}ACCESS_LOG; off)")
     ] = None,
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            help="critical, error, warning, info or debug: uvicorn's and lightship's lines "
+            f"below it are dropped ({ENV}LOG_LEVEL; info)"
+        ),
+    ] = None,
 ) -> None:
-    """Serve a run's model over HTTP: KServe V2 (/v2), JSON and images (/v1), /metrics, /docs."""
+    """Serve a run's model over HTTP: KServe V2 (/v2), JSON and images (/v1), /metrics, /docs.
+
+    Every flag is also an environment variable, LIGHTSHIP_<FLAG>; a flag wins over it, and an
+    empty variable counts as unset. With --device cuda, ONNX Runtime reads two more:
+    LIGHTSHIP_TENSORRT=0 turns its TensorRT provider off, and LIGHTSHIP_TRT_CACHE is the folder
+    of the engines TensorRT builds (default /tmp/lightship-trt-cache).
+    """
     settings = _settings(
         run=run,
         variant=variant,
@@ -129,8 +183,13 @@ def serve(
         split_batches=split_batches,
         isa_check=isa_check,
         warmup_rows=warmup_rows,
+        top_k=top_k,
         access_log=access_log,
+        log_level=log_level,
     )
+    if "log_level" in settings.model_fields_set:  # else `lightship -v`'s debug lines stay on
+        logging.getLogger("lightship").setLevel(settings.log_level.upper())
+    _warn_unknown_variables()
     from lightship.serve.app import serve as run_server
 
     run_server(settings)

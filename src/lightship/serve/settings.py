@@ -1,4 +1,8 @@
-"""Server settings: CLI flags, else `LIGHTSHIP_*` environment variables, else these defaults."""
+"""Server settings: CLI flags, else `LIGHTSHIP_*` environment variables, else these defaults.
+
+An empty variable counts as unset (pydantic-settings' `env_ignore_empty`): docker-compose's
+`${VAR:-}` and Helm or Kubernetes templates write `LIGHTSHIP_THREADS=` for "not given".
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,28 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # A model name goes into URL paths and metric labels: keep it to safe characters.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ENV_PREFIX = "LIGHTSHIP_"
+
+
+def flag(field: str) -> str:
+    """The `lightship serve` flag of a setting: max_batch_rows -> --max-batch-rows."""
+    return "--" + field.replace("_", "-")
+
+
+def names(field: str) -> str:
+    """Both ways to give a setting, for a message that cannot tell which one was used."""
+    return f"{flag(field)} / {ENV_PREFIX}{field.upper()}"
 
 
 class ServeSettings(BaseSettings):
     """Everything `lightship serve` reads; each field is also `LIGHTSHIP_<FIELD>` in the env."""
 
     model_config = SettingsConfigDict(
-        env_prefix="LIGHTSHIP_", extra="ignore", validate_default=True, frozen=True
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        extra="ignore",
+        validate_default=True,
+        frozen=True,
     )
 
     run: Path = Field(Path("runs/default"), description="run directory, or one .onnx/.ts/.pt2 file")
@@ -82,7 +101,9 @@ class ServeSettings(BaseSettings):
     warmup_rows: int = Field(1, ge=1, description="rows in the warm-up batch run before ready")
     top_k: int = Field(5, ge=1, description="default top-k of /v1/predict")
     access_log: bool = False
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="uvicorn's and lightship's log lines below this level are dropped"
+    )
 
     @field_validator("run", mode="before")
     @classmethod
@@ -119,25 +140,28 @@ class ServeSettings(BaseSettings):
     def _consistent(self) -> ServeSettings:
         if self.max_queue_rows < self.max_batch_rows:
             raise ValueError(
-                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_rows "
-                f"({self.max_batch_rows}): the queue has to hold one full batch"
+                f"{names('max_queue_rows')} ({self.max_queue_rows}) must be at least "
+                f"{names('max_batch_rows')} ({self.max_batch_rows}): the queue has to hold one "
+                "full batch"
             )
         if self.max_wait_ms >= self.timeout_ms:
             raise ValueError(
-                f"max_wait_ms ({self.max_wait_ms:g}) must be less than timeout_ms "
-                f"({self.timeout_ms:g}): a request alone would wait out its deadline"
+                f"{names('max_wait_ms')} ({self.max_wait_ms:g}) must be less than "
+                f"{names('timeout_ms')} ({self.timeout_ms:g}): a request alone would wait out "
+                "its deadline"
             )
         return self
 
 
-# Read elsewhere (lightship.runtime.ort), not settings of the server.
+# Read elsewhere (lightship.runtime.ort, with --device cuda), not settings of the server; the
+# help of `lightship serve` says what they do.
 OTHER_VARIABLES = {"LIGHTSHIP_TENSORRT", "LIGHTSHIP_TRT_CACHE"}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A warning for each `LIGHTSHIP_*` variable that is no setting: pydantic-settings ignores
     them, so a typo in a container's environment would silently leave the default in force."""
-    prefix = "LIGHTSHIP_"
+    prefix = ENV_PREFIX
     known = {name.upper() for name in ServeSettings.model_fields}
     known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES}
     warnings = []

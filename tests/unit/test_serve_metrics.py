@@ -1,0 +1,66 @@
+"""What /metrics exports: served traffic only, buckets that resolve it, the process beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lightship.serve.metrics import LATENCY_BUCKETS, Metrics, rows_buckets
+from tests.unit.test_serve_app import INFER, make_app, metric, run, serving, v2_json
+
+
+def test_the_warm_up_batch_is_not_counted_as_traffic(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, warmup_rows=3, max_wait_ms=0)
+
+    async def main() -> tuple[str, str]:
+        async with serving(app) as client:  # ready: the warm-up batch is back
+            fresh = (await client.get("/metrics")).text
+            for rows in (1, 2, 4):  # one at a time: one batch each
+                x = np.zeros((rows, 1, 2, 2), np.uint8)
+                assert (await client.post(INFER, json=v2_json(x))).status_code == 200
+            return fresh, (await client.get("/metrics")).text
+
+    fresh, served = run(main())
+    for name in (
+        "lightship_batch_rows_count",
+        "lightship_compute_seconds_count",
+        "lightship_queue_wait_seconds_count",
+        "lightship_batch_rows_sum",
+    ):
+        assert metric(fresh, name) == 0, name
+    assert metric(served, "lightship_batch_rows_count") == 3
+    assert metric(served, "lightship_batch_rows_sum") == 7
+    assert metric(served, "lightship_compute_seconds_count") == 3
+    assert metric(served, "lightship_queue_wait_seconds_count") == 3
+
+
+def test_latency_buckets_resolve_tens_of_microseconds_to_seconds() -> None:
+    assert 15 <= len(LATENCY_BUCKETS) <= 20
+    assert LATENCY_BUCKETS[0] <= 0.0001 and LATENCY_BUCKETS[-1] >= 5
+    # digits' compute (~0.37 ms) and a no-model request (~60 µs) fall in buckets of their own,
+    # with more below them: a quantile between two bounds is not the first bucket's
+    below = [sum(b < seconds for b in LATENCY_BUCKETS) for seconds in (0.00006, 0.00037, 0.004)]
+    assert below[0] >= 1 and below[0] < below[1] < below[2]
+
+
+def test_rows_buckets_end_at_the_largest_batch_and_single_out_full_ones() -> None:
+    assert rows_buckets(64) == (1, 2, 4, 8, 16, 32, 63, 64)
+    assert rows_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 99, 100)
+    assert rows_buckets(2) == (1, 2)
+    assert rows_buckets(1) == (1,)
+    text = Metrics(max_batch_rows=8).exposition().decode()
+    assert 'lightship_batch_rows_bucket{le="8.0"}' in text
+    assert 'lightship_batch_rows_bucket{le="16.0"}' not in text
+
+
+def test_process_and_python_metrics_are_exported_beside_the_servers() -> None:
+    text = Metrics(max_batch_rows=64).exposition().decode()
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "python_info",
+        "python_gc_collections_total",
+    ):
+        assert f"\n{name}" in text, name
