@@ -4,7 +4,7 @@
 #   docker build -t lightship-serve .
 #   docker run --rm -p 8000:8000 -v "$PWD/runs/default:/model:ro" lightship-serve
 #   docker build --target model --build-arg RUN=runs/default -t lightship-serve:default .
-#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/lightship-serve .
+#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/lightship-serve --push .
 #
 # Every Python package is pinned in deploy/requirements-serve.txt (deploy/lock.py rewrites it);
 # each pin has wheels for linux/amd64 and linux/arm64, so one file builds both.
@@ -27,11 +27,13 @@ RUN python -m venv "$VIRTUAL_ENV" \
  && "$VIRTUAL_ENV/bin/pip" install --requirement deploy/requirements-serve.txt
 COPY pyproject.toml README.md ./
 COPY src/ src/
+COPY deploy/healthcheck.py deploy/
 # lightship[serve] itself, non-editable, held to the same pins; pip and setuptools are not needed
-# at run time (about 25 MB).
+# at run time (about 25 MB). The HEALTHCHECK's script goes into the virtualenv, on PATH.
 RUN "$VIRTUAL_ENV/bin/pip" install --constraint deploy/requirements-serve.txt ".[serve]" \
  && "$VIRTUAL_ENV/bin/pip" check \
- && "$VIRTUAL_ENV/bin/pip" uninstall --yes pip setuptools
+ && "$VIRTUAL_ENV/bin/pip" uninstall --yes pip setuptools \
+ && install -m 0755 deploy/healthcheck.py "$VIRTUAL_ENV/bin/lightship-healthcheck"
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="lightship-serve" \
@@ -49,14 +51,16 @@ ENV VIRTUAL_ENV=/opt/lightship \
     LIGHTSHIP_PORT=8000
 USER 10001:10001
 EXPOSE 8000
-# Ready means the model is loaded and a warm-up batch ran. The slim image has no curl.
+# Ready means the model is loaded and a warm-up batch ran. The slim image has no curl:
+# deploy/healthcheck.py asks the port the server uses (`--port` given to `docker run`, else
+# LIGHTSHIP_PORT, else 8000).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('LIGHTSHIP_PORT', '8000'), timeout=2)"]
+    CMD ["lightship-healthcheck"]
 # uvicorn runs as PID 1 and handles SIGTERM itself: not ready, drain the queue, exit 0.
 ENTRYPOINT ["lightship", "serve"]
 
 # The run directory inside the image (for clusters without a model volume). .dockerignore lets
-# only what serving reads into the context: manifest.json, *.onnx, *.ts and report/report.json.
+# only what serving reads into the context: manifest.json, the ONNX models and report.json.
 FROM runtime AS model
 ARG RUN=runs/default
 COPY ${RUN}/ /model/

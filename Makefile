@@ -15,6 +15,7 @@ EXPORT_ARGS ?=
 QUANTIZE_ARGS ?=
 REPORT_ARGS ?=
 SERVE_ARGS ?=
+BENCH_SERVE_ARGS ?=
 TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
@@ -28,14 +29,15 @@ help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 	@echo
 	@echo "variables:"
-	@echo "  RUN=runs/NAME                 the run directory every target reads and writes"
+	@echo "  RUN=runs/NAME                 the run directory every target reads and writes (docker-smoke: only when given)"
 	@echo "  CONFIG=configs/X.yaml         the training config (train, and a stage that trains first)"
 	@echo "  RESUME=1                      train: continue from last.ckpt with the run's config.yaml"
-	@echo "  ARGS='--set trainer.max_epochs=3'   train, bench-train, bench-serve (and training a stage starts)"
+	@echo "  ARGS='--set trainer.max_epochs=3'   train, bench-train (and training a stage starts)"
 	@echo "  EXPORT_ARGS='--formats onnx'  export (and the export quantize/report/serve start)"
 	@echo "  QUANTIZE_ARGS='--methods static'    quantize"
 	@echo "  REPORT_ARGS='--rounds 5'      report, and the report \`make quantize\` writes"
 	@echo "  SERVE_ARGS='--port 9000'      serve"
+	@echo "  BENCH_SERVE_ARGS='--duration 2 --rounds 1'   bench-serve (\`lightship bench serve --help\`)"
 
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
 # this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
@@ -49,8 +51,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) ## create .venv and install lightship with all extras
 
 # ARGS goes to training only: a stage's own flags go in its *_ARGS. Said, not silently dropped.
-args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train, bench, or the \
-	training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
+args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train, bench-train, or \
+	the training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
 # Training's flags: anew with CONFIG, or, when $(1) is not empty, resumed with the run's own
 # config.yaml unless CONFIG is given.
@@ -61,10 +63,13 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 
 # A later stage builds what it needs when it is missing, so every stage target works on a fresh
 # clone: export trains first; quantize, report and serve train and export first (report then
-# measures the fp32 variants only, serve serves ONNX fp32). A new best.ckpt deletes the files
-# made from the old one, and export/model.onnx older than best.ckpt is exported again. A run
-# that trained before (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its
-# best checkpoint back and keeps what was made from it, where CONFIG's model would replace it.
+# measures the fp32 variants only, serve serves ONNX fp32). Only a missing file is rebuilt, never
+# one that merely looks older: `cp -r` does not keep file times, and re-exporting a copied run
+# would delete its int8 models and report. Training keeps the run consistent itself: a new
+# best.ckpt deletes every file made from the old one (export/model.onnx included) before it is
+# put in place, so a missing model.onnx is the signal to export. A run that trained before
+# (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its best checkpoint back
+# and keeps what was made from it, where CONFIG's model would replace it.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
 
@@ -72,7 +77,7 @@ export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript
 	$(call args_note,export,EXPORT_ARGS)
 	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
 
-$(RUN)/export/model.onnx: $(RUN)/best.ckpt | $(STAMP)
+$(RUN)/export/model.onnx: | $(RUN)/best.ckpt $(STAMP)
 	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
 
 quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT behind the accuracy gate, then the report
@@ -104,21 +109,32 @@ check: $(STAMP) ## ruff (lint + format check), mypy and hadolint
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile Dockerfile.gpu
 
+# Docker's own answer without a daemon ("Cannot connect to the Docker daemon") does not say
+# that the image can be checked here without one.
+docker_check = @command -v docker >/dev/null && docker info >/dev/null 2>&1 || { echo "make $@ \
+	needs Docker with its daemon running (\`docker info\` says why not). Without Docker, \
+	\`make docker-smoke\` replays the CPU image's install and serves from it."; exit 1; }
+
 docker: ## build the CPU serving image IMAGE:VERSION (needs Docker; mount a run at /model)
+	$(docker_check)
 	docker build -t $(IMAGE):$(VERSION) .
 
 docker-gpu: ## build the GPU serving image IMAGE:VERSION-gpu (CUDA 13, onnxruntime-gpu, TensorRT)
+	$(docker_check)
 	docker build -f Dockerfile.gpu -t $(IMAGE):$(VERSION)-gpu .
 
-docker-smoke: $(STAMP) ## replay the CPU image's install in a fresh venv, serve a model, check it
-	$(PY) deploy/smoke.py
+# RUN only when given (command line or environment): by default a handmade model whose logits
+# are known, so the predictions are checked exactly; a real run's are checked for agreement.
+docker-smoke: $(STAMP) ## replay the CPU image's install, serve a handmade model (or RUN when given)
+	$(PY) deploy/smoke.py$(if $(filter-out file,$(origin RUN)), --run $(RUN))
 
 bench-train: $(STAMP) ## measure training steps/s for the data-loading choices
 	$(BIN)/lightship bench train --config $(CONFIG) $(ARGS)
 
 bench-serve: $(STAMP) ## wrk against a real server (digits + ResNet-18) beside no-model and in-process ceilings
+	$(call args_note,bench-serve,BENCH_SERVE_ARGS)
 	@command -v wrk >/dev/null || { echo "bench-serve needs wrk: sudo apt-get install -y wrk (Debian/Ubuntu) or brew install wrk"; exit 1; }
-	$(BIN)/lightship bench serve $(ARGS)
+	$(BIN)/lightship bench serve $(BENCH_SERVE_ARGS)
 
 clean: ## remove runs/ and caches (keeps .venv; `rm -rf .venv` for a full reset)
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

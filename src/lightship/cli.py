@@ -331,7 +331,18 @@ def bench_train(
 from lightship.serve.command import bench_serve, serve  # noqa: E402  (commands first, then main)
 
 app.command()(serve)
-bench_app.command("serve")(bench_serve)
+# What the options do not say: the second file, the time the defaults take (per model: 2
+# endpoints x 2 protocols x 3 connection counts, each --duration long, every round) and the
+# runs it makes for itself.
+bench_app.command(
+    "serve",
+    epilog="Writes OUT and a Markdown table beside it (OUT with .md). The defaults measure for "
+    "about 5 minutes: 4 s x 3 rounds x 12 cells (server and no-model ceiling, JSON and binary, "
+    "3 connection counts) for each of the two models. On first use it also makes its own runs, "
+    "runs/bench/digits (configs/digits.yaml) and runs/bench/resnet (configs/resnet.yaml, 1 "
+    "epoch): training, ONNX export, static int8 and the report, a few minutes more on 2 cores. "
+    "Needs wrk.",
+)(bench_serve)
 
 
 def _q(path: Path) -> str:

@@ -9,11 +9,15 @@ route table. tests/slow/test_deploy_smoke.py replays the CPU image's install and
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -51,6 +55,7 @@ def load_script(name: str) -> ModuleType:
 
 smoke = load_script("smoke")
 lock = load_script("lock")
+healthcheck = load_script("healthcheck")
 
 
 def hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
@@ -91,9 +96,68 @@ def test_image_runs_lightship_serve_as_the_server_expects(dockerfile: Path) -> N
     uid, _, gid = config["user"].partition(":")
     assert uid.isdigit() and int(uid) > 0 and gid == uid
     assert env["PATH"].startswith(env["VIRTUAL_ENV"] + "/bin:")
-    health = config["health"]
-    assert health[:2] == ["python", "-c"] and "/v2/health/ready" in health[2]
-    assert "LIGHTSHIP_PORT" in health[2]  # follows a changed port
+    # deploy/healthcheck.py, installed into the image's virtualenv by the builder stage
+    assert config["health"] == ["lightship-healthcheck"]
+    builder = smoke.stage_chain(smoke.parse_dockerfile(dockerfile.read_text())[1], "builder")
+    lines = [i for s in builder for i in s.instructions]
+    assert any(i.keyword == "COPY" and i.args.startswith("deploy/healthcheck.py ") for i in lines)
+    install = 'install -m 0755 deploy/healthcheck.py "$VIRTUAL_ENV/bin/lightship-healthcheck"'
+    assert any(i.keyword == "RUN" and install in i.args for i in lines)
+
+
+@pytest.fixture
+def ready_server() -> Iterator[int]:
+    """A port whose /v2/health/ready answers 200, as a ready lightship server's does."""
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/v2/health/ready" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env_port"),
+    [
+        (["lightship", "serve", "--port", "{port}"], "1"),  # `docker run IMAGE --port N`
+        (["lightship", "serve", "--port={port}"], "1"),
+        (["/sbin/docker-init", "--", "lightship", "serve", "--port", "{port}"], None),  # --init
+        (["lightship", "serve"], "{port}"),  # `docker run -e LIGHTSHIP_PORT=N IMAGE`
+    ],
+)
+def test_healthcheck_asks_the_port_the_server_listens_on(
+    argv: list[str],
+    env_port: str | None,
+    ready_server: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_bytes("\0".join(a.format(port=ready_server) for a in argv).encode() + b"\0")
+    monkeypatch.setattr(healthcheck, "CMDLINE", cmdline)
+    monkeypatch.delenv("LIGHTSHIP_PORT", raising=False)
+    if env_port:
+        monkeypatch.setenv("LIGHTSHIP_PORT", env_port.format(port=ready_server))
+    assert healthcheck.main() == 0
+    monkeypatch.setattr(healthcheck, "CMDLINE", tmp_path / "missing")
+    assert healthcheck.main() == int(env_port != "{port}")  # without the command line
+
+
+def test_healthcheck_port_defaults_as_the_server_does() -> None:
+    assert healthcheck.server_port([], {}) == healthcheck.DEFAULT_PORT == str(ServeSettings().port)
+    argv = ["lightship", "serve", "--port", "1", "--port=2"]
+    assert healthcheck.server_port(argv, {"LIGHTSHIP_PORT": "3"}) == "2"
+    assert healthcheck.server_port(["lightship", "serve", "--port"], {}) == "8000"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -158,11 +222,58 @@ def test_model_target_bakes_only_serving_files_into_the_image(tmp_path: Path) ->
     baked = sorted(str(p.relative_to(tmp_path / "image")) for p in tmp_path.rglob("model/**/*.*"))
     assert baked == [
         "model/export/model.onnx",
-        "model/export/model.ts",
         "model/manifest.json",
         "model/quantize/model.int8-static.onnx",
         "model/report/report.json",
     ]
+    # a run one folder deeper, as `lightship bench serve` makes them (runs/bench/digits)
+    config = smoke.new_config()
+    replay = smoke.Replay(ROOT / "Dockerfile", context, tmp_path / "image2")
+    smoke.walk_stage(model, {"RUN": "runs/bench/digits"}, config, replay, run_lines=False)
+    nested = sorted(
+        str(p.relative_to(tmp_path / "image2")) for p in tmp_path.rglob("image2/**/*.*")
+    )
+    assert nested == ["model/export/model.onnx", "model/manifest.json"]
+
+
+def make(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "RUN")}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(
+        [shutil.which("make") or "make", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("target", ["docker", "docker-gpu"])
+def test_make_docker_without_a_daemon_says_what_to_do(target: str, tmp_path: Path) -> None:
+    """No docker at all, or a docker whose daemon is not there: one message, docker-smoke named."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "sh", "sed"):  # what the Makefile runs, and no docker
+        (tools / tool).symlink_to(shutil.which(tool) or f"/bin/{tool}")
+    for path in (str(tools), f"{tmp_path / 'fake'}:{tools}"):
+        (tmp_path / "fake").mkdir(exist_ok=True)
+        fake = tmp_path / "fake" / "docker"
+        fake.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        proc = make(target, path=path)
+        assert proc.returncode != 0
+        out = proc.stdout + proc.stderr
+        assert f"make {target} needs Docker" in out and "make docker-smoke" in out, out
+        assert "docker build" not in proc.stdout, out  # nothing run after the check
+
+
+def test_make_docker_smoke_serves_run_when_one_is_given() -> None:
+    default = make("-n", "docker-smoke").stdout.splitlines()[-1]
+    assert default.endswith("deploy/smoke.py"), default  # the handmade model, checked exactly
+    given = make("-n", "docker-smoke", "RUN=runs/bench/digits").stdout.splitlines()[-1]
+    assert given.endswith("deploy/smoke.py --run runs/bench/digits"), given
 
 
 # -- .dockerignore --------------------------------------------------------------------------
@@ -179,6 +290,7 @@ def fake_context(root: Path) -> Path:
         "src/lightship.egg-info/PKG-INFO",
         "deploy/requirements-serve.txt",
         "deploy/requirements-gpu.txt",
+        "deploy/healthcheck.py",
         "deploy/smoke.py",
         "deploy/kserve/runtime.yaml",
         "tests/test_x.py",
@@ -199,6 +311,10 @@ def fake_context(root: Path) -> Path:
         "runs/x/quantize/qat.ckpt",
         "runs/x/report/report.json",
         "runs/x/report/pareto.png",
+        "runs/bench/digits/best.ckpt",
+        "runs/bench/digits/manifest.json",
+        "runs/bench/digits/export/model.onnx",
+        "runs/bench/digits/export/model.ts",
     ]
     for rel in files:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -212,11 +328,13 @@ def test_dockerignore_keeps_venv_tests_checkpoints_and_caches_out(tmp_path: Path
     patterns = smoke.read_dockerignore(root / ".dockerignore")
     assert sorted(smoke.context_files(root, patterns)) == [
         "README.md",
+        "deploy/healthcheck.py",
         "deploy/requirements-gpu.txt",
         "deploy/requirements-serve.txt",
         "pyproject.toml",
+        "runs/bench/digits/export/model.onnx",
+        "runs/bench/digits/manifest.json",
         "runs/x/export/model.onnx",
-        "runs/x/export/model.ts",
         "runs/x/manifest.json",
         "runs/x/quantize/model.int8-static.onnx",
         "runs/x/report/report.json",
@@ -234,9 +352,11 @@ def test_real_build_context_holds_the_package_and_nothing_heavy() -> None:
         "src/lightship/serve/app.py",
         "deploy/requirements-serve.txt",
         "deploy/requirements-gpu.txt",
+        "deploy/healthcheck.py",
     } <= set(files)
     heavy = (".venv/", ".git/", "tests/", "checkpoints/", "logs/", "__pycache__")
-    assert not [f for f in files if any(h in f for h in heavy) or f.endswith((".ckpt", ".pt2"))]
+    torch_only = (".ckpt", ".ts", ".pt2")  # the CPU image has no torch to load them
+    assert not [f for f in files if any(h in f for h in heavy) or f.endswith(torch_only)]
 
 
 @pytest.mark.parametrize(
@@ -409,6 +529,19 @@ def test_ports_probes_and_settings_match_the_server(routes: set[tuple[str, str]]
         assert f"{security['runAsUser']}:{security['runAsUser']}" == image["user"], where
 
 
+def test_deployments_name_their_model_as_the_run_outside_the_image() -> None:
+    """The image serves /model, so unnamed the model is `model`: /v2/models/default/infer, as
+    outside the container, would be a 404. (KServe's runtimes pass --model-name themselves.)"""
+    image = smoke.image_config(ROOT / "Dockerfile")["env"]
+    assert Path(image["LIGHTSHIP_RUN"]).name == "model"
+    for d in of_kind("Deployment"):
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        tag = c["image"].rpartition(":")[2].removesuffix("-gpu")
+        assert env.get("LIGHTSHIP_MODEL_NAME") == tag == "default", d["metadata"]["name"]
+        ServeSettings(model_name=env["LIGHTSHIP_MODEL_NAME"])
+
+
 def test_metrics_annotations_point_at_the_metrics_route(routes: set[tuple[str, str]]) -> None:
     assert ("GET", "/metrics") in routes
     port = str(ServeSettings().port)
@@ -440,7 +573,7 @@ def test_services_and_autoscalers_reach_their_deployments() -> None:
             for p in c["ports"]
         }
         assert port["targetPort"] in names
-    exported = Metrics().exposition().decode()
+    exported = Metrics(ServeSettings().max_batch_rows).exposition().decode()
     for hpa in of_kind("HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
         assert ref["kind"] == "Deployment" and ref["name"] in deployments

@@ -168,14 +168,20 @@ def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) ->
         out = make_n(target, f"RUN={fresh}")
         assert f"lightship train --run {fresh}" in out, out
         assert f"lightship export --run {fresh}" in out, out
-    # exported after best.ckpt: nothing to rebuild; an older model.onnx is exported again
+    # an exported run is never exported again by file times: `cp -r` gives best.ckpt a newer
+    # one, and a re-export would delete the run's int8 models and report. A new best.ckpt from
+    # training deletes model.onnx itself, and a missing model.onnx is exported.
     run = tmp_path / "exported"
     shutil.copytree(exported_run, run)
     onnx, best = run / "export" / "model.onnx", run / "best.ckpt"
-    os.utime(best, ns=(onnx.stat().st_mtime_ns - 10**9,) * 2)
-    assert "lightship export" not in make_n("quantize", f"RUN={run}")
-    os.utime(best, ns=(onnx.stat().st_mtime_ns + 10**9,) * 2)
-    assert f"lightship export --run {run}" in make_n("quantize", f"RUN={run}")
+    for offset in (-(10**9), 10**9):
+        os.utime(best, ns=(onnx.stat().st_mtime_ns + offset,) * 2)
+        for target in ("quantize", "report", "serve"):
+            assert "lightship export" not in make_n(target, f"RUN={run}"), (target, offset)
+    onnx.unlink()
+    for target in ("quantize", "report", "serve"):
+        out = make_n(target, f"RUN={run}")
+        assert f"lightship export --run {run}" in out and "lightship train" not in out, target
 
 
 def test_bad_inputs_exit_with_one_line(tmp_path: Path) -> None:

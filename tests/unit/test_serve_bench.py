@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import click
 import numpy as np
 import pytest
+import typer
 
+from lightship.cli import app
 from lightship.errors import LightshipError
 from lightship.serve import bench, v2
+from tests.conftest import ROOT
 from tests.handmade import handmade_onnx
 
 
@@ -290,3 +298,44 @@ def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendatio
     (run / "report" / "report.json").unlink()
     bench.ensure_run(run, "configs/resnet.yaml")  # quantized already: only the report
     assert [c[0] for c in calls] == ["report"]
+
+
+def bench_serve_command() -> Any:
+    group = typer.main.get_command(app)
+    return group.commands["bench"].commands["serve"]  # type: ignore[attr-defined]
+
+
+def test_bench_serve_help_says_what_it_writes_how_long_and_where_it_trains() -> None:
+    command = bench_serve_command()
+    text = " ".join(command.get_help(click.Context(command, info_name="serve")).split())
+    defaults = {p.name: p.default for p in command.params}
+    assert "a Markdown table beside it (OUT with .md)" in text, text
+    # the time it states follows from the defaults: every cell of every model, every round
+    cells = 2 * 2 * len(defaults["concurrency"].split(","))  # endpoints x protocols x conns
+    per_model = defaults["duration"] * defaults["rounds"] * cells
+    assert f"{defaults['duration']:g} s x {defaults['rounds']} rounds x {cells} cells" in text
+    minutes = round(len(defaults["models"].split(",")) * per_model / 60)
+    assert f"about {minutes} minutes" in text, text
+    for run in (defaults["digits_run"], defaults["resnet_run"]):
+        assert str(run) in text, run
+
+
+def test_make_bench_serve_passes_bench_serve_args_and_only_its_options() -> None:
+    env = {**os.environ, "MAKEFLAGS": ""}
+    proc = subprocess.run(
+        ["make", "-n", "bench-serve", "ARGS=--set trainer.max_epochs=3",
+         "BENCH_SERVE_ARGS=--rounds 1"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    (line,) = [x for x in proc.stdout.splitlines() if "lightship bench serve" in x]
+    assert line.endswith("lightship bench serve --rounds 1"), line
+    assert "bench-serve takes BENCH_SERVE_ARGS" in proc.stderr, proc.stderr
+    # what `make help` shows for it is made of bench serve's own options
+    help_text = subprocess.run(
+        ["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True, env=env
+    ).stdout
+    (shown,) = re.findall(r"BENCH_SERVE_ARGS='([^']*)'", help_text)
+    options = {opt for param in bench_serve_command().params for opt in param.opts}
+    assert {w for w in shown.split() if w.startswith("--")} <= options, shown
+    (args_line,) = [x for x in help_text.splitlines() if x.startswith("  ARGS=")]
+    assert "bench-serve" not in args_line, args_line
