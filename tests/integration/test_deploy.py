@@ -237,7 +237,8 @@ def test_model_target_bakes_only_serving_files_into_the_image(tmp_path: Path) ->
 
 
 def make(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "RUN")}
+    # as if typed in a shell: not a sub-make of `make test` (MAKELEVEL adds "Entering directory")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "RUN")}
     if path is not None:
         env["PATH"] = path
     return subprocess.run(
