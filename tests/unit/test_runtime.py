@@ -13,7 +13,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from lightship.errors import RunError
-from lightship.runtime import InputError, load_predictor, softmax
+from lightship.runtime import InputError, base, load_predictor, softmax
+from lightship.runtime.base import cgroup_cpu_limit, physical_cores
 from lightship.runtime.ort import SPIN_IN_RUN, OrtPredictor, providers_for
 from tests.handmade import expected_logits, handmade_onnx
 
@@ -406,3 +407,74 @@ def test_cuda_n_stays_on_gpu_n_when_tensorrt_cannot_load(
     assert "TensorRT could not be used" in caplog.text
     x = np.array([[[[1, 2], [3, 4]]]], np.uint8)
     np.testing.assert_array_equal(p.predict(x), expected_logits(x))
+
+
+# -- threads under a CPU quota -------------------------------------------------------------------
+
+
+def _cgroup(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    root = tmp_path / "sys-fs-cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "cgroup").write_text(membership)
+    return root, tmp_path / "cgroup"
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "expected"),
+    [
+        # cgroup v2 in a container (its own cgroup is the root): docker run --cpus 1.5
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        # v2 on a host: the smallest quota along the path (the pod's 2 CPUs, its container's 3)
+        (
+            "0::/kubepods/pod1/ctr\n",
+            {
+                "cpu.max": "max 100000\n",
+                "kubepods/pod1/cpu.max": "200000 100000\n",
+                "kubepods/pod1/ctr/cpu.max": "300000 100000\n",
+            },
+            2.0,
+        ),
+        # v2 in a container whose membership names the host's path, absent here
+        ("0::/system.slice/docker-1.scope\n", {"cpu.max": "50000 100000\n"}, 0.5),
+        # cgroup v1 (hybrid, as on this machine): quota -1 is none
+        (
+            "4:memory:/x\n1:cpu,cpuacct:/\n0::/\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            None,
+        ),
+        (
+            "1:cpu,cpuacct:/docker/abc\n",
+            {"cpu/cpu.cfs_quota_us": "250000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+            2.5,
+        ),
+        ("0::/\n", {}, None),  # no cpu controller files: no limit known
+    ],
+)
+def test_cgroup_cpu_limit_reads_the_quota_of_v1_and_v2(
+    tmp_path: Path, membership: str, files: dict[str, str], expected: float | None
+) -> None:
+    root, member = _cgroup(tmp_path, membership, files)
+    assert cgroup_cpu_limit(root, member) == expected
+
+
+def test_threads_default_to_the_cpu_quota_not_the_hosts_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ONNX Runtime sizes its pool to the host's cores; lightship's default is the quota,
+    # rounded up (1.5 CPUs: 2 threads), and never more than the cores
+    def cores_under(limit: float | None) -> int:
+        monkeypatch.setattr(base, "cgroup_cpu_limit", lambda: limit)
+        physical_cores.cache_clear()  # read once per process
+        return physical_cores()
+
+    try:
+        cores = cores_under(None)
+        assert cores_under(0.5) == 1
+        assert cores_under(1.5) == min(2, cores)
+        assert cores_under(64.0) == cores
+    finally:
+        physical_cores.cache_clear()

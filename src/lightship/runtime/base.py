@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from abc import ABC, abstractmethod
 from functools import cache
@@ -76,7 +77,8 @@ class InputError(ValueError):
 
 @cache
 def physical_cores() -> int:
-    """Cores this process may use, counting SMT siblings once (the right ORT/torch thread count)."""
+    """Cores this process may use, counting SMT siblings once (the right ORT/torch thread
+    count), and no more than its cgroup's CPU quota (`cgroup_cpu_limit`) allows."""
     allowed = (
         os.sched_getaffinity(0)
         if hasattr(os, "sched_getaffinity")
@@ -89,9 +91,70 @@ def physical_cores() -> int:
             siblings.add(
                 ((topo / "physical_package_id").read_text(), (topo / "core_id").read_text())
             )
+        cores = len(siblings)
     except OSError:
-        return max(len(allowed), 1)
-    return max(len(siblings), 1)
+        cores = len(allowed)
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, math.ceil(limit))
+    return max(cores, 1)
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(
+    root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """The CPUs this process's cgroup may use (its CFS quota over its period: 1.5 for
+    `docker run --cpus 1.5` or a Kubernetes limit of 1500m), the smallest along its cgroup's
+    path; None when there is none. A quota is no cpuset: the kernel lets the process run on
+    every core and throttles it, so threads sized to the host's cores (ONNX Runtime's default)
+    spend the quota in a fraction of each period and then wait. cgroup v2 (`cpu.max`) or v1
+    (`cpu.cfs_quota_us` / `cpu.cfs_period_us`); inside a container its own cgroup is the root."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        fields = line.split(":", 2)  # hierarchy-ID:controllers:path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        files: tuple[str, ...]
+        base: Path | None
+        if controllers == "":  # cgroup v2 (unified): "0::/path"
+            base, files = root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
+            base = next((root / n for n in ("cpu", "cpu,cpuacct") if (root / n).is_dir()), None)
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        if base is None:
+            continue
+        folder = base / path.lstrip("/")
+        # a container sees its own cgroup at the root, under a path that names the host's
+        folders = [folder, *folder.parents] if folder.is_dir() else [base]
+        for d in folders:
+            limits.append(_quota(d, files))
+            if d == base:
+                break
+    quotas = [limit for limit in limits if limit is not None]
+    return min(quotas) if quotas else None
+
+
+def _quota(folder: Path, files: tuple[str, ...]) -> float | None:
+    try:
+        if len(files) == 1:  # "max 100000" or "150000 100000"
+            quota, period = (folder / files[0]).read_text().split()[:2]
+        else:  # "-1" for none
+            quota, period = ((folder / f).read_text().strip() for f in files)
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period) if int(period) > 0 and int(quota) > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
