@@ -218,10 +218,11 @@ def test_auto_takes_the_report_recommendation_else_fp32(
 ) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}, "onnx-int8-static": {"target": "avx2"}})
     chosen = choose(ServeSettings(run=run))
-    assert (chosen.variant, chosen.name, chosen.path) == (
+    assert (chosen.variant, chosen.name, chosen.path, chosen.chosen_by) == (
         "onnx-fp32",
         "my-run",
         run / "export/onnx-fp32.onnx",
+        "the default without a report",
     )
     # the int8 model is left unserved out loud, with how to have it chosen
     assert f"no report to choose between them: serving onnx-fp32; `make report RUN={run}`" in (
@@ -234,7 +235,17 @@ def test_auto_takes_the_report_recommendation_else_fp32(
     chosen = choose(ServeSettings(run=run, model_name="digits"))
     assert (chosen.variant, chosen.name) == ("onnx-int8-static", "digits")
     assert chosen.entry is not None and chosen.entry["target"] == "avx2"
-    assert choose(ServeSettings(run=run, variant="onnx-fp32")).variant == "onnx-fp32"
+    assert chosen.chosen_by == "the report's recommendation"
+    named = choose(ServeSettings(run=run, variant="onnx-fp32"))
+    assert (named.variant, named.chosen_by) == ("onnx-fp32", "")
+    # on a GPU, fp32: the report timed the CPU, its int8 pick is tuned for the CPU's ISA
+    gpu = choose(ServeSettings(run=run, device="cuda:1"))
+    assert (gpu.variant, gpu.chosen_by) == (
+        "onnx-fp32",
+        "the default on a GPU: the report measured the CPU",
+    )
+    int8 = choose(ServeSettings(run=run, device="cuda", variant="onnx-int8-static"))
+    assert int8.variant == "onnx-int8-static"  # named, it is served
 
 
 def measured(run: Path, **bytes_of: int) -> list[dict[str, Any]]:

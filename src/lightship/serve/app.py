@@ -42,7 +42,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lightship import __version__
 from lightship.errors import ConfigError
 from lightship.quantize.isa import host_cpu
-from lightship.runs import RunDir
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
 from lightship.serve import openapi, v1, v2
@@ -1147,7 +1146,7 @@ def serve(settings: ServeSettings) -> None:
         "serving '%s' (%s%s: %s; %s) at %s  (docs at /docs)",
         served.name,
         served.variant,
-        _chosen_by(settings, served),
+        f", {served.chosen_by}" if served.chosen_by else "",
         served.path,
         _count(settings.instances, "instance") + " x " + _count(settings.model_threads(), "thread"),
         _url(settings.host, sock.getsockname()[1]),
@@ -1162,16 +1161,6 @@ def _count(n: int, noun: str) -> str:
 def _url(host: str, port: int) -> str:
     """The server's URL: an IPv6 address in brackets (RFC 3986), http://[::]:8000."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _chosen_by(settings: ServeSettings, served: ServedModel) -> str:
-    """Why `--variant auto` served this variant: `recommended_variant` takes the report's
-    recommendation, or onnx-fp32 when there is no report."""
-    if settings.variant != "auto" or served.variant == "file":
-        return ""
-    if (RunDir(settings.run).report_dir / "report.json").is_file():
-        return ", the report's recommendation"
-    return ", the default without a report"
 
 
 def _oversubscribed(settings: ServeSettings, cores: int) -> str | None:

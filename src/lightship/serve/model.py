@@ -47,6 +47,7 @@ class ServedModel:
     variant: str  # manifest key; "file" for a lone file without a manifest entry
     path: Path
     entry: dict[str, Any] | None
+    chosen_by: str = ""  # why `--variant auto` chose `variant`, for the log; "" when named
 
     def load(
         self, device: str = "cpu", threads: int | None = None, split: bool = True
@@ -191,10 +192,18 @@ def choose(settings: ServeSettings) -> ServedModel:
             f"train one there: {run.train_command()}"
         )
     artifacts = run.manifest()["artifacts"]
-    if settings.variant == "auto":
-        variant = recommended_variant(run, artifacts)
-    else:
+    chosen_by = ""
+    if settings.variant != "auto":
         variant = settings.variant
+    elif settings.device != "cpu":
+        # The report times variants on this CPU: its int8 pick is tuned for the CPU's ISA, and
+        # on a GPU the CUDA provider leaves int8 (QDQ) nodes it lacks to the CPU. fp32 is what
+        # TensorRT builds its (fp16) engines from.
+        variant, chosen_by = DEFAULT_VARIANT, "the default on a GPU: the report measured the CPU"
+    elif (run.report_dir / "report.json").is_file():
+        variant, chosen_by = recommended_variant(run, artifacts), "the report's recommendation"
+    else:
+        variant, chosen_by = recommended_variant(run, artifacts), "the default without a report"
     if variant not in VARIANTS:
         eager = variant == "eager"
         served_as = ": the report's eager row, best.ckpt, is --variant checkpoint" if eager else ""
@@ -212,7 +221,7 @@ def choose(settings: ServeSettings) -> ServedModel:
     if not path.is_file():
         raise RunError(f"{path} is in the manifest but missing: re-run {_maker(run, variant)}")
     name = settings.model_name or _safe_name(run.name)
-    return ServedModel(name, variant, path, dict(entry))
+    return ServedModel(name, variant, path, dict(entry), chosen_by)
 
 
 def _missing(target: Path) -> str:
