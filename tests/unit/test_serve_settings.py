@@ -123,6 +123,13 @@ def test_an_empty_variable_is_unset_as_templates_leave_it(monkeypatch: pytest.Mo
     assert _settings(threads=3).threads == 3
 
 
+def test_names_of_levels_devices_and_checks_take_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTSHIP_LOG_LEVEL", "ERROR")  # as logging's own constants are written
+    monkeypatch.setenv("LIGHTSHIP_ISA_CHECK", "Warn")
+    settings = _settings(device="CUDA:1")
+    assert (settings.log_level, settings.isa_check, settings.device) == ("error", "warn", "cuda:1")
+
+
 def test_help_lists_every_variable_serve_reads(capsys: pytest.CaptureFixture[str]) -> None:
     from lightship import cli
     from lightship.serve.settings import OTHER_VARIABLES

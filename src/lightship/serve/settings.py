@@ -114,6 +114,12 @@ class ServeSettings(BaseSettings):
             )
         return value
 
+    @field_validator("log_level", "device", "isa_check", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        """`LIGHTSHIP_LOG_LEVEL=ERROR`, `--device CUDA`: names as logging and torch take them."""
+        return value.strip().lower() if isinstance(value, str) else value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
