@@ -18,6 +18,7 @@ import typer
 
 from lightship.errors import LightshipError, QuantizeError
 from lightship.runs import (
+    interrupt_exit_code,
     interrupt_message,
     lock_run,
     next_command,
@@ -120,6 +121,9 @@ def train(
     from lightship.runs import RunDir
 
     with lock_run(run, "lightship train", create=True):
+        recovered = RunDir(run).recover_set_aside()  # before the run's config.yaml is read
+        if recovered:
+            print(f"{run}: {recovered}", flush=True)
         empty_fix = None
         if resume and config is None and RunDir(run).config.is_file():
             config = RunDir(run).config
@@ -374,8 +378,9 @@ def _invoke(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("aborted", file=sys.stderr)
         return 1
-    if code == 130:  # Ctrl-C inside a command: typer turns it into this exit code
+    if code == 130:  # Ctrl-C or SIGTERM inside a command: typer turns it into this code
         print(interrupt_message(), file=sys.stderr)
+        return interrupt_exit_code()
     return code if isinstance(code, int) else 0
 
 
@@ -412,7 +417,7 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         print(interrupt_message(), file=sys.stderr)
-        sys.exit(130)
+        sys.exit(interrupt_exit_code())
 
 
 if __name__ == "__main__":

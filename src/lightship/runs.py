@@ -54,22 +54,33 @@ def _file_mode() -> int:
 # the serving image's own user reading a run mounted into it.
 FILE_MODE = _file_mode()
 _interrupted = threading.Event()
+_stopped_by: list[int] = []  # the signal that interrupted this process
 
 
-def _on_sigint(signum: int, frame: object) -> None:
+def _on_stop_signal(signum: int, frame: object) -> None:
     _interrupted.set()
+    _stopped_by[:] = [signum]
     raise KeyboardInterrupt
 
 
 def watch_interrupts() -> None:
     """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: a library that swallows the
     exception (a lazy import half done, a fallback that catches everything) can no longer turn
-    it into a different artifact; `atomic_path` refuses to rename anything after it."""
-    signal.signal(signal.SIGINT, _on_sigint)
+    it into a different artifact; `atomic_path` refuses to rename anything after it. SIGTERM
+    (`kill`, `docker stop`, a CI timeout) does the same: by default it ends the process on the
+    spot, leaving temporary files, and a training's set-aside checkpoints, behind."""
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    signal.signal(signal.SIGTERM, _on_stop_signal)
 
 
 def interrupted() -> bool:
     return _interrupted.is_set()
+
+
+def interrupt_exit_code() -> int:
+    """128 + the signal that stopped this process, as a shell reports one: 130 for Ctrl-C,
+    143 for SIGTERM."""
+    return 128 + (_stopped_by[0] if _stopped_by else signal.SIGINT)
 
 
 _interrupt_note: list[str] = []
@@ -127,6 +138,21 @@ def atomic_path(final: Path) -> Iterator[Path]:
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# `atomic_path`'s temporary names; only a process killed outright (kill -9, out of memory)
+# leaves one behind.
+_TEMPORARY = ".*.tmp*"
+
+
+def sweep_temporaries(root: Path) -> list[Path]:
+    """Delete the temporary files a killed stage left in the run `root` and its folders, and
+    return them. Only with the run's lock held: then no live process is writing them."""
+    left = [p for d in (root, *root.iterdir()) if d.is_dir() for p in d.glob(_TEMPORARY)]
+    for path in left:
+        if path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+    return left
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -246,6 +272,7 @@ def _inside_run(name: object) -> bool:
 
 
 LOCK_FILE = ".lock"
+SET_ASIDE_PREFIX = ".previous."
 # The run directories this process holds locked: a stage that runs another in-process takes
 # the lock again without waiting on itself.
 _locked: set[Path] = set()
@@ -324,6 +351,8 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         with contextlib.suppress(OSError):  # best effort: only the busy message reads it
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": command}).encode(), 0)
+        with contextlib.suppress(OSError):  # best effort: a leftover only takes room
+            sweep_temporaries(root)
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -381,13 +410,13 @@ class RunDir:
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
 
-    def train_command(self) -> str:
+    def train_command(self, afresh: bool = False) -> str:
         """The command that gives this run its best.ckpt again, quoted for a message. A run that
         trained before resumes: that puts back the best checkpoint it wrote (keeping what was
-        made from it) and finishes the epochs left. Else the run's own config, when it has one:
-        make's default config may be another model."""
+        made from it) and finishes the epochs left. Else, or `afresh` (its last.ckpt is what is
+        broken), the run's own config, when it has one: make's default may be another model."""
         run = shlex.quote(str(self.root))
-        if self.last_ckpt.is_file():
+        if self.last_ckpt.is_file() and not afresh:
             command = stage_command(
                 f"make train RESUME=1 RUN={run}", f"lightship train --run {run} --resume"
             )
@@ -562,6 +591,43 @@ class RunDir:
                             folder.rmdir()  # refused unless empty
                         except OSError:
                             break
+
+    def set_aside(self) -> Path:
+        """A new hidden folder for the checkpoints and config.yaml a new training replaces,
+        kept until it has a checkpoint of its own (see `put_back`)."""
+        return Path(tempfile.mkdtemp(prefix=SET_ASIDE_PREFIX, dir=self.root))
+
+    def put_back(self, folder: Path) -> None:
+        """The checkpoints and config.yaml set aside in `folder` replace the ones a training
+        wrote since, and the folder goes: the run is as it was before that training."""
+        for new in self.checkpoints.glob("*.ckpt"):
+            new.unlink()
+        for old in folder.iterdir():
+            os.replace(old, self.config if old.suffix == ".yaml" else self.checkpoints / old.name)
+        folder.rmdir()
+
+    def recover_set_aside(self) -> str | None:
+        """What a training killed outright (kill -9, out of memory) set aside: put back when it
+        wrote no checkpoint of its own (no last.ckpt), else outdated by its checkpoints and
+        deleted. Call with the run's lock held. Returns what was done, for a line to print."""
+        done = None
+        for folder in sorted(self.root.glob(f"{SET_ASIDE_PREFIX}*")):
+            if not folder.is_dir() or folder.is_symlink():
+                continue
+            # last.ckpt is set aside first: a folder without it was still being filled, and
+            # its training wrote nothing yet (the last.ckpt beside it is the old one)
+            if self.last_ckpt.is_file() and (
+                (folder / "last.ckpt").is_file() or not any(folder.glob("*.ckpt"))
+            ):
+                shutil.rmtree(folder, ignore_errors=True)
+                done = done or "deleted the old checkpoints a stopped training had set aside"
+            else:
+                self.put_back(folder)
+                done = (
+                    "put back the checkpoints and config.yaml that a training stopped before "
+                    "its first checkpoint had set aside"
+                )
+        return done
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))

@@ -50,7 +50,9 @@ def _fix(path: Path, then: str) -> str:
     run = enclosing_run(path)
     if run is None:
         return "give a checkpoint `lightship train` wrote (RUN/best.ckpt)"
-    return then.format(RunDir(run).train_command())
+    rd = RunDir(run)
+    # a resume would read this very file again
+    return then.format(rd.train_command(afresh=path.resolve() == rd.last_ckpt.resolve()))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

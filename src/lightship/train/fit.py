@@ -8,7 +8,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -320,22 +319,18 @@ def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
     stash = None
     if not keep:
         run.checkpoints.mkdir(parents=True, exist_ok=True)
-        stash = Path(tempfile.mkdtemp(prefix=".previous.", dir=run.root))
+        stash = run.set_aside()
     try:
         if stash is not None:
-            for old in [*run.checkpoints.glob("*.ckpt"), run.config]:
+            # last.ckpt first: what `RunDir.recover_set_aside` tells a finished stash by
+            for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
                 if old.is_file():
                     os.replace(old, stash / old.name)
         try:
             yield
         except BaseException as exc:
             if stash is not None and not run.last_ckpt.is_file():
-                for new in run.checkpoints.glob("*.ckpt"):
-                    new.unlink()
-                for old in stash.iterdir():
-                    os.replace(
-                        old, run.config if old.suffix == ".yaml" else run.checkpoints / old.name
-                    )
+                run.put_back(stash)
                 what = f"{run.root} is as it was (no checkpoint was written yet)"
             else:
                 what = f"resume with {run.train_command()}"

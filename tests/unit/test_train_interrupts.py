@@ -1,0 +1,182 @@
+"""What a train or export stopped by a signal leaves: SIGTERM as Ctrl-C, and after kill -9 the
+next stage on the run cleans up (temporary files) or puts back (a training's set-aside files)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightship import cli, runs
+from lightship.runs import RunDir, lock_run, sha256_file
+from tests.conftest import CONFIGS, last_line, run_cli
+from tests.failing_models import SmallCNN
+
+TINY = str(CONFIGS / "tiny.yaml")
+MODEL = f"{__name__}:SignalledWhileFitting"
+
+
+class SignalledWhileFitting(SmallCNN):
+    """Its `steps`-th forward pass in training mode sends its own process `signal` (by name)."""
+
+    def __init__(
+        self, in_channels: int, num_classes: int, image_size: int, steps: int, signal: str
+    ) -> None:
+        super().__init__(in_channels, num_classes, image_size)
+        self.steps, self.signal, self.calls = steps, signal, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.steps:
+                os.kill(os.getpid(), getattr(signal, self.signal))
+        return super().forward(x)
+
+
+def signalled(steps: int, sig: str) -> list[str]:
+    return [
+        "--set",
+        f"model.name={MODEL}",
+        "--set",
+        f"model.kwargs={{steps: {steps}, signal: {sig}}}",
+    ]
+
+
+@pytest.fixture
+def signal_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`watch_interrupts` in this process, undone afterwards."""
+    monkeypatch.setattr(runs, "_interrupted", threading.Event())
+    monkeypatch.setattr(runs, "_stopped_by", [], raising=False)
+    monkeypatch.setattr(runs, "_interrupt_note", [])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    runs.watch_interrupts()
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:
+    import lightship.train
+
+    def terminated(*_: object, **__: object) -> None:
+        runs.note_interrupt("resume with it")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(lightship.train, "fit", terminated)
+    monkeypatch.setattr(sys, "argv", ["lightship", "train", "--run", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 143
+    assert capsys.readouterr().err == "interrupted: resume with it\n"
+
+
+def test_sigterm_during_export_leaves_no_temporary_file(
+    tiny_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:
+    from lightship.export import core
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+
+    def writer(model: object, x: object, path: Path, meta: object) -> dict[str, object]:
+        path.write_bytes(b"half an onnx file")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    monkeypatch.setattr(core, "_writers", lambda opset: {"onnx": writer})
+    assert cli._invoke(["export", "--run", str(run), "--formats", "onnx"]) == 143
+    assert list((run / "export").iterdir()) == []
+    assert "onnx-fp32" not in RunDir(run).manifest()["artifacts"]
+
+
+def test_a_stage_deletes_the_temporary_files_a_killed_one_left(tmp_path: Path) -> None:
+    left = [
+        tmp_path / "export" / ".model.k2x_9abc.tmp.onnx",
+        tmp_path / "checkpoints" / ".last.q1w2e3r4.tmp.ckpt",
+        tmp_path / ".manifest.a1b2c3d4.tmp.json",
+    ]
+    kept = [tmp_path / "export" / "model.onnx", tmp_path / "checkpoints" / "last.ckpt"]
+    for path in [*left, *kept]:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x")
+    with lock_run(tmp_path, "lightship export"):
+        assert [p for p in left if p.exists()] == []
+        assert all(p.exists() for p in kept)
+
+
+def test_sigterm_while_fitting_before_a_checkpoint_leaves_the_run_as_it_was(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGTERM"))
+    assert proc.returncode == 143, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"interrupted: {run} is as it was (no checkpoint was written yet)"
+    )
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert not list(run.glob(".previous.*"))
+
+
+def test_a_training_killed_before_its_first_checkpoint_is_undone_by_the_next_train(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    config = (run / "config.yaml").read_text()
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGKILL"))
+    assert proc.returncode == -signal.SIGKILL
+    assert list(run.glob(".previous.*"))  # what kill -9 leaves: nothing runs after it
+
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert proc.stdout.startswith(
+        f"{run}: put back the checkpoints and config.yaml that a training stopped before its "
+        "first checkpoint had set aside\n"
+    )
+    assert "nothing to train" in proc.stdout
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert (run / "config.yaml").read_text() == config
+    assert not list(run.glob(".previous.*"))
+
+
+def test_a_training_killed_after_its_first_checkpoint_resumes_and_drops_the_old_files(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    steps = 2 * 10 + 2  # tiny: 10 steps an epoch, so two epochs' checkpoints are written
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(steps, "SIGKILL"))
+    assert proc.returncode == -signal.SIGKILL
+    new_last = sha256_file(run / "checkpoints" / "last.ckpt")
+
+    # the resumed epochs take 20 forward passes, fewer than `steps`: no kill this time
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert proc.stdout.startswith(
+        f"{run}: deleted the old checkpoints a stopped training had set aside\n"
+    )
+    assert f"resuming {run} from {run / 'checkpoints' / 'last.ckpt'} (global step 20)" in (
+        proc.stdout
+    )
+    assert not list(run.glob(".previous.*"))
+    assert sha256_file(run / "checkpoints" / "last.ckpt") != new_last
+    best = torch.load(run / "best.ckpt", weights_only=True)
+    assert best["hyper_parameters"]["model_spec"]["name"] == MODEL
