@@ -583,3 +583,90 @@ def test_deep_convs_go_to_ort_gemm_only_where_it_measures_faster(
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta.get(SPIN_IN_RUN) == ("1" if e["kept"] else None)
     assert load_predictor(static).predict(np.zeros((1, 1, 16, 16), np.uint8)).shape == (1, 10)
+
+
+def test_an_int8_model_onnxruntime_cannot_load_fails_its_method_alone(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not `LoadError`'s advice for a user's file ("make it again") naming a temporary path
+    that is gone: the method that made the model failed, the others are still produced."""
+    from lightship.quantize.core import MethodFailed
+
+    def unloadable(pre: Path, out: Path, *args: object, **kwargs: object) -> None:
+        model = onnx.load(str(pre))  # a model onnx reads whose op onnxruntime does not know
+        model.graph.node[0].op_type = "NoSuchOp"
+        onnx.save(model, str(out))
+
+    monkeypatch.setattr("lightship.quantize.ptq.quantize_dynamic_onnx", unloadable)
+    run = tmp_path / "unloadable"
+    shutil.copytree(exported_run, run)
+    errors: dict[str, Exception] = {}
+    variants = quantize(RunDir(run), "dynamic,static", on_error=errors.__setitem__)
+    assert [v.method for v in variants] == ["static"]
+    err = errors["dynamic"]
+    assert isinstance(err, MethodFailed)
+    assert err.cause.startswith(
+        "onnxruntime cannot load the int8 model it has just made: [ONNXRuntimeError]"
+    )
+    assert "model.int8-dynamic.onnx" in err.cause and ".tmp" not in err.cause
+    assert str(tmp_path) not in err.cause
+    assert err.fix == (
+        "model.int8-dynamic.onnx was not written; leave dynamic out (--methods static,qat)"
+    )
+    assert "onnx-int8-dynamic" not in entries(run)
+    assert sorted(p.name for p in (run / "quantize").iterdir()) == ["model.int8-static.onnx"]
+    assert not list(run.glob(".quantize.*"))
+
+
+def test_an_interrupt_while_static_measures_leaves_the_manifest_true_to_the_files(
+    quantized: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the last measurement (the other scheme's error) left the new model in
+    place beside the old manifest entry: the report then refused it as "changed after
+    `lightship` wrote it"."""
+    from lightship.quantize.core import Quantizer
+    from lightship.runs import sha256_file
+
+    run = tmp_path / "interrupted"
+    shutil.copytree(quantized, run)
+    before = {p.name: p.read_bytes() for p in (run / "quantize").iterdir()}
+    measured = Quantizer._scheme_error
+
+    def ctrl_c_on_the_other_scheme(self: Quantizer, path: Path) -> dict[str, float]:
+        if path.name == "alt.onnx":
+            raise KeyboardInterrupt
+        return measured(self, path)
+
+    monkeypatch.setattr(Quantizer, "_scheme_error", ctrl_c_on_the_other_scheme)
+    with pytest.raises(KeyboardInterrupt):  # other scales than the fixture's: another file
+        quantize(RunDir(run), "static", settings=QuantizeSettings(calibration_method="entropy"))
+    entry = entries(run)["onnx-int8-static"]
+    assert sha256_file(run / entry["file"]) == entry["sha256"]
+    assert {p.name: p.read_bytes() for p in (run / "quantize").iterdir()} == before
+    assert not list(run.glob(".quantize.*"))
+
+
+def test_quantize_removes_the_scratch_a_killed_quantize_left(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """kill -9 runs no `finally`: its scratch folders (model copies, QAT checkpoints) stayed in
+    the run for good. The next quantize, holding the run's lock, removes them."""
+    run = tmp_path / "killed"
+    shutil.copytree(exported_run, run)
+    for folder, file in ((".quantize.k1ll3d", "pre.onnx"), (".qat.k1ll3d", "epoch=0.ckpt")):
+        (run / folder).mkdir()
+        (run / folder / file).write_bytes(b"left by kill -9")
+    quantize(RunDir(run), "dynamic")
+    assert not list(run.glob(".quantize.*")) and not list(run.glob(".qat.*"))
+    assert entries(run)["onnx-int8-dynamic"]["file"] == "quantize/model.int8-dynamic.onnx"
+
+
+def test_calibration_samples_mean_nothing_to_dynamic_int8(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """quantize() checks --calibration-samples only when static is asked for; the images were
+    taken for every method anyway, and `--methods dynamic --calibration-samples 0` failed."""
+    run = tmp_path / "no_calibration"
+    shutil.copytree(exported_run, run)
+    variants = quantize(RunDir(run), "dynamic", settings=QuantizeSettings(calibration_samples=0))
+    assert [v.method for v in variants] == ["dynamic"] and variants[0].path.is_file()

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,18 @@ from lightship.runs import (
     check_recorded,
     check_space,
     check_writable,
+    lock_run,
     sha256_file,
 )
 from lightship.runtime import Predictor, load_predictor
-from lightship.runtime.ort import DISABLED_OPTIMIZERS, SPIN_IN_RUN, OrtPredictor, create_session
+from lightship.runtime.base import LoadError
+from lightship.runtime.ort import (
+    DISABLED_OPTIMIZERS,
+    SPIN_IN_RUN,
+    TARGET,
+    OrtPredictor,
+    create_session,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +116,36 @@ class MethodFailed(QuantizeError):
         self.fix = fix
 
 
+class Unloadable(MethodFailed):
+    """onnxruntime cannot load an int8 model quantize has just made (`made_here`): the fault
+    is the method's, not a file for the user to make again, which `LoadError` would advise."""
+
+
+@contextlib.contextmanager
+def made_here(method: str, made: Path, scratch: Path | None = None) -> Iterator[None]:
+    """Loads of the int8 model `made` (the temporary file of `FILENAMES[method]`) or of a
+    candidate in the `scratch` folder inside this block fail as `Unloadable`, naming the model
+    rather than temporary paths gone by the time the user reads them."""
+    name = FILENAMES[method]
+    try:
+        yield
+    except LoadError as exc:
+        # onnxruntime's own line, read again where LoadError kept it (`raise ... from None`
+        # still sets the context): `exc.reason` is cut to 200 characters, which a long
+        # temporary path fills before the reason itself
+        source = exc.__context__ if exc.__context__ is not None else exc
+        reason = (str(source).splitlines() or [exc.reason])[0].replace(str(made), name)
+        if scratch is not None:
+            reason = reason.replace(f"{scratch}{os.sep}", "")
+        reason = reason[:200]
+        others = ",".join(m for m in METHODS if m != method)
+        raise Unloadable(
+            method,
+            f"{exc.runtime} cannot load the int8 model it has just made: {reason}",
+            f"{name} was not written; leave {method} out (--methods {others})",
+        ) from None
+
+
 @dataclass
 class Variant:
     method: str
@@ -133,7 +172,10 @@ def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
             so.log_severity_level = 3
             return so
 
-        create_session(path, options)
+        try:
+            create_session(path, options)
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
+            raise LoadError(path, "ONNX", "onnxruntime", exc, "quantize it again") from None
         import onnx
 
         ops = [n.op_type for n in onnx.load(optimized).graph.node]
@@ -200,6 +242,20 @@ def _cut_short_by_a_full_disk(run: RunDir, qat: bool) -> Iterator[None]:
         raise
 
 
+SCRATCH = (".quantize.*", ".qat.*")  # `Quantizer.work` and QAT's Lightning folder
+
+
+def _sweep_scratch(run: RunDir) -> None:
+    """Delete the scratch folders of a quantize that was killed outright (kill -9, out of
+    memory), which no `finally` removed: model copies and QAT checkpoints, megabytes each."""
+    if not run.root.is_dir():
+        return
+    for folder in sorted(p for pattern in SCRATCH for p in run.root.glob(pattern)):
+        if folder.is_dir() and not folder.is_symlink():
+            log.info("removing %s, left by a quantize that was killed", run.relative(folder))
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _settle(candidate: Path, current: Path, kept: bool) -> None:
     """A timed candidate replaces `current` when it is kept, and is deleted when not."""
     if kept:
@@ -264,7 +320,6 @@ class Quantizer:
         check_writable(run.manifest_path)
         self.cpu = isa.host_cpu()
         self.splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
-        self.calib = calibration_images(self.splits, settings.calibration_samples, settings.seed)
         spec = entry.get("input_spec")
         self.input_name = str(spec.get("name", "input") if isinstance(spec, dict) else "input")
         self.fp32_acc, self.fp32_logits = _accuracy(
@@ -281,6 +336,13 @@ class Quantizer:
             raise
         self.cache = self.work / f"calibration.{settings.calibration_method}.json"
         self.calibration: dict[str, Any] = {}
+
+    @cached_property
+    def calib(self) -> np.ndarray:
+        """The calibration images, taken when static int8 first needs them: dynamic and QAT
+        calibrate nothing, so `--calibration-samples` means nothing to them."""
+        s = self.settings
+        return calibration_images(self.splits, s.calibration_samples, s.seed)
 
     def close(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
@@ -329,7 +391,10 @@ class Quantizer:
         exclude: list[str] = []
         fallback_nodes: list[dict[str, Any]] = []
         final = self.run.quantize_dir / FILENAMES["static"]
-        with atomic_path(final) as tmp:
+        # Everything the entry records, the other scheme's error included, is measured before
+        # the file is renamed into place and recorded at once after: an interrupt in between
+        # would leave a model its manifest entry does not describe, which the report refuses.
+        with atomic_path(final) as tmp, made_here("static", tmp, self.work):
             for round_ in range(s.fallback_budget + 1):
                 self._static(tmp, self.scheme, exclude)
                 acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
@@ -363,23 +428,26 @@ class Quantizer:
             scales = ptq.scales_digest(tmp)
             share = int8_share(tmp)
             seconds = time.perf_counter() - t0
-        entry = {
-            **self._entry(final, "static", acc),
-            "per_channel": s.per_channel,
-            "flattens_channels_last": self.flattens_channels_last,
-            "calibration": {**self.calibration, "scales_sha256": scales},
-            "nodes_fp32_by_fallback": fallback_nodes,
-            "first_conv_fp32": speed,
-            "gemm_convs": gemm,
-            "int8_ops": share,
-            "scheme_check": {"chosen": {"target": self.target, **chosen}},
-            "quantize_seconds": round(seconds, 2),
-        }
-        alt = "vnni" if self.scheme.reduce_range else "avx2"
-        with tempfile.TemporaryDirectory(dir=self.work) as tmpdir:
-            alt_path = Path(tmpdir) / "alt.onnx"
-            self._static(alt_path, isa.SCHEMES[alt], exclude)
-            entry["scheme_check"]["alternative"] = {"target": alt, **self._scheme_error(alt_path)}
+            entry = {
+                **self._entry(tmp, final, "static", acc),
+                "per_channel": s.per_channel,
+                "flattens_channels_last": self.flattens_channels_last,
+                "calibration": {**self.calibration, "scales_sha256": scales},
+                "nodes_fp32_by_fallback": fallback_nodes,
+                "first_conv_fp32": speed,
+                "gemm_convs": gemm,
+                "int8_ops": share,
+                "scheme_check": {"chosen": {"target": self.target, **chosen}},
+                "quantize_seconds": round(seconds, 2),
+            }
+            alt = "vnni" if self.scheme.reduce_range else "avx2"
+            with tempfile.TemporaryDirectory(dir=self.work) as tmpdir:
+                alt_path = Path(tmpdir) / "alt.onnx"
+                self._static(alt_path, isa.SCHEMES[alt], exclude)
+                entry["scheme_check"]["alternative"] = {
+                    "target": alt,
+                    **self._scheme_error(alt_path),
+                }
         self.run.record("onnx-int8-static", entry)
         return Variant("static", final, acc, self._gate(acc), entry)
 
@@ -506,14 +574,15 @@ class Quantizer:
         t0 = time.perf_counter()
         final = self.run.quantize_dir / FILENAMES["dynamic"]
         flops = ptq.flop_share(self.pre)
-        with atomic_path(final) as tmp:
+        with atomic_path(final) as tmp, made_here("dynamic", tmp):
             ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme, conv_heavy=flops["conv"] > 0.5)
             ptq.copy_metadata(self.fp32, tmp, self._meta("dynamic"))
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
             share = int8_share(tmp)
+            entry = self._entry(tmp, final, "dynamic", acc)
         suits = flops["matmul"] >= 0.5
         entry = {
-            **self._entry(final, "dynamic", acc),
+            **entry,
             "flop_share": flops,
             "int8_ops": share,
             "recommendable": suits,
@@ -542,51 +611,55 @@ class Quantizer:
                 f"{ckpt} is not the checkpoint {self.fp32} was exported from: re-run "
                 f"{self.run.command('export')}"
             )
-        try:
-            info = quantize_aware_train(
-                self.run,
-                self.scheme,
-                final,
-                epochs=s.qat_epochs,
-                lr=s.qat_lr,
-                seed=s.seed,
-                per_channel=s.per_channel,
-            )
-        except (LightshipError, KeyboardInterrupt):
-            raise  # a mistake the user can fix (no best.ckpt, unreadable data) says its own fix
-        except Exception as exc:  # a library failure inside QAT must not cost the other variants
-            log.debug("QAT failed", exc_info=True)
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            raise MethodFailed(
-                "qat",
-                f"{type(exc).__name__}: {first}; `--verbose` shows where",
-                "quantize this model with `--methods static,dynamic` instead",
-            ) from None
-        acc, _ = _accuracy(final, self.splits.test_x, self.splits.test_y)
-        gemm = self._gemm_convs(final, acc)
-        entry = {
-            **self._entry(final, "qat", acc),
-            **info,
-            "gemm_convs": gemm,
-            "int8_ops": int8_share(final),
-        }
+        # the model is measured before it is renamed into place (see `static`)
+        with atomic_path(final) as tmp, made_here("qat", tmp, self.work):
+            try:
+                info = quantize_aware_train(
+                    self.run,
+                    self.scheme,
+                    tmp,
+                    epochs=s.qat_epochs,
+                    lr=s.qat_lr,
+                    seed=s.seed,
+                    per_channel=s.per_channel,
+                )
+            except (LightshipError, KeyboardInterrupt):
+                raise  # a mistake the user can fix (no best.ckpt, unreadable data) says its fix
+            except Exception as exc:  # a library failure inside QAT must not cost the others
+                log.debug("QAT failed", exc_info=True)
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                raise MethodFailed(
+                    "qat",
+                    f"{type(exc).__name__}: {first}; `--verbose` shows where",
+                    "quantize this model with `--methods static,dynamic` instead",
+                ) from None
+            acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
+            gemm = self._gemm_convs(tmp, acc)
+            entry = {
+                **self._entry(tmp, final, "qat", acc),
+                **info,
+                "gemm_convs": gemm,
+                "int8_ops": int8_share(tmp),
+            }
         self.run.record("onnx-int8-qat", entry)
         return Variant("qat", final, acc, self._gate(acc), entry)
 
     def _meta(self, method: str) -> dict[str, str]:
         return {
             "lightship.quantization": method,
-            "lightship.target": self.target,
+            TARGET: self.target,
             "lightship.reduce_range": str(self.scheme.reduce_range).lower(),
         }
 
-    def _entry(self, final: Path, method: str, acc: float) -> dict[str, Any]:
+    def _entry(self, written: Path, final: Path, method: str, acc: float) -> dict[str, Any]:
+        """The manifest entry of `final`, whose content is `written` (its temporary file, or
+        itself once renamed)."""
         return {
             "file": self.run.relative(final),
             "format": "onnx",
             "quantization": method,
-            "sha256": sha256_file(final),
-            "bytes": final.stat().st_size,
+            "sha256": sha256_file(written),
+            "bytes": written.stat().st_size,
             "input_spec": self.fp32_entry["input_spec"],
             "labels": self.fp32_entry["labels"],
             "source_sha256": self.fp32_entry["sha256"],
@@ -621,7 +694,10 @@ def quantize(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
     variants: list[Variant] = []
-    with _cut_short_by_a_full_disk(run, qat="qat" in chosen):
+    # the lock (held already by the CLI: re-entrant) makes the scratch a killed quantize left
+    # safe to delete: no other process works in this run meanwhile
+    with lock_run(run.root, "lightship quantize"), _cut_short_by_a_full_disk(run, "qat" in chosen):
+        _sweep_scratch(run)
         q = Quantizer(run, target, settings, chosen)
         try:
             check_writable(*(run.quantize_dir / FILENAMES[m] for m in chosen))
@@ -629,6 +705,8 @@ def quantize(
                 try:
                     variants.append(getattr(q, method)())
                 except QuantizeError as exc:
+                    if isinstance(exc, Unloadable):  # cut short by a full disk: it says so
+                        _check_room(run, qat="qat" in chosen)
                     if on_error is None:
                         log.error("%s: %s", method, exc)
                     else:

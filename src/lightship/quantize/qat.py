@@ -50,10 +50,10 @@ from lightship.errors import QuantizeError
 from lightship.export import onnx as onnx_export
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
 from lightship.quantize import isa, ptq
-from lightship.quantize.core import MethodFailed, int8_share
+from lightship.quantize.core import MethodFailed, int8_share, made_here
 from lightship.runs import RunDir, atomic_path
 from lightship.runtime import load_predictor
-from lightship.runtime.ort import DISABLED_OPTIMIZERS
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, TARGET
 
 log = logging.getLogger(__name__)
 
@@ -429,13 +429,14 @@ def quantize_aware_train(
                 tmp_onnx,
                 {
                     "lightship.quantization": "qat",
-                    "lightship.target": scheme.target,
+                    TARGET: scheme.target,
                     "lightship.reduce_range": str(scheme.reduce_range).lower(),
                     # keep ORT from moving the Quantize in front of the float max-pool
                     **({DISABLED_OPTIMIZERS: "QDQPropagationTransformer"} if float_first else {}),
                 },
             )
-            share = int8_share(tmp_onnx)
+            with made_here("qat", tmp_onnx):
+                share = int8_share(tmp_onnx)
             if share["int8_nodes"] == 0:
                 raise MethodFailed(
                     "qat",
@@ -443,7 +444,8 @@ def quantize_aware_train(
                     "float Conv/MatMul nodes after optimisation",
                     ADVICE,
                 )
-            parity = _parity(converted, tmp_onnx, splits.test_x)
+            with made_here("qat", tmp_onnx):
+                parity = _parity(converted, tmp_onnx, splits.test_x)
             tmp_ckpt.write_bytes(best.read_bytes())
     log.info(
         "QAT: %d epochs in %.1f s, fake-quant accuracy %.4f, parity %s",
