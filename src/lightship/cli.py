@@ -124,7 +124,7 @@ def train(
         recovered = RunDir(run).recover_set_aside()  # before the run's config.yaml is read
         if recovered:
             print(f"{run}: {recovered}", flush=True)
-        empty_fix = None
+        unusable_fix = None
         if resume and config is None and RunDir(run).config.is_file():
             config = RunDir(run).config
             resume_with = stage_command(
@@ -135,11 +135,11 @@ def train(
                 f"make train RUN={_q(run)} CONFIG=...",
                 f"lightship train --run {_q(run)} --config ...",
             )
-            empty_fix = (
+            unusable_fix = (
                 f"restore it, resume with the config the run was trained with (`{resume_with}`), "
                 f"or train afresh (`{afresh}`)"
             )
-        cfg = load_config(config, overrides, empty_fix)
+        cfg = load_config(config, overrides, unusable_fix)
         from lightship.train import fit
 
         fit(cfg, RunDir(run), resume=resume)

@@ -285,10 +285,11 @@ def _explain(err: ValidationError, sources: Sources) -> str:
 def load_config(
     path: Path | str | None = None,
     overrides: list[str] | None = None,
-    empty_fix: str | None = None,
+    unusable_fix: str | None = None,
 ) -> Config:
     """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated.
-    `empty_fix` says what to do about an empty file (a run's own config.yaml is no --config)."""
+    `unusable_fix` says what to do about an empty file or one that is no YAML (a run's own
+    config.yaml is no --config to edit)."""
     tree: dict[str, Any] = {}
     file = None
     if path is not None:
@@ -308,9 +309,10 @@ def load_config(
                 f"{path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 YAML"
             ) from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
+            fix = f": {unusable_fix}" if unusable_fix else ""  # else the line it names is the fix
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}{fix}") from None
         if loaded is None:
-            fix = empty_fix or (
+            fix = unusable_fix or (
                 "write the sections to change (data:, model:, ...), "
                 "or leave out --config for the defaults"
             )
@@ -346,6 +348,8 @@ def parse_choices(
     items = value.split(",") if isinstance(value, str) else list(value)
     items = [i.strip() for i in items if i.strip()]
     unknown = [i for i in items if i not in allowed]
-    if unknown or not items:
-        raise error(f"unknown {what} {unknown or items!r}: choose from {','.join(allowed)}")
+    if not items:
+        raise error(f"no {what} given: choose from {','.join(allowed)}")
+    if unknown:
+        raise error(f"unknown {what} {unknown!r}: choose from {','.join(allowed)}")
     return list(dict.fromkeys(items))

@@ -400,16 +400,21 @@ def test_a_read_only_run_still_says_it_cannot_be_written(
     )
 
 
-def test_an_empty_run_config_on_resume_points_at_the_run(tmp_path: Path) -> None:
+def test_an_empty_or_garbled_run_config_on_resume_points_at_the_run(tmp_path: Path) -> None:
     # it said "... or leave out --config for the defaults", to a user who gave no --config
+    fix = (
+        f"restore it, resume with the config the run was trained with (`make train RESUME=1 "
+        f"RUN={tmp_path} CONFIG=...`), or train afresh (`make train RUN={tmp_path} CONFIG=...`)"
+    )
     (tmp_path / "config.yaml").write_text("")
     with pytest.raises(ConfigError) as err:
         cli._invoke(["train", "--run", str(tmp_path), "--resume"])
-    assert str(err.value) == (
-        f"{tmp_path}/config.yaml is empty: restore it, resume with the config the run was "
-        f"trained with (`make train RESUME=1 RUN={tmp_path} CONFIG=...`), or train afresh "
-        f"(`make train RUN={tmp_path} CONFIG=...`)"
-    )
+    assert str(err.value) == f"{tmp_path}/config.yaml is empty: {fix}"
+    (tmp_path / "config.yaml").write_text("data: {source: [\n")  # garbled: no fix was given
+    with pytest.raises(ConfigError) as err:
+        cli._invoke(["train", "--run", str(tmp_path), "--resume"])
+    assert str(err.value).startswith(f"{tmp_path}/config.yaml is not valid YAML: ")
+    assert str(err.value).endswith(f"line 2, column 1: {fix}")
 
 
 def test_the_last_line_after_ctrl_c_says_how_to_resume(

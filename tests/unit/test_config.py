@@ -146,8 +146,13 @@ def test_missing_and_bad_yaml(tmp_path: Path) -> None:
         load_config(bad)
     broken = tmp_path / "broken.yaml"
     broken.write_text("data: {source: [\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(broken)
+    assert str(err.value).endswith("line 2, column 1")  # the line to fix is the fix
+    # a run's own config.yaml, read to resume, is no file to edit: how to go on instead
+    with pytest.raises(ConfigError) as err:
+        load_config(broken, unusable_fix="restore it, or train afresh")
+    assert str(err.value).endswith("line 2, column 1: restore it, or train afresh")
 
 
 def test_yaml_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
@@ -194,7 +199,7 @@ def test_empty_yaml_is_refused(tmp_path: Path) -> None:
         load_config(path)
     # a run's own config.yaml, read by `train --resume`: the fix is the caller's
     with pytest.raises(ConfigError) as err:
-        load_config(path, empty_fix="restore it")
+        load_config(path, unusable_fix="restore it")
     assert str(err.value) == f"{path} is empty: restore it"
 
 

@@ -56,6 +56,8 @@ def test_unknown_target_and_method() -> None:
     with pytest.raises(ConfigError, match=r"unknown quantization method \['fp4'\]"):
         parse_methods("static,fp4")
     assert parse_methods("qat, static,static") == ["qat", "static"]
+    with pytest.raises(ConfigError, match=r"^no quantization method given: choose from static,"):
+        parse_methods(" , ")  # `--methods ''` said "unknown quantization method []"
 
 
 def test_pareto_front() -> None:
