@@ -106,6 +106,34 @@ def test_sigterm_during_export_leaves_no_temporary_file(
     assert "onnx-fp32" not in RunDir(run).manifest()["artifacts"]
 
 
+def test_an_export_stopped_between_formats_keeps_and_names_those_done(
+    tiny_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:
+    from lightship.export import core
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    real = core._writers(18)
+
+    def stopped(model: object, x: object, path: Path, meta: object) -> dict[str, object]:
+        raise KeyboardInterrupt  # Ctrl-C while torch traces
+
+    monkeypatch.setattr(core, "_writers", lambda opset: {**real, "torchscript": stopped})
+    argv = ["export", "--run", str(run), "--formats", "onnx,torchscript"]
+    assert cli._invoke(argv) == 130
+    # it ended with a bare "interrupted"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted: onnx exported and kept; export again with {RunDir(run).command('export')}"
+    )
+    entry = RunDir(run).manifest()["artifacts"]["onnx-fp32"]
+    assert entry["sha256"] == sha256_file(run / entry["file"])
+    assert [p.name for p in (run / "export").iterdir()] == ["model.onnx"]
+
+
 def test_a_stage_deletes_the_temporary_files_a_killed_one_left(tmp_path: Path) -> None:
     left = [
         tmp_path / "export" / ".model.k2x_9abc.tmp.onnx",

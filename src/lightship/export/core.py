@@ -31,6 +31,7 @@ from lightship.runs import (
     check_space,
     check_writable,
     interrupted,
+    note_interrupt,
     sha256_file,
     stage_command,
 )
@@ -202,46 +203,54 @@ def export(
     # the checkpoint (which also holds the optimizer's state)
     check_space(run.export_dir, len(chosen) * ckpt.stat().st_size // 3 + 4_000_000, "export")
     artifacts: list[Artifact] = []
-    for fmt in chosen:
-        final = run.export_dir / FILENAMES[fmt]
-        fix = _fix(run, loaded, fmt, chosen)
-        with atomic_path(final) as tmp:
-            with _failure(f"torch cannot export this model to {fmt}", fix):
-                info = writers[fmt](loaded.model, example, tmp, meta)
-            # outside `_failure`: a bug of our own keeps its traceback
-            try:
-                predictor = load_predictor(tmp)
-            except LoadError as exc:  # whose advice, to make the file again, is no use here;
-                # onnxruntime's reason names the file it read: the temporary one
-                raise ParityError(
-                    f"{final.name} was exported but {exc.runtime} cannot load it "
-                    f"({exc.reason.replace(str(tmp), final.name)}): it was not written — {fix}"
-                ) from None
-            with _failure(f"{final.name} was exported but fails when run", fix):
-                parity = check_parity(
-                    predictor.predict,
-                    references,
-                    x_test,
-                    atol=atol,
-                    min_agreement=min_agreement,
-                    what=f"{fmt} ({final.name})",
-                    fix=fix,
-                )
-        entry = {
-            "file": run.relative(final),
-            "format": fmt,
-            "sha256": sha256_file(final),
-            "bytes": final.stat().st_size,
-            "input_spec": loaded.input_spec,
-            "labels": loaded.labels,
-            "source_checkpoint_sha256": source_sha,
-            "parity": parity.as_dict(),
-            **info,
-            "versions": {"lightship": __version__, "torch": torch.__version__},
-        }
-        run.record(VARIANT_OF[fmt], entry)
-        if fmt == "onnx":
-            _discard_quantized_from_another(run, entry["sha256"])
-        artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
-        log.info("%s: %s, parity %s", VARIANT_OF[fmt], final, parity.summary())
+    try:
+        for fmt in chosen:
+            final = run.export_dir / FILENAMES[fmt]
+            fix = _fix(run, loaded, fmt, chosen)
+            with atomic_path(final) as tmp:
+                with _failure(f"torch cannot export this model to {fmt}", fix):
+                    info = writers[fmt](loaded.model, example, tmp, meta)
+                # outside `_failure`: a bug of our own keeps its traceback
+                try:
+                    predictor = load_predictor(tmp)
+                except LoadError as exc:  # whose advice, to make the file again, is no use here;
+                    # onnxruntime's reason names the file it read: the temporary one
+                    raise ParityError(
+                        f"{final.name} was exported but {exc.runtime} cannot load it "
+                        f"({exc.reason.replace(str(tmp), final.name)}): it was not written — {fix}"
+                    ) from None
+                with _failure(f"{final.name} was exported but fails when run", fix):
+                    parity = check_parity(
+                        predictor.predict,
+                        references,
+                        x_test,
+                        atol=atol,
+                        min_agreement=min_agreement,
+                        what=f"{fmt} ({final.name})",
+                        fix=fix,
+                    )
+                # measured before the rename, recorded right after it: an interrupt between the
+                # two would leave a file that its manifest entry does not describe
+                written = {"sha256": sha256_file(tmp), "bytes": tmp.stat().st_size}
+            entry = {
+                "file": run.relative(final),
+                "format": fmt,
+                **written,
+                "input_spec": loaded.input_spec,
+                "labels": loaded.labels,
+                "source_checkpoint_sha256": source_sha,
+                "parity": parity.as_dict(),
+                **info,
+                "versions": {"lightship": __version__, "torch": torch.__version__},
+            }
+            run.record(VARIANT_OF[fmt], entry)
+            if fmt == "onnx":
+                _discard_quantized_from_another(run, entry["sha256"])
+            artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
+            log.info("%s: %s, parity %s", VARIANT_OF[fmt], final, parity.summary())
+    except KeyboardInterrupt:  # the last line says what is kept and how to go on
+        done = ", ".join(a.format for a in artifacts)
+        kept = f"{done} exported and kept; " if done else ""
+        note_interrupt(f"{kept}export again with {run.command('export')}")
+        raise
     return artifacts
