@@ -37,6 +37,7 @@ help: ## list the targets
 	@echo "  QUANTIZE_ARGS='--methods static'    quantize"
 	@echo "  REPORT_ARGS='--rounds 5'      report, and the report \`make quantize\` writes"
 	@echo "  SERVE_ARGS='--port 9000'      serve"
+	@echo "  IMAGE=lightship-serve         docker, docker-gpu: the image's name (tag VERSION from pyproject.toml)"
 	@echo "  BENCH_SERVE_ARGS='--duration 2 --rounds 1'   bench-serve (\`lightship bench serve --help\`)"
 
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on

@@ -91,7 +91,8 @@ def serve(
     variant: Annotated[
         str | None,
         typer.Option(
-            help="auto (the report's recommendation, else onnx-fp32), onnx-fp32, "
+            help="auto (the report's recommendation; onnx-fp32 without a report or on a GPU), "
+            "onnx-fp32, "
             "onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2, checkpoint "
             f"(best.ckpt, the report's eager) ({ENV}VARIANT)"
         ),

@@ -44,7 +44,10 @@ class ServeSettings(BaseSettings):
     run: Path = Field(Path("runs/default"), description="run directory, or one .onnx/.ts/.pt2 file")
     variant: str = Field(
         "auto",
-        description="manifest variant to serve; auto = the report's recommendation, else onnx-fp32",
+        description=(
+            "manifest variant to serve; auto = the report's recommendation (onnx-fp32 without a "
+            "report or on a GPU)"
+        ),
     )
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     host: str = Field("127.0.0.1", min_length=1, description="address to listen on")
