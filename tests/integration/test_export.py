@@ -408,7 +408,14 @@ def test_a_format_torch_cannot_export_is_one_error_line(
     # warning it logs for each failed attempt (the dynamo ONNX exporter's and the .pt2)
     assert "Traceback" not in proc.stderr and "def forward" not in proc.stderr
     assert "symbolic_shapes" not in proc.stderr and proc.stdout == ""
-    assert "froze Python control flow on tensors at failing_models.py:" in proc.stderr
+    assert "legacy ONNX exporter froze Python control flow on tensors at failing_models.py:" in (
+        proc.stderr
+    )
+    # the same from TorchScript's trace: one line, not torch's raw two-line TracerWarning
+    assert "torch.jit.trace froze Python control flow on tensors at failing_models.py:" in (
+        proc.stderr
+    )
+    assert "TracerWarning" not in proc.stderr
     # what was exported before it stays, listed as it is on disk; nothing half-written
     assert sorted(p.name for p in (run / "export").iterdir()) == ["model.onnx", "model.ts"]
     entries = artifacts(run)

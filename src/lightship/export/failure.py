@@ -8,8 +8,12 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
+
+import torch
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -68,3 +72,26 @@ def printout_on_failure_to_debug(log: logging.Logger, what: str) -> Iterator[Non
 def _read(file: IO[str]) -> str:
     file.seek(0)
     return file.read()
+
+
+def warn_frozen(
+    log: logging.Logger, caught: list[warnings.WarningMessage], what: str, batch: int
+) -> None:
+    """One warning line for the TracerWarnings among `caught`: the tracer turned a tensor into a
+    Python value (an `if` on a tensor, a size), so the file does there what the example batch
+    did, whatever the input. The other warnings are passed on as they came (deprecations
+    dropped: torch's, not the user's)."""
+    frozen = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    for w in caught:
+        if w not in frozen and not issubclass(w.category, DeprecationWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if frozen:
+        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in frozen})
+        log.warning(
+            "%s froze Python control flow on tensors at %s (%s): the file takes the branch its "
+            "example batch of %d took, for every input",
+            what,
+            ", ".join(where),
+            str(frozen[0].message).split(". ")[0],
+            batch,
+        )

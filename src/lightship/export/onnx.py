@@ -13,7 +13,7 @@ import onnx.defs
 import torch
 
 from lightship.errors import ConfigError
-from lightship.export.failure import printout_on_failure_to_debug, reason
+from lightship.export.failure import printout_on_failure_to_debug, reason, warn_frozen
 from lightship.runs import interrupted
 
 log = logging.getLogger(__name__)
@@ -97,21 +97,7 @@ def _legacy(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: in
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
             opset_version=opset,
         )
-    frozen = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
-    for w in caught:
-        if w not in frozen and not issubclass(w.category, DeprecationWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if frozen:
-        # The tracer turned a tensor into a Python value (an `if` on a tensor, a size): the file
-        # does there what the example batch did, whatever the input.
-        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in frozen})
-        log.warning(
-            "the legacy ONNX exporter froze Python control flow on tensors at %s (%s): "
-            "model.onnx takes the branch its example batch of %d took, for every input",
-            ", ".join(where),
-            str(frozen[0].message).split(". ")[0],
-            len(example),
-        )
+    warn_frozen(log, caught, "the legacy ONNX exporter", len(example))
 
 
 def write(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightship.export.failure import reason
+from lightship.export.failure import reason, warn_frozen
 from lightship.runtime.base import META_FILE
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,10 @@ def write(
     model = model.eval()
     method = "trace"
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             module = torch.jit.trace(model, example, check_inputs=[(example[:1],), (example,)])
+        warn_frozen(log, caught, "torch.jit.trace", len(example))
     except Exception as exc:
         log.warning("torch.jit.trace failed (%s); scripting instead", reason(exc))
         method = "script"
