@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from lightship.quantize.fallback import check_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import keep_freed_memory, measure
-from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable
+from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable, note_interrupt
 from lightship.runtime import physical_cores
 
 
@@ -96,6 +97,11 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     ref = logits(next(c for c in found if c.name == "eager").predictor, x)
     ref_acc = float(np.mean(ref.argmax(1) == y))
 
+    # Stopped from here on, the report's files are as they were: say so, and how to start over.
+    note_interrupt(
+        f"{run.root / 'report'} is as it was (nothing measured is kept); "
+        f"report again with {run.command('report')}"
+    )
     kept = keep_freed_memory()  # a steady eager baseline: see its docstring
     with _progress([c.name for c in found], s.rounds) as on_step:
         timings = measure(
@@ -177,4 +183,10 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         tmp_json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         tmp_md.write_text(render.markdown(result))
         render.pareto(result, tmp_png)
+        # atomic_path syncs each file as it renames it, the plot first: a sync that fails there
+        # (a full disk) would leave the new plot beside the old report. Synced here, it fails
+        # before any rename.
+        for tmp in (tmp_json, tmp_md, tmp_png):
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
     return result

@@ -11,6 +11,7 @@ import numpy as np
 
 from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
+from lightship.runtime.base import LoadError
 
 # Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
 VARIANTS = (
@@ -36,7 +37,9 @@ class Candidate:
 
 def candidates(run: RunDir, threads: int) -> list[Candidate]:
     """Every variant of VARIANTS whose file exists, loaded with `threads` threads. A listed
-    variant whose file is gone is left out with a warning that says how to make it again."""
+    variant whose file is gone, or whose runtime cannot load it (made by another onnxruntime
+    or torch), is left out with a warning that says how to make it again, as quantize leaves
+    out a method that fails: one bad variant does not cost the report of all the others."""
     artifacts = run.manifest()["artifacts"]
     found = []
     for name in VARIANTS:
@@ -54,7 +57,21 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
             continue
         fix = f"it changed after `lightship` wrote it; re-run {run.remake_command(name)}"
         check_recorded(path, entry, fix)
-        found.append(Candidate(name, path, entry, load_predictor(path, threads=threads)))
+        try:
+            predictor = load_predictor(path, threads=threads)
+        except LoadError as exc:
+            if name == "eager":  # the reference: no report without it
+                raise
+            log.warning(
+                "%s: %s cannot load %s (%s): not measured; %s makes it again",
+                name,
+                exc.runtime,
+                run.relative(path),
+                exc.reason,
+                run.remake_command(name),
+            )
+            continue
+        found.append(Candidate(name, path, entry, predictor))
     return found
 
 
