@@ -366,12 +366,17 @@ def test_a_report_names_a_listed_variant_whose_file_is_gone(
     shutil.copytree(exported_run, run)
     (run / "export" / "model.ts").unlink()
     proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)
-    assert (
-        "torchscript is listed in the manifest but export/model.ts is gone: not measured; "
+    why = (
+        "listed in the manifest but export/model.ts is gone; "
         f"`lightship export --run {run} --formats torchscript` makes it again"
-    ) in proc.stderr
-    names = [v["name"] for v in json.loads((run / "report/report.json").read_text())["variants"]]
+    )
+    assert f"torchscript is {why} (not measured)" in proc.stderr
+    result = json.loads((run / "report/report.json").read_text())
+    names = [v["name"] for v in result["variants"]]
     assert "torchscript" not in names and "onnx-fp32" in names
+    # the report says so too, not only the terminal
+    assert result["not_measured"] == {"torchscript": why}
+    assert f"Not measured: torchscript, {why}." in (run / "report/report.md").read_text()
 
 
 def test_a_report_where_nothing_passes_the_gate_says_so(exported_run: Path, tmp_path: Path) -> None:

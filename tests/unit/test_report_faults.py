@@ -34,13 +34,16 @@ def test_a_variant_its_runtime_cannot_load_is_left_out_with_the_command_to_remak
     assert entry is not None
     rd.record("onnx-fp32", {**entry, "sha256": sha256_file(onnx)})  # recorded, yet unloadable
 
+    left_out: dict[str, str] = {}
     with caplog.at_level(logging.WARNING):
-        found = candidates(rd, threads=1)
+        found = candidates(rd, threads=1, left_out=left_out)
 
     assert [c.name for c in found] == ["eager", "torchscript"]
     warning = caplog.text
     assert "onnx-fp32: onnxruntime cannot load export/model.onnx" in warning, warning
     assert f"lightship export --run {run} --formats onnx" in warning, warning
+    assert list(left_out) == ["onnx-fp32"]  # for report.json and report.md to name
+    assert left_out["onnx-fp32"].startswith("onnxruntime cannot load export/model.onnx (")
 
 
 def test_interrupted_while_measuring_says_the_old_report_stands_and_how_to_report_again(

@@ -89,7 +89,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         raise RunError(f"no trained run in {run.root}: run {todo}")
     outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
-    found = candidates(run, threads)
+    left_out: dict[str, str] = {}
+    found = candidates(run, threads, left_out)
     if not any(c.name == "eager" for c in found):
         raise RunError(f"{run.root}/best.ckpt is missing: run {run.train_command()}")
     splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
@@ -170,6 +171,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "scheme_check": static.get("scheme_check"),
         "recommended": best["name"] if best else None,
         "variants": rows,
+        "not_measured": left_out,  # listed in the manifest, left out: why and the fix
     }
     report_json, report_md, pareto_png = outputs
     # All three written before any is renamed into place: a failure (a full disk) leaves the

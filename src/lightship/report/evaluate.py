@@ -35,12 +35,16 @@ class Candidate:
     predictor: Predictor
 
 
-def candidates(run: RunDir, threads: int) -> list[Candidate]:
+def candidates(
+    run: RunDir, threads: int, left_out: dict[str, str] | None = None
+) -> list[Candidate]:
     """Every variant of VARIANTS whose file exists, loaded with `threads` threads. A listed
     variant whose file is gone, or whose runtime cannot load it (made by another onnxruntime
     or torch), is left out with a warning that says how to make it again, as quantize leaves
-    out a method that fails: one bad variant does not cost the report of all the others."""
+    out a method that fails: one bad variant does not cost the report of all the others.
+    `left_out`, when given, gets each such variant's reason, for the report to print."""
     artifacts = run.manifest()["artifacts"]
+    left_out = {} if left_out is None else left_out
     found = []
     for name in VARIANTS:
         entry = artifacts.get(MANIFEST_KEY.get(name, name))
@@ -48,12 +52,11 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
             continue
         path = run.root / entry["file"]
         if not path.is_file():
-            log.warning(
-                "%s is listed in the manifest but %s is gone: not measured; %s makes it again",
-                name,
-                run.relative(path),
-                run.remake_command(name),
+            left_out[name] = (
+                f"listed in the manifest but {run.relative(path)} is gone; "
+                f"{run.remake_command(name)} makes it again"
             )
+            log.warning("%s is %s (not measured)", name, left_out[name])
             continue
         fix = f"it changed after `lightship` wrote it; re-run {run.remake_command(name)}"
         check_recorded(path, entry, fix)
@@ -62,14 +65,11 @@ def candidates(run: RunDir, threads: int) -> list[Candidate]:
         except LoadError as exc:
             if name == "eager":  # the reference: no report without it
                 raise
-            log.warning(
-                "%s: %s cannot load %s (%s): not measured; %s makes it again",
-                name,
-                exc.runtime,
-                run.relative(path),
-                exc.reason,
-                run.remake_command(name),
+            left_out[name] = (
+                f"{exc.runtime} cannot load {run.relative(path)} ({exc.reason}); "
+                f"{run.remake_command(name)} makes it again"
             )
+            log.warning("%s: %s (not measured)", name, left_out[name])
             continue
         found.append(Candidate(name, path, entry, predictor))
     return found
