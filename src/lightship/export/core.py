@@ -217,7 +217,7 @@ def export(
                     # onnxruntime's reason names the file it read: the temporary one
                     raise ParityError(
                         f"{final.name} was exported but {exc.runtime} cannot load it "
-                        f"({exc.reason.replace(str(tmp), final.name)}): it was not written — {fix}"
+                        f"({exc.reason({str(tmp): final.name})}): it was not written — {fix}"
                     ) from None
                 with _failure(f"{final.name} was exported but fails when run", fix):
                     parity = check_parity(

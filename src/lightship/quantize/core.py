@@ -130,14 +130,8 @@ def made_here(method: str, made: Path, scratch: Path | None = None) -> Iterator[
     try:
         yield
     except LoadError as exc:
-        # onnxruntime's own line, read again where LoadError kept it (`raise ... from None`
-        # still sets the context): `exc.reason` is cut to 200 characters, which a long
-        # temporary path fills before the reason itself
-        source = exc.__context__ if exc.__context__ is not None else exc
-        reason = (str(source).splitlines() or [exc.reason])[0].replace(str(made), name)
-        if scratch is not None:
-            reason = reason.replace(f"{scratch}{os.sep}", "")
-        reason = reason[:200]
+        names = {str(made): name, **({f"{scratch}{os.sep}": ""} if scratch else {})}
+        reason = exc.reason(names)
         others = ",".join(m for m in METHODS if m != method)
         raise Unloadable(
             method,

@@ -66,7 +66,7 @@ def candidates(
             if name == "eager":  # the reference: no report without it
                 raise
             left_out[name] = (
-                f"{exc.runtime} cannot load {run.relative(path)} ({exc.reason}); "
+                f"{exc.runtime} cannot load {run.relative(path)} ({exc.reason()}); "
                 f"{run.remake_command(name)} makes it again"
             )
             log.warning("%s: %s (not measured)", name, left_out[name])

@@ -62,13 +62,21 @@ def valid_input_spec(spec: Any) -> bool:
 
 
 class LoadError(RunError):
-    """A model file its runtime cannot open. `runtime` and `reason` (the runtime's first line)
-    are kept apart from the advice to make the file again, for a stage that has just made it."""
+    """A model file its runtime cannot open. `runtime` and the runtime's first line are kept
+    apart from the advice to make the file again, for a stage that has just made it."""
 
     def __init__(self, path: Path, kind: str, runtime: str, exc: Exception, fix: str) -> None:
         self.runtime = runtime
-        self.reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        super().__init__(f"cannot load {kind} model {path} ({self.reason}): {fix}")
+        self._line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        super().__init__(f"cannot load {kind} model {path} ({self.reason()}): {fix}")
+
+    def reason(self, names: dict[str, str] | None = None) -> str:
+        """The runtime's first line, each key of `names` (a temporary path) replaced by its
+        value before it is cut to 200 characters, which a long path would otherwise fill."""
+        line = self._line
+        for old, new in (names or {}).items():
+            line = line.replace(old, new)
+        return line[:200]
 
 
 class InputError(ValueError):
