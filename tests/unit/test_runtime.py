@@ -14,8 +14,14 @@ from onnx import TensorProto, helper
 
 from lightship.errors import RunError
 from lightship.runtime import InputError, base, load_predictor, softmax
-from lightship.runtime.base import cgroup_cpu_limit, physical_cores
-from lightship.runtime.ort import SPIN_IN_RUN, OrtPredictor, providers_for
+from lightship.runtime.base import LoadError, cgroup_cpu_limit, physical_cores
+from lightship.runtime.ort import (
+    DISABLED_OPTIMIZERS,
+    SPIN_IN_RUN,
+    OrtPredictor,
+    file_metadata,
+    providers_for,
+)
 from tests.handmade import expected_logits, handmade_onnx
 
 
@@ -228,6 +234,57 @@ def test_a_model_asking_to_spin_inside_runs_gets_a_pool_that_stops_after_each(
     if asks:
         assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     np.testing.assert_array_equal(p.predict(np.ones((1, 1, 2, 2), np.uint8)), [[1, 1, 1, 1]])
+
+
+def test_a_models_own_session_settings_are_read_off_the_file_in_one_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metadata that asks for other session options is read without a session: the model
+    is built once with them, not once to read them and again to apply them."""
+    meta = {SPIN_IN_RUN: "1", DISABLED_OPTIMIZERS: "QDQPropagationTransformer"}
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], (TensorProto.FLOAT, ["N", 4]), meta=meta)
+    built: list[dict[str, Any]] = []
+
+    class Counted(onnxruntime.InferenceSession):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", Counted)
+    p = OrtPredictor(path, threads=2, split=False)
+    assert [b.get("disabled_optimizers") for b in built] == [["QDQPropagationTransformer"]]
+    options = p.session.get_session_options()
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    built.clear()
+    OrtPredictor(handmade_onnx(tmp_path / "plain.onnx"), threads=2, split=False)
+    assert [b.get("disabled_optimizers") for b in built] == [None]
+
+
+def test_file_metadata_reads_what_onnxruntime_reads_and_refuses_what_it_refuses(
+    tmp_path: Path,
+) -> None:
+    meta = {"lightship.target": "vnni", "ünï": "cödé", "empty": ""}
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], meta=meta)
+    model = onnx.load(str(path))
+    model.metadata_props.add(key="lightship.target", value="avx2")  # repeated: the last counts
+    onnx.save(model, str(path))
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert file_metadata(path) == dict(session.get_modelmeta().custom_metadata_map)
+    assert file_metadata(path)["lightship.target"] == "avx2"
+    assert file_metadata(handmade_onnx(tmp_path / "plain.onnx"))["lightship.labels"]
+    for name, content in (
+        ("empty.onnx", b""),
+        ("text.onnx", b"not a model"),
+        ("cut.onnx", path.read_bytes()[:-7]),
+        ("no-graph.onnx", b"\x08\x0a"),  # ir_version 10 and nothing else
+    ):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(LoadError, match=f"cannot load ONNX model {bad} \\(") as err:
+            file_metadata(bad)
+        with pytest.raises(LoadError) as as_served:
+            OrtPredictor(bad)
+        assert str(err.value) == str(as_served.value)
 
 
 def _spy_runs(p: OrtPredictor) -> list[tuple[str, int]]:
