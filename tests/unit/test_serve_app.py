@@ -1501,6 +1501,54 @@ def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path) -> None:
     assert len(v1_answer.json()["predictions"]) == 256
 
 
+def test_the_compression_threshold_is_a_setting_and_0_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compress_min_bytes`: an answer of that many bytes goes compressed, one a byte shorter
+    as it is; 0 (from the flag or LIGHTSHIP_COMPRESS_MIN_BYTES) compresses none, however large
+    (httpx asks for gzip on localhost too). /docs says which."""
+    rows = np.tile(X, (128, 1, 1, 1))
+    body = json.dumps(v2_json(rows)).encode()
+    gzip_please = {"accept-encoding": "gzip"}
+    infer_doc = "/v2/models/{model_name}/infer"
+
+    async def answers(app: FastAPI) -> tuple[httpx.Response, httpx.Response, str]:
+        async with serving(app) as client:
+            v2_answer = await client.post(INFER, content=body, headers=gzip_please)
+            v1_rows = {"instances": rows.tolist()}
+            v1_answer = await client.post("/v1/predict", json=v1_rows, headers=gzip_please)
+            paths = (await client.get("/openapi.json")).json()["paths"]
+            v1_doc = paths["/v1/predict"]["post"]["description"]
+            assert paths[infer_doc]["post"]["description"].endswith(". " + v1_doc)
+            return v2_answer, v1_answer, paths[infer_doc]["post"]["description"]
+
+    def coding(r: httpx.Response) -> str | None:
+        assert r.status_code == 200, r.text
+        return r.headers.get("content-encoding")
+
+    monkeypatch.setenv("LIGHTSHIP_COMPRESS_MIN_BYTES", "0")
+    off, off_v1, doc = run(answers(make_app(tmp_path, max_batch_rows=256)[0]))
+    size = int(off.headers["content-length"])  # ~7 KB of JSON, sent as it is
+    assert size > 4096 and coding(off) is None and coding(off_v1) is None
+    np.testing.assert_array_equal(logits_of(off), expected_logits(rows))
+    assert doc.endswith(
+        ". Answers go uncompressed whatever Accept-Encoding asks (--compress-min-bytes 0)."
+    )
+    monkeypatch.setenv("LIGHTSHIP_COMPRESS_MIN_BYTES", "4096")  # the environment's value...
+    *_, doc = run(answers(make_app(tmp_path, max_batch_rows=256)[0]))
+    assert doc.endswith(
+        ". Answers of 4 KiB or more go gzip or deflate compressed when Accept-Encoding asks "
+        "(--compress-min-bytes)."
+    )
+    for threshold, compressed in ((size, "gzip"), (size + 1, None)):  # ...or the flag's
+        app, _ = make_app(tmp_path, max_batch_rows=256, compress_min_bytes=threshold)
+        v2_answer, _, doc = run(answers(app))
+        assert coding(v2_answer) == compressed, threshold
+        assert (int(v2_answer.headers["content-length"]) < size) == (compressed is not None)
+        np.testing.assert_array_equal(logits_of(v2_answer), expected_logits(rows))
+        assert f"Answers of {threshold} bytes or more go gzip" in doc
+
+
 def test_large_answers_are_compressed_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1708,6 +1756,43 @@ def test_the_start_up_log_says_what_is_served_on_which_cpu_and_why(
     settings = ServeSettings(run=run, variant="onnx-fp32", port=0, threads=1)
     lines = start_up_log(settings, monkeypatch, caplog)
     assert re.fullmatch(served.format("") + " at .*", lines[1]), lines
+
+
+def test_a_lone_int8_file_is_loaded_once_after_its_cpu_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU an int8 file was made for (`lightship.target` in its own metadata, no manifest
+    to say it) is read off the file: onnxruntime builds the served session and no other, and
+    a file made for another CPU is refused before any session is built."""
+    import onnx
+    import onnxruntime
+
+    from lightship.errors import RunError
+    from lightship.quantize.isa import CpuInfo
+
+    path = tmp_path / "model.int8-static.onnx"
+    model = onnx.load(str(handmade_onnx(path)))
+    model.metadata_props.add(key="lightship.target", value="vnni")
+    onnx.save(model, str(path))
+    built: list[str] = []
+
+    class Counted(onnxruntime.InferenceSession):
+        def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
+            built.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", Counted)
+    vnni = CpuInfo("test VNNI CPU", "x86_64", frozenset({"avx2", "avx512_vnni"}))
+    monkeypatch.setattr("lightship.serve.model.host_cpu", lambda: vnni)
+    settings = ServeSettings(run=path, port=0, threads=1)  # one thread: no lanes to build
+    start_up_log(settings, monkeypatch, caplog)
+    assert built == [str(path)]
+    built.clear()
+    avx2 = CpuInfo("test AVX2 CPU", "x86_64", frozenset({"avx2"}))
+    monkeypatch.setattr("lightship.serve.model.host_cpu", lambda: avx2)
+    with pytest.raises(RunError, match="model was quantized for vnni .* but this CPU has no VNNI"):
+        start_up_log(settings, monkeypatch, caplog)
+    assert built == []
 
 
 @pytest.mark.parametrize(

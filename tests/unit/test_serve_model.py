@@ -42,6 +42,7 @@ def test_a_path_that_does_not_exist_is_said_to_be_missing(tmp_path: Path) -> Non
     )
     run = tmp_path / "run"
     RunDir(run).record("checkpoint", {"file": "best.ckpt"})
+    (run / "best.ckpt").write_bytes(b"weights")
     assert refusal(run / "export" / "model.ts") == (
         f"no such model file: {run}/export/model.ts does not exist: check the path, or make it: "
         f"run `lightship export --run {run}` first"
@@ -71,6 +72,68 @@ def test_a_trained_run_without_an_export_still_says_export(tmp_path: Path) -> No
         f"{run} has no 'onnx-fp32' artifact (it has: none): run `lightship export --run {run}` "
         "first, or choose another --variant"
     )
+
+
+IN_AN_IMAGE = "a model image holds only a run's manifest, ONNX files and report"
+REBUILD = (
+    "rebuild the image from a run that has it: `make {} RUN=runs/NAME`, then `docker build "
+    "--target model --build-arg RUN=runs/NAME -t IMAGE .`"
+)
+
+
+def test_a_run_in_a_model_image_says_to_rebuild_the_image_not_to_export_in_it(
+    tmp_path: Path,
+) -> None:
+    """The Dockerfile's `model` stage copies a run's manifest, ONNX files and report, never
+    best.ckpt: what is missing there cannot be exported or quantized in the container."""
+    run = tmp_path / "model"  # as at /model in the image
+    (run / "export").mkdir(parents=True)
+    RunDir(run).record("checkpoint", {"file": "best.ckpt"})  # trained, never exported
+    assert refusal(run) == (
+        f"{run} has no 'onnx-fp32' artifact (it has: checkpoint) and no best.ckpt to make it "
+        f"from ({IN_AN_IMAGE}): {REBUILD.format('export')}; or choose another --variant"
+    )
+    handmade_onnx(run / "export" / "model.onnx")
+    RunDir(run).record("onnx-fp32", {"file": "export/model.onnx"})
+    RunDir(run).record("onnx-int8-static", {"file": "quantize/model.int8-static.onnx"})
+    RunDir(run).record("torchscript", {"file": "export/model.ts"})  # never copied in
+
+    def refused(variant: str) -> str:
+        with pytest.raises(RunError) as err:
+            choose(ServeSettings(run=run, variant=variant))
+        return str(err.value)
+
+    assert refused("onnx-int8-static") == (
+        f"{run}/quantize/model.int8-static.onnx is in the manifest but missing, and {run} has "
+        f"no best.ckpt to make it from ({IN_AN_IMAGE}): {REBUILD.format('quantize')}"
+    )
+    assert refused("torchscript") == (
+        f"{run}/export/model.ts is in the manifest but missing, and {run} has no best.ckpt to "
+        f"make it from ({IN_AN_IMAGE}): serve an ONNX variant, e.g. --variant onnx-fp32, or "
+        "mount the whole run at /model in an image with torch (Dockerfile.gpu, --build-arg "
+        "TORCH_VERSION=...)"
+    )
+    assert refused("onnx-int8-dynamic").endswith(
+        f"no best.ckpt to make it from ({IN_AN_IMAGE}): {REBUILD.format('quantize')}; or "
+        "choose another --variant"
+    )
+    assert refusal(run / "export" / "model.pt2") == (
+        f"no such model file: {run}/export/model.pt2 does not exist: check the path; {run} has "
+        f"no best.ckpt to make it from ({IN_AN_IMAGE}): serve an ONNX variant, e.g. --variant "
+        "onnx-fp32, or mount the whole run at /model in an image with torch (Dockerfile.gpu, "
+        "--build-arg TORCH_VERSION=...)"
+    )
+    assert refusal(run / "quantize" / "model.int8-qat.onnx").endswith(
+        f"check the path; {run} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
+        + REBUILD.format("quantize")
+    )
+    # With its checkpoint the run can make them: the stage's command is the fix again.
+    (run / "best.ckpt").write_bytes(b"weights")
+    assert refused("onnx-int8-static") == (
+        f"{run}/quantize/model.int8-static.onnx is in the manifest but missing: re-run "
+        f"`lightship quantize --run {run}`"
+    )
+    assert refused("torchscript").endswith(f"missing: re-run `lightship export --run {run}`")
 
 
 def int8_file(path: Path, target: str) -> Path:

@@ -51,6 +51,10 @@ def test_environment_fills_settings_and_flags_win(monkeypatch: pytest.MonkeyPatc
         ({"timeout_ms": float("inf")}, "--timeout-ms inf: Input should be a finite number"),
         ({"max_wait_ms": float("inf")}, "--max-wait-ms inf"),  # it killed the batcher thread
         (
+            {"compress_min_bytes": -1},
+            "--compress-min-bytes -1: Input should be greater than or equal to 0",
+        ),
+        (
             {"max_wait_ms": 20_000},
             r"--max-wait-ms / LIGHTSHIP_MAX_WAIT_MS \(20000\) must be less than --timeout-ms",
         ),
@@ -140,6 +144,35 @@ def test_help_lists_every_variable_serve_reads(capsys: pytest.CaptureFixture[str
         assert name in out, name
     for name in OTHER_VARIABLES:
         assert name in out, name
+
+
+def test_the_compression_threshold_comes_from_the_flag_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship import cli
+
+    seen: list[ServeSettings] = []
+    monkeypatch.setattr("lightship.serve.app.serve", seen.append)
+    assert cli._invoke(["serve", "--run", str(tmp_path)]) == 0
+    assert cli._invoke(["serve", "--run", str(tmp_path), "--compress-min-bytes", "0"]) == 0
+    monkeypatch.setenv("LIGHTSHIP_COMPRESS_MIN_BYTES", "4096")
+    assert cli._invoke(["serve", "--run", str(tmp_path)]) == 0
+    assert cli._invoke(["serve", "--run", str(tmp_path), "--compress-min-bytes", "100"]) == 0
+    assert [s.compress_min_bytes for s in seen] == [1024, 0, 4096, 100]
+    with pytest.raises(ConfigError) as err:
+        cli._invoke(["serve", "--run", str(tmp_path), "--compress-min-bytes", "-5"])
+    assert str(err.value) == (
+        "invalid serve settings (--compress-min-bytes -5: Input should be greater than or equal "
+        "to 0)"
+    )
+    for value, problem in (("-1", "greater than or equal to 0"), ("1k", "a valid integer")):
+        monkeypatch.setenv("LIGHTSHIP_COMPRESS_MIN_BYTES", value)
+        with pytest.raises(ConfigError) as err:
+            _settings()
+        assert str(err.value).startswith(
+            f"invalid serve settings (LIGHTSHIP_COMPRESS_MIN_BYTES={value}: Input should be "
+            f"{problem}"
+        )
 
 
 @pytest.fixture
@@ -411,6 +444,15 @@ def test_a_report_with_nothing_to_serve_says_export_first(tmp_path: Path) -> Non
     run = make_run(tmp_path, {})
     (run / "report").mkdir()
     (run / "report" / "report.json").write_text(json.dumps({"recommended": None, "variants": []}))
+    with pytest.raises(RunError) as err:  # no best.ckpt to export: a model image's copy
+        choose(ServeSettings(run=run))
+    assert str(err.value).endswith(
+        "has none to serve yet, and no best.ckpt to make one from (a model image holds only a "
+        "run's manifest, ONNX files and report): rebuild the image from a run that has it: "
+        "`make export report RUN=runs/NAME`, then `docker build --target model --build-arg "
+        "RUN=runs/NAME -t IMAGE .`"
+    )
+    (run / "best.ckpt").write_bytes(b"weights")
     with pytest.raises(RunError) as err:
         choose(ServeSettings(run=run))
     assert str(err.value).endswith(

@@ -415,10 +415,8 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
             raise ProtocolError(f"body has {len(rest)} bytes after its deflate data")
 
 
-# Answers under this size go out as they are even to a client that takes gzip or deflate (Triton
-# compresses every one): they fit one TCP segment either way, and compressing one costs ~5 µs.
-# nginx and Starlette's GZipMiddleware keep a minimum of this kind.
-MIN_COMPRESS_BYTES = 1024
+# Answers under `compress_min_bytes` (a setting: why 1 KiB by default is said there) go out
+# uncompressed even to a client that asks for gzip or deflate.
 # zlib's level for answers: on the JSON logits of 64-512 rows of 10 classes, level 1 took a
 # quarter to a seventh of the time of zlib's default (6), for answers 6-9 % larger.
 COMPRESS_LEVEL = 1
@@ -506,11 +504,13 @@ class HotRoutes:
         handlers: dict[str, HotHandler],
         answers: dict[type[Exception], ErrorAnswer],
         body_limit: int,
+        compress_min_bytes: int,
     ) -> None:
         self.app = app
         self.handlers = handlers
         self.answers = answers
         self.body_limit = body_limit
+        self.compress_min_bytes = compress_min_bytes  # 0: never
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -539,7 +539,7 @@ class HotRoutes:
             content, headers = await self.handlers[name.removesuffix("_version")](hot)
             if (
                 accept is not None
-                and len(content) >= MIN_COMPRESS_BYTES
+                and 0 < self.compress_min_bytes <= len(content)
                 and (coding := response_coding(accept)) is not None
             ):
                 if len(content) >= COMPRESS_IN_THREAD_BYTES:
@@ -616,6 +616,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         handlers=hot_handlers,
         answers=answers,
         body_limit=settings.max_body_bytes,
+        compress_min_bytes=settings.compress_min_bytes,
     )
     app.add_middleware(
         BodyLimit,
@@ -658,7 +659,11 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     hot_handlers.update(v2_infer=v2_infer, v1_predict=v1_predict)
     raw_routes.update(HotRoutes.PATHS)  # the metrics' route label, by handler name
     raw_paths = openapi.raw_paths(
-        service.name, service.input_name, service.chw, settings.max_batch_rows
+        service.name,
+        service.input_name,
+        service.chw,
+        settings.max_batch_rows,
+        settings.compress_min_bytes,
     )
     fastapi_openapi = app.openapi
 

@@ -121,6 +121,14 @@ def serve(
     max_body_bytes: Annotated[
         int | None, typer.Option(help=f"larger bodies get 413 ({ENV}MAX_BODY_BYTES; 16 MiB)")
     ] = None,
+    compress_min_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="answers this large or larger go gzip/deflate compressed when the client's "
+            "Accept-Encoding asks; 0: never, for clients on localhost or a fast LAN "
+            f"({ENV}COMPRESS_MIN_BYTES; 1024)"
+        ),
+    ] = None,
     threads: Annotated[
         int | None,
         typer.Option(help=f"threads per model instance (cores / instances) ({ENV}THREADS)"),
@@ -179,6 +187,7 @@ def serve(
         max_queue_rows=max_queue_rows,
         timeout_ms=timeout_ms,
         max_body_bytes=max_body_bytes,
+        compress_min_bytes=compress_min_bytes,
         threads=threads,
         instances=instances,
         split_batches=split_batches,

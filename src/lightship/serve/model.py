@@ -37,6 +37,9 @@ VARIANTS = (
 MODEL_SUFFIXES = (".onnx", ".ts", ".pt2", ".ckpt")
 # What the stages write in a run directory: a folder holding none of it is no run.
 RUN_CONTENTS = ("manifest.json", "best.ckpt", "export", "quantize", "report")
+# What the Dockerfiles' `model` stage copies of a run into an image (.dockerignore): its
+# manifest.json, ONNX files and report.json; no best.ckpt, so no stage can make a variant there.
+IN_AN_IMAGE = "a model image holds only a run's manifest, ONNX files and report"
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,12 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
                 f"(made or replaced since): {fix}"
             )
         if DEFAULT_VARIANT not in artifacts:
+            if not _can_make(run):
+                raise RunError(
+                    f"{path} recommends no variant: {run.root} has none to serve yet, and no "
+                    f"best.ckpt to make one from ({IN_AN_IMAGE}): "
+                    f"{_rebuild(DEFAULT_VARIANT, 'report')}"
+                )
             raise RunError(
                 f"{path} recommends no variant: {run.root} has none to serve yet: run "
                 f"{run.command('export')}, then {run.command('report')}"
@@ -213,12 +222,22 @@ def choose(settings: ServeSettings) -> ServedModel:
     entry = artifacts.get(variant)
     if entry is None:
         have = ", ".join(sorted(artifacts)) or "none"
+        if not _can_make(run, variant):
+            raise RunError(
+                f"{target} has no '{variant}' artifact (it has: {have}) and no best.ckpt to "
+                f"make it from ({IN_AN_IMAGE}): {_rebuild(variant)}; or choose another --variant"
+            )
         raise RunError(
             f"{target} has no '{variant}' artifact (it has: {have}): "
             f"run {_maker(run, variant)} first, or choose another --variant"
         )
     path = run.root / str(entry["file"])
     if not path.is_file():
+        if not _can_make(run, variant):
+            raise RunError(
+                f"{path} is in the manifest but missing, and {run.root} has no best.ckpt to "
+                f"make it from ({IN_AN_IMAGE}): {_rebuild(variant)}"
+            )
         raise RunError(f"{path} is in the manifest but missing: re-run {_maker(run, variant)}")
     name = settings.model_name or _safe_name(run.name)
     return ServedModel(name, variant, path, dict(entry), chosen_by)
@@ -228,12 +247,43 @@ def _missing(target: Path) -> str:
     """What to say of a --run that does not exist: a model file is not made by training it."""
     if target.suffix in MODEL_SUFFIXES:
         run = enclosing_run(target)
-        made = f", or make it: {export_hint(target)}" if run and target.suffix != ".ckpt" else ""
+        made = ""
+        if run and target.suffix != ".ckpt":
+            if _can_make(RunDir(run)):
+                made = f", or make it: {export_hint(target)}"
+            else:
+                variant = {".ts": "torchscript", ".pt2": "pt2"}.get(target.suffix, DEFAULT_VARIANT)
+                variant = "onnx-int8" if ".int8-" in target.name else variant
+                made = f"; {run} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
+                made += _rebuild(variant)
         return f"no such model file: {target} does not exist: check the path{made}"
     return (
         f"{target} does not exist: neither a run directory nor a model file is there; give "
         "--run (LIGHTSHIP_RUN) a run directory (one `lightship train` and `lightship export` "
         f"made) or a model file ({', '.join(MODEL_SUFFIXES)})"
+    )
+
+
+def _can_make(run: RunDir, variant: str = DEFAULT_VARIANT) -> bool:
+    """Whether a stage can make `variant` of `run` here: not where the run has no best.ckpt, nor
+    checkpoints/ to train it back from, as in the copy of a run a model image holds."""
+    if variant == "checkpoint":
+        return True  # training makes it, and `_maker` says so
+    return run.best_ckpt.is_file() or run.checkpoints.is_dir()
+
+
+def _rebuild(variant: str, *then: str) -> str:
+    """How to have `variant` in a model image, whose run no stage can make it of: make it (and
+    `then` stages) in the run the image was built from, and build the image again."""
+    if variant in ("torchscript", "pt2"):  # .dockerignore lets no torch file into an image
+        return (
+            f"serve an ONNX variant, e.g. --variant {DEFAULT_VARIANT}, or mount the whole run at "
+            "/model in an image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
+        )
+    stages = " ".join(("quantize" if variant.startswith("onnx-int8") else "export", *then))
+    return (
+        f"rebuild the image from a run that has it: `make {stages} RUN=runs/NAME`, then "
+        "`docker build --target model --build-arg RUN=runs/NAME -t IMAGE .`"
     )
 
 

@@ -197,6 +197,20 @@ V2_RESPONSE: dict[str, Any] = {
 }
 
 
+def _compressed_answers(min_bytes: int) -> str:
+    """What the server's `compress_min_bytes` makes of a client's Accept-Encoding, said."""
+    if min_bytes == 0:
+        return "Answers go uncompressed whatever Accept-Encoding asks (--compress-min-bytes 0)."
+    if min_bytes % 1024 == 0:
+        size = f"{min_bytes // 1024} KiB"
+    else:
+        size = f"{min_bytes} byte{'' if min_bytes == 1 else 's'}"
+    return (
+        f"Answers of {size} or more go gzip or deflate compressed when Accept-Encoding asks "
+        "(--compress-min-bytes)."
+    )
+
+
 def _path_param(name: str, value: str, description: str) -> dict[str, Any]:
     # Documented as the one value served; others are answered 404 with a V2 error body.
     schema = {"type": "string", "enum": [value]}
@@ -210,9 +224,14 @@ def _path_param(name: str, value: str, description: str) -> dict[str, Any]:
 
 
 def raw_paths(
-    model_name: str, input_name: str, chw: tuple[int, int, int], max_rows: int
+    model_name: str,
+    input_name: str,
+    chw: tuple[int, int, int],
+    max_rows: int,
+    compress_min_bytes: int,
 ) -> dict[str, Any]:
     """Path items of the routes that parse their own bodies (not visible to FastAPI)."""
+    compressed = _compressed_answers(compress_min_bytes)
     name = _path_param("model_name", model_name, "the served model")
     version = _path_param("version", v2.VERSION, "model version")
     infer_responses = {
@@ -230,8 +249,7 @@ def raw_paths(
         "summary": "Run the model (JSON or binary tensors)",
         "description": "KServe V2 inference. Shorten the deadline with x-request-timeout-ms "
         "or parameters.timeout (µs). Bodies may come gzip or deflate compressed "
-        "(Content-Encoding), and answers of 1 KiB or more go compressed when Accept-Encoding "
-        "asks.",
+        f"(Content-Encoding). {compressed}",
         **body(v2_request(input_name), binary=True),
         "responses": infer_responses,
     }
@@ -247,6 +265,7 @@ def raw_paths(
                 "tags": ["v1"],
                 "operationId": "v1_predict",
                 "summary": "Labels and top-k probabilities for images given as pixel arrays",
+                "description": compressed,
                 **body(v1_request(chw, max_rows)),
                 "responses": {
                     "200": {

@@ -78,6 +78,17 @@ class ServeSettings(BaseSettings):
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, le=2**31, description="larger request bodies are answered 413"
     )
+    # Answers smaller than this go out as they are even to a client that takes gzip or deflate
+    # (Triton compresses every one): under 1 KiB they fit one TCP segment either way, and
+    # compressing one costs ~5 µs. nginx and Starlette's GZipMiddleware keep a minimum of this
+    # kind. httpx, requests and aiohttp ask for gzip by default, so on localhost or a fast LAN
+    # compression is CPU spent for nothing (~0.16 ms per 1000-class JSON answer): 0 turns it off.
+    compress_min_bytes: int = Field(
+        1024,
+        ge=0,
+        description="answers of /v1/predict and V2 infer this large or larger are compressed "
+        "when the client's Accept-Encoding asks for gzip or deflate; 0: never",
+    )
     threads: int | None = Field(
         None,
         ge=1,
