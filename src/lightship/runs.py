@@ -12,7 +12,9 @@ import fcntl
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -25,6 +27,8 @@ from typing import Any
 
 from lightship import __version__
 from lightship.errors import RunBusyError, RunError
+
+log = logging.getLogger(__name__)
 
 MANIFEST_SCHEMA = 1
 
@@ -121,38 +125,113 @@ def atomic_path(final: Path) -> Iterator[Path]:
 
     A reader never sees a half-written file, and a crash leaves the old file (or none) behind.
     """
+    with atomic_paths(final) as (tmp,):
+        yield tmp
+
+
+@contextlib.contextmanager
+def atomic_paths(*finals: Path) -> Iterator[tuple[Path, ...]]:
+    """`atomic_path` for files that go together (the report's three): yield a temporary path
+    beside each of `finals`; on success sync each once, then rename them all into place, in the
+    order given, so that they are all new or all as they were:
+
+    - a failure before the renames (the writer's, or a full disk's on a sync) leaves the old set;
+    - SIGINT and SIGTERM are held back during the renames: Ctrl-C raises KeyboardInterrupt
+      between any two of them otherwise (`watch_interrupts`), and an unhandled SIGTERM ends the
+      process there. The signal takes effect after the last rename.
+
+    Only a process killed outright (kill -9, a crash) or a rename that fails (renames within a
+    folder fail only when the folder itself goes or turns read-only) can leave the set mixed.
+    """
+    temporaries: list[Path] = []
+    try:
+        for final in finals:
+            temporaries.append(_temporary_beside(final))
+        yield tuple(temporaries)
+        for tmp in temporaries:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.chmod(tmp, FILE_MODE)
+        if interrupted():
+            raise KeyboardInterrupt
+        _replace_all(list(zip(temporaries, finals, strict=True)))
+    finally:
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+
+
+def _temporary_beside(final: Path) -> Path:
+    """A new empty file beside `final`, named as `sweep_temporaries` knows it."""
     final.parent.mkdir(parents=True, exist_ok=True)
     # The temporary name keeps the suffix: loaders that pick a format by suffix can check it.
-    fd, tmp_name = tempfile.mkstemp(
+    fd, name = tempfile.mkstemp(
         prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}", dir=final.parent
     )
     os.close(fd)
-    tmp = Path(tmp_name)
+    return Path(name)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _replace_all(pairs: list[tuple[Path, Path]]) -> None:
+    """Rename each (temporary, final) pair into place, in order, with SIGINT and SIGTERM held
+    back until the last is in place."""
+    held: list[int] = []  # the stop signals that came meanwhile
+    handlers: dict[signal.Signals, Any] = {}
     try:
-        yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, FILE_MODE)
-        if interrupted():
-            raise KeyboardInterrupt
-        os.replace(tmp, final)
+        # Held by a handler of our own, not by a blocked signal mask: a signal blocked in this
+        # thread still goes to another (onnxruntime's, torch's), and Python then runs the
+        # handler here all the same. Python runs handlers in the main thread only: elsewhere,
+        # none can land in between.
+        if threading.current_thread() is threading.main_thread():
+            for signum in _STOP_SIGNALS:
+                if signal.getsignal(signum) is not None:  # None: not Python's to restore
+                    handlers[signum] = signal.signal(signum, lambda n, _: held.append(n))
+        for tmp, final in pairs:
+            os.replace(tmp, final)
     finally:
-        tmp.unlink(missing_ok=True)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if held:  # now that every file is in place: Ctrl-C's KeyboardInterrupt comes from here
+            signal.raise_signal(held[0])
 
 
-# `atomic_path`'s temporary names; only a process killed outright (kill -9, out of memory)
-# leaves one behind.
-_TEMPORARY = ".*.tmp*"
+# The prefixes of the scratch folders quantize makes in a run with tempfile (`Quantizer.work`
+# and QAT's Lightning folder): model copies and checkpoints, megabytes each.
+SCRATCH_PREFIXES = {"quantize": ".quantize.", "qat": ".qat."}
+# What a stage killed outright (kill -9, out of memory) leaves in a run, matched by the names
+# tempfile gives (a prefix, 8 random characters of [a-z0-9_], a suffix) so that a user's file
+# of a like name is never taken: `atomic_path`'s temporary files, in the run and its folders,
+# and the scratch folders, in the run.
+_RANDOM = "[a-z0-9_]{8}"
+_TEMPORARY = re.compile(rf"\..+\.{_RANDOM}\.tmp.*")
+_SCRATCH = re.compile(rf"({'|'.join(map(re.escape, SCRATCH_PREFIXES.values()))}){_RANDOM}")
 
 
 def sweep_temporaries(root: Path) -> list[Path]:
-    """Delete the temporary files a killed stage left in the run `root` and its folders, and
-    return them. Only with the run's lock held: then no live process is writing them."""
-    left = [p for d in (root, *root.iterdir()) if d.is_dir() for p in d.glob(_TEMPORARY)]
-    for path in left:
-        if path.is_file() and not path.is_symlink():
+    """Delete what a killed stage left in the run `root` (temporary files, scratch folders),
+    saying so, and return it. Only with the run's lock held: then no live process is writing
+    them (`lock_run` calls it as it takes the lock)."""
+    folders = [root, *(d for d in sorted(root.iterdir()) if d.is_dir())]
+    files = [
+        p
+        for d in folders
+        for p in sorted(d.iterdir())
+        if _TEMPORARY.fullmatch(p.name) and p.is_file() and not p.is_symlink()
+    ]
+    scratch = [
+        p
+        for p in sorted(root.iterdir())
+        if _SCRATCH.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    ]
+    for path in [*files, *scratch]:
+        log.info("removing %s, left by a lightship stage that was killed", path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
             path.unlink(missing_ok=True)
-    return left
+    return [*files, *scratch]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -334,9 +413,11 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
     The lock file records this process's pid and `command` for that message; the OS releases
     the lock when the process dies. Re-entrant within a process. `create`: make a missing run
     directory to lock it (train). A folder left holding nothing but the lock (a stage that
-    failed on a folder that is no run) loses it again, and the folders made for it go. Not
-    locked where the lock file cannot be made (no run directory, a read-only one): reading
-    needs no lock, and a writing stage's own checks say what is wrong."""
+    failed on a folder that is no run) loses it again, and the folders made for it go. Taking
+    it, this deletes what a stage killed outright left in the run (`sweep_temporaries`): the
+    one moment no live stage can be writing there. Not locked where the lock file cannot be
+    made (no run directory, a read-only one): reading needs no lock, and a writing stage's own
+    checks say what is wrong."""
     key = root.resolve()
     if key in _locked or _distributed_worker():
         yield

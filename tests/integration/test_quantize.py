@@ -655,10 +655,11 @@ def test_quantize_removes_the_scratch_a_killed_quantize_left(
     exported_run: Path, tmp_path: Path
 ) -> None:
     """kill -9 runs no `finally`: its scratch folders (model copies, QAT checkpoints) stayed in
-    the run for good. The next quantize, holding the run's lock, removes them."""
+    the run for good. The next quantize, taking the run's lock, removes them: called from
+    Python as here, without the CLI's lock, too."""
     run = tmp_path / "killed"
     shutil.copytree(exported_run, run)
-    for folder, file in ((".quantize.k1ll3d", "pre.onnx"), (".qat.k1ll3d", "epoch=0.ckpt")):
+    for folder, file in ((".quantize.k1ll3d_0", "pre.onnx"), (".qat.k1ll3d_0", "epoch=0.ckpt")):
         (run / folder).mkdir()
         (run / folder / file).write_bytes(b"left by kill -9")
     quantize(RunDir(run), "dynamic")

@@ -12,7 +12,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from lightship.report.measure import Timing, measure
+from lightship.report.measure import Timing, measure, spread
 from lightship.report.render import speedup
 from lightship.runtime import Predictor
 from tests.conftest import ROOT, last_line, run_cli
@@ -51,6 +51,54 @@ def test_speedups_print_with_their_spread_or_a_dash() -> None:
     assert speedup(v, "eager") == "5.58 (5.21–5.94)"
     assert speedup({"speedup_vs_eager": 2.0}, "eager") == "2.00"  # a report from before spreads
     assert speedup({"speedup_vs_onnx_fp32": None}, "onnx_fp32") == "—"
+
+
+def test_spread_is_how_far_the_middle_half_reaches_from_the_median() -> None:
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1 / 3)  # 2 and 4 about 3
+    assert spread([10.0, 10.0, 10.0, 13.0]) == pytest.approx(0.075)  # 75th percentile 10.75
+    assert spread([5.0]) == 0.0
+
+
+def latencies(p50: float, p90: float) -> list[float]:
+    """Batch-1 latencies (ms) with these percentiles."""
+    return [p50] * 85 + [p90] * 15
+
+
+def rounds(text: str) -> list[float]:
+    return [float(v) for v in text.split()]
+
+
+# Rounds of two reports of the digits run on the same 2 cores: made alone (eager and static
+# int8, 15 rounds), and while other work ran on them (1 round: static int8 "54x eager").
+QUIET_EAGER = Timing(
+    latencies(0.512, 0.595),
+    rounds(
+        "4811.7 4805.9 4784.8 4692.7 5227.2 5353.8 5324.1 5114.5 5103.8 5091.0 5081.1 5152.3 "
+        "5224.8 5041.4 4939.2"
+    ),
+)
+QUIET_STATIC = Timing(
+    latencies(0.0613, 0.0696),
+    rounds(
+        "33283.8 33881.8 34132.9 34852.8 34405.2 34493.8 37505.8 36840.4 34756.2 34244.0 "
+        "35078.4 35497.6 37107.9 33642.3 35192.4"
+    ),
+)
+BUSY_EAGER = Timing(latencies(0.975, 99.928), [338.1])
+
+
+def test_timings_of_a_quiet_machine_are_not_noisy_and_of_a_busy_one_are() -> None:
+    assert QUIET_EAGER.noise(QUIET_EAGER, "eager") == []
+    assert QUIET_STATIC.noise(QUIET_EAGER, "eager") == []
+    assert BUSY_EAGER.noise(BUSY_EAGER, "eager") == ["p90 102x p50"]
+    # some rounds slowed and not others: the variant's own, or the baseline's in its ratios
+    slowed = Timing(throughput=[600.0, 800.0, 1000.0, 1300.0, 1600.0])
+    steady = Timing(throughput=[1000.0] * 5)
+    assert steady.noise(slowed, "eager") == ["x eager ±25%"]
+    assert slowed.noise(steady, "eager") == ["img/s ±30%", "x eager ±30%"]
+    assert slowed.noise() == ["img/s ±30%"]
+    assert slowed.noise(steady, "eager", own_rounds=False) == ["x eager ±30%"]
+    assert BUSY_EAGER.noise(own_rounds=False) == ["p90 102x p50"]
 
 
 def test_rounds_time_every_variant_once_in_shuffled_orders() -> None:

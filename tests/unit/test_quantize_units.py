@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from lightship.data import Splits
 from lightship.errors import ConfigError
 from lightship.quantize import core as quantize_core
 from lightship.quantize import isa, ptq
@@ -437,4 +441,52 @@ def test_a_variant_changed_after_it_was_recorded_names_the_command_that_remakes_
     assert str(err.value) == (
         f"{run.root / file} differs from its manifest entry (sha256): it changed after "
         f"`lightship` wrote it; re-run {command.format(run=run.root)}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("current", "candidate", "warned"),
+    [
+        ([1000.0] * 4, [1000.0, 1010.0, 990.0, 1005.0], None),
+        # every variant of a round slowed alike: the speed-up the choice rests on holds
+        ([1000.0, 500.0, 1000.0, 1600.0], [2000.0, 1000.0, 2000.0, 3200.0], None),
+        (
+            [1000.0] * 4,
+            [600.0, 800.0, 1300.0, 1600.0],
+            "candidate x current ±31%",
+        ),
+    ],
+)
+def test_an_ab_timing_too_noisy_to_trust_is_a_warning(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    current: list[float],
+    candidate: list[float],
+    warned: str | None,
+) -> None:
+    from lightship.report.measure import Timing
+    from lightship.runs import RunDir
+
+    q = quantize_core.Quantizer.__new__(quantize_core.Quantizer)  # only what the A/B reads
+    q.run = RunDir(tmp_path)
+    q.splits = cast(Splits, SimpleNamespace(test_x=np.zeros((4, 1, 2, 2), np.uint8)))
+    timings = {
+        "current": Timing(throughput=[1000.0] * 4),
+        "candidate": Timing(throughput=candidate),
+    }
+    monkeypatch.setattr(quantize_core, "measure", lambda *args, **kwargs: timings)
+    model = cast(Predictor, _Recording())
+    with caplog.at_level(logging.WARNING, "lightship.quantize"):
+        before, after = q._time_candidate("first conv in fp32", model, model, latency=False)
+    assert (before, after) == (timings["current"], timings["candidate"])
+    assert caplog.messages == (
+        []
+        if warned is None
+        else [
+            "first conv in fp32: timings are noisy (batch-1 p90 over 3x p50, or the middle "
+            f"half of the rounds over ±20% from their median): {warned}. The machine was busy "
+            "while quantize timed it, so whether it is kept may be wrong: quantize again when "
+            f"it is quiet ({q.run.command('quantize')})"
+        ]
     )

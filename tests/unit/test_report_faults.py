@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 
+from lightship import runs
 from lightship.report import ReportSettings, report
 from lightship.report import core as report_core
 from lightship.report.evaluate import candidates
+from lightship.report.measure import Timing
 from lightship.runs import RunDir, interrupt_message, sha256_file
 
 FAST = ReportSettings(threads=1, rounds=1, seconds=0.01)
@@ -89,3 +94,125 @@ def test_a_sync_that_fails_leaves_the_old_report_whole(
         "report.md": b"old",
         "pareto.png": b"old",
     }
+
+
+REPORT = ("report.json", "report.md", "pareto.png")
+
+
+def _old_report(run: Path) -> dict[str, bytes]:
+    folder = run / "report"
+    folder.mkdir()
+    for name in REPORT:
+        (folder / name).write_bytes(b"old")
+    return dict.fromkeys(REPORT, b"old")
+
+
+def _report_files(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (run / "report").iterdir()}
+
+
+def _all_new(run: Path) -> bool:
+    files = _report_files(run)
+    return (
+        sorted(files) == sorted(REPORT)
+        and json.loads(files["report.json"])["run"] == str(run)
+        and files["report.md"].startswith(b"# lightship report")
+        and files["pareto.png"].startswith(b"\x89PNG")
+    )
+
+
+def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _old_report(run)
+    monkeypatch.setattr("lightship.runs._interrupted", threading.Event())
+    monkeypatch.setattr("lightship.runs._stopped_by", [])
+    real_replace = os.replace
+    renamed: list[str] = []
+
+    def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
+        real_replace(src, dst)
+        if Path(dst).parent == run / "report" and not Path(dst).name.startswith("."):
+            renamed.append(Path(dst).name)
+            if len(renamed) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # `docker stop` after the first rename
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    runs.watch_interrupts()
+    try:
+        monkeypatch.setattr(os, "replace", replace_then_stopped)
+        with pytest.raises(KeyboardInterrupt):
+            report(RunDir(run), FAST)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    # onnxruntime's and torch's threads take the signal as well as this one: held all the same
+    assert len(renamed) == 3 and _all_new(run)
+
+
+def test_a_busy_machine_is_a_warning_in_the_terminal_report_md_and_report_json(
+    run: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def busy(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
+        timings = {name: Timing([0.5] * 10, [1000.0] * 5) for name in predictors}
+        timings["eager"].latency_ms[8:] = [100.0, 100.0]  # stalled calls: p90 200x p50
+        timings["torchscript"].throughput = [600.0, 800.0, 1000.0, 1300.0, 1600.0]
+        return timings
+
+    monkeypatch.setattr(report_core, "measure", busy)
+    with caplog.at_level(logging.WARNING, "lightship.report"):
+        result = report(RunDir(run), FAST)
+
+    assert {v["name"]: v["timing_noise"] for v in result["variants"]} == {
+        "eager": ["p90 200x p50"],
+        "torchscript": ["img/s ±30%", "x eager ±30%"],
+        "onnx-fp32": [],
+    }
+    warning = (
+        "timings are noisy (batch-1 p90 over 3x p50, or the middle half of the rounds over ±20% "
+        "from their median): eager (p90 200x p50), torchscript (img/s ±30%; x eager ±30%). The "
+        "machine was busy while measuring, so the speed figures and the recommendation may be "
+        f"off: re-run `lightship report --run {run}` when it is quiet"
+    )
+    assert result["timing_warning"] == warning
+    assert json.loads((run / "report" / "report.json").read_text())["timing_warning"] == warning
+    assert f"\n**Warning:** {warning}.\n" in (run / "report" / "report.md").read_text()
+    assert caplog.messages == [warning]
+
+
+def test_a_quiet_machine_is_no_warning(
+    run: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def quiet(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
+        return {name: Timing([0.5] * 9 + [1.4], [1000.0, 1150.0, 950.0]) for name in predictors}
+
+    monkeypatch.setattr(report_core, "measure", quiet)
+    with caplog.at_level(logging.WARNING, "lightship.report"):
+        result = report(RunDir(run), FAST)
+    assert result["timing_warning"] is None
+    assert all(v["timing_noise"] == [] for v in result["variants"])
+    assert "Warning" not in (run / "report" / "report.md").read_text()
+    assert caplog.messages == []
+
+
+def test_the_report_syncs_each_file_once_before_any_rename(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("sync")
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).parent == run / "report" and not Path(dst).name.startswith("."):
+            events.append(f"rename {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    report(RunDir(run), FAST)
+    # report.json last: `serve` reads it
+    renames = ["rename pareto.png", "rename report.md", "rename report.json"]
+    assert events == ["sync"] * 3 + renames

@@ -4,12 +4,14 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import signal
 import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from lightship.errors import RunBusyError, RunError
 from lightship.runs import (
     RunDir,
     atomic_path,
+    atomic_paths,
     check_space,
     check_writable,
     lock_run,
@@ -64,6 +67,78 @@ def test_nothing_is_renamed_into_place_after_ctrl_c(
     with pytest.raises(KeyboardInterrupt), atomic_path(target) as tmp:
         tmp.write_bytes(b"made after the interrupt")
     assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+
+
+SET = ("pareto.png", "report.md", "report.json")  # the report's, in the order it commits them
+
+
+def _commit(folder: Path, text: str) -> None:
+    with atomic_paths(*(folder / name for name in SET)) as temporaries:
+        for tmp in temporaries:
+            tmp.write_text(text)
+
+
+def _texts(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+def test_files_committed_together_are_synced_once_each_before_any_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("sync")
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        events.append(f"rename {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(runs.os, "fsync", fsync)
+    monkeypatch.setattr(runs.os, "replace", replace)
+    _commit(tmp_path, "new")
+    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET]
+    for name in SET:
+        (tmp_path / name).write_text("old")
+    events.clear()
+    _commit(tmp_path, "new")
+    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET]
+
+
+@pytest.fixture
+def stop_signals_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`watch_interrupts` in this process, undone afterwards."""
+    monkeypatch.setattr(runs, "_interrupted", threading.Event())
+    monkeypatch.setattr(runs, "_stopped_by", [])
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    runs.watch_interrupts()
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.usefixtures("stop_signals_raise")
+def test_a_stop_signal_during_a_commit_lands_after_its_last_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int
+) -> None:
+    for name in SET:
+        (tmp_path / name).write_text("old")
+    real_replace = os.replace
+
+    def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
+        real_replace(src, dst)
+        if Path(dst).name == SET[0]:  # Ctrl-C, or `docker stop`, just after the first rename
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(runs.os, "replace", replace_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _commit(tmp_path, "new")
+    assert _texts(tmp_path) == dict.fromkeys(SET, "new")
+    assert runs._stopped_by == [signum]
+    assert {signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == {runs._on_stop_signal}
 
 
 def test_check_space_says_how_much_is_needed(tmp_path: Path) -> None:
@@ -394,6 +469,33 @@ def test_the_lock_is_reentrant_and_released_on_the_way_out(tmp_path: Path) -> No
         assert not _free(tmp_path)  # the outer holder still has it
         raise RuntimeError("a stage crashed")
     assert _free(tmp_path)
+
+
+def test_taking_the_lock_deletes_what_a_killed_stage_left_and_nothing_else(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    # as tempfile names them: a prefix, 8 random characters of [a-z0-9_], a suffix
+    scratch = [run / ".quantize.k1ll3d_0", run / ".qat.k1ll3d_0"]  # `Quantizer.work`, QAT's
+    temporaries = [run / ".manifest.a1b2c3d4.tmp.json", run / "export" / ".model.k2x_9abc.tmp.onnx"]
+    users = [run / ".quantize.notes", elsewhere]  # folders of names alike; a link's target
+    users_files = [run / ".qat.k1ll3d_0.bak", run / ".draft.tmp.md", run / "export" / "a.tmp.txt"]
+    for folder in [*scratch, *users, run / "export"]:
+        folder.mkdir(parents=True)
+    for path in [*temporaries, *users_files, scratch[0] / "pre.onnx", elsewhere / "data.npz"]:
+        path.write_bytes(b"x")
+    link = run / ".quantize.1inked_0"
+    link.symlink_to(elsewhere, target_is_directory=True)
+
+    with caplog.at_level(logging.INFO, "lightship.runs"), lock_run(run, "lightship export"):
+        assert [p for p in [*scratch, *temporaries] if p.exists()] == []
+        kept = [*users, *users_files, link, elsewhere / "data.npz"]
+        assert [p for p in kept if not p.exists()] == []
+        # a stage run in-process by this one takes the lock again: nothing of a live stage goes
+        (run / ".quantize.l1ve0000").mkdir()
+        with lock_run(run, "lightship quantize"):
+            assert (run / ".quantize.l1ve0000").is_dir()
+    assert f"removing {scratch[0]}, left by a lightship stage that was killed" in caplog.messages
 
 
 def test_a_new_run_made_for_the_lock_goes_again_when_nothing_else_went_in(tmp_path: Path) -> None:

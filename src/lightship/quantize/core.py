@@ -32,8 +32,9 @@ from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits
-from lightship.report.measure import Timing, measure
+from lightship.report.measure import NOISE_RULE, Timing, measure
 from lightship.runs import (
+    SCRATCH_PREFIXES,
     RunDir,
     atomic_path,
     check_recorded,
@@ -236,20 +237,6 @@ def _cut_short_by_a_full_disk(run: RunDir, qat: bool) -> Iterator[None]:
         raise
 
 
-SCRATCH = (".quantize.*", ".qat.*")  # `Quantizer.work` and QAT's Lightning folder
-
-
-def _sweep_scratch(run: RunDir) -> None:
-    """Delete the scratch folders of a quantize that was killed outright (kill -9, out of
-    memory), which no `finally` removed: model copies and QAT checkpoints, megabytes each."""
-    if not run.root.is_dir():
-        return
-    for folder in sorted(p for pattern in SCRATCH for p in run.root.glob(pattern)):
-        if folder.is_dir() and not folder.is_symlink():
-            log.info("removing %s, left by a quantize that was killed", run.relative(folder))
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def _settle(candidate: Path, current: Path, kept: bool) -> None:
     """A timed candidate replaces `current` when it is kept, and is deleted when not."""
     if kept:
@@ -319,7 +306,7 @@ class Quantizer:
         self.fp32_acc, self.fp32_logits = _accuracy(
             self.fp32, self.splits.test_x, self.splits.test_y
         )
-        self.work = Path(tempfile.mkdtemp(prefix=".quantize.", dir=run.root))
+        self.work = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIXES["quantize"], dir=run.root))
         try:
             self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
             # what static int8 quantizes (and the fallback compares against): see its docstring
@@ -465,7 +452,9 @@ class Quantizer:
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
         model = load_predictor(candidate)
         cand_acc, _ = _accuracy(model, self.splits.test_x, self.splits.test_y)
-        before, after = self._time_candidate(load_predictor(current), model, latency=False)
+        before, after = self._time_candidate(
+            "first conv in fp32", load_predictor(current), model, latency=False
+        )
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
         kept = self._gate(cand_acc) and cand_acc >= min(acc, self.fp32_acc) and gain > 1.05
@@ -487,11 +476,12 @@ class Quantizer:
         }
 
     def _time_candidate(
-        self, current: Predictor, candidate: Predictor, latency: bool
+        self, step: str, current: Predictor, candidate: Predictor, latency: bool
     ) -> tuple[Timing, Timing]:
         """`current` and `candidate` timed interleaved on the test images at batch `AB_BATCH`
-        (and batch 1 with `latency`): the A/B of every step that keeps a candidate model only
-        where it measures faster here."""
+        (and batch 1 with `latency`): the A/B of every `step` that keeps a candidate model only
+        where it measures faster here. Timings too noisy to trust (`Timing.noise`, as the report
+        judges its own) are a warning: the machine was busy, and the choice may be wrong."""
         timings = measure(
             {"current": current, "candidate": candidate},
             self.splits.test_x,
@@ -501,7 +491,22 @@ class Quantizer:
             warmup=1,
             latency=latency,
         )
-        return timings["current"], timings["candidate"]
+        before, after = timings["current"], timings["candidate"]
+        # what the choice rests on: the within-round speed-up, and batch-1 p50s
+        noise = [
+            *(f"current {n}" for n in before.noise(own_rounds=False)),
+            *(f"candidate {n}" for n in after.noise(before, "current", own_rounds=False)),
+        ]
+        if noise:
+            log.warning(
+                "%s: timings are noisy (%s): %s. The machine was busy while quantize timed it, "
+                "so whether it is kept may be wrong: quantize again when it is quiet (%s)",
+                step,
+                NOISE_RULE,
+                ", ".join(noise),
+                self.run.command("quantize"),
+            )
+        return before, after
 
     def _gemm_convs(self, current: Path, acc: float) -> dict[str, Any] | None:
         """Send the deep convs to ORT's AMX GEMM (`ptq.route_convs_to_gemm`) if that measures
@@ -524,7 +529,9 @@ class Quantizer:
         routed_model = load_predictor(candidate)
         assert isinstance(routed_model, OrtPredictor)  # an .onnx file
         short_threads = routed_model.short_batch_threads
-        direct, gemm = self._time_candidate(load_predictor(current), routed_model, latency=True)
+        direct, gemm = self._time_candidate(
+            "deep convs on ORT's GEMM", load_predictor(current), routed_model, latency=True
+        )
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
         cand_acc, _ = _accuracy(routed_model, self.splits.test_x, self.splits.test_y)
         gain = gemm.speedup_over(direct)
@@ -688,10 +695,10 @@ def quantize(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
     variants: list[Variant] = []
-    # the lock (held already by the CLI: re-entrant) makes the scratch a killed quantize left
-    # safe to delete: no other process works in this run meanwhile
+    # Held already by the CLI (re-entrant); taken here for a call from Python, whose writes no
+    # other stage may see half done, and whose lock_run deletes the scratch folders a killed
+    # quantize left (`runs.sweep_temporaries`)
     with lock_run(run.root, "lightship quantize"), _cut_short_by_a_full_disk(run, "qat" in chosen):
-        _sweep_scratch(run)
         q = Quantizer(run, target, settings, chosen)
         try:
             check_writable(*(run.quantize_dir / FILENAMES[m] for m in chosen))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
+import logging
 import platform
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,9 +22,11 @@ from lightship.quantize import isa
 from lightship.quantize.fallback import check_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
-from lightship.report.measure import keep_freed_memory, measure
-from lightship.runs import REPORT_FILES, RunDir, atomic_path, check_writable, note_interrupt
+from lightship.report.measure import NOISE_RULE, keep_freed_memory, measure
+from lightship.runs import REPORT_FILES, RunDir, atomic_paths, check_writable, note_interrupt
 from lightship.runtime import physical_cores
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,6 +142,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
                 "speedup_vs_eager_iqr": t.speedup_spread(eager),
                 "speedup_vs_onnx_fp32": t.speedup_over(fp32) if fp32 else None,
                 "speedup_vs_onnx_fp32_iqr": t.speedup_spread(fp32) if fp32 else None,
+                "timing_noise": t.noise(eager, "eager"),
                 "gate_passed": acc >= s.gate * ref_acc,
                 "recommendable": recommendable,
                 "target": c.entry.get("target"),
@@ -170,25 +174,30 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "calibration": static.get("calibration"),
         "scheme_check": static.get("scheme_check"),
         "recommended": best["name"] if best else None,
+        "timing_warning": _noise_warning(run, rows),
         "variants": rows,
         "not_measured": left_out,  # listed in the manifest, left out: why and the fix
     }
     report_json, report_md, pareto_png = outputs
-    # All three written before any is renamed into place: a failure (a full disk) leaves the
-    # old set, never a new report.json beside an old plot. report.json, which `serve` reads,
-    # is renamed last.
-    with (
-        atomic_path(report_json) as tmp_json,
-        atomic_path(report_md) as tmp_md,
-        atomic_path(pareto_png) as tmp_png,
-    ):
+    # Committed together (`atomic_paths`): the old set or the new one, never a new report.json
+    # beside an old plot. report.json, which `serve` reads, is renamed last.
+    with atomic_paths(pareto_png, report_md, report_json) as (tmp_png, tmp_md, tmp_json):
         tmp_json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         tmp_md.write_text(render.markdown(result))
         render.pareto(result, tmp_png)
-        # atomic_path syncs each file as it renames it, the plot first: a sync that fails there
-        # (a full disk) would leave the new plot beside the old report. Synced here, it fails
-        # before any rename.
-        for tmp in (tmp_json, tmp_md, tmp_png):
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+    if result["timing_warning"]:
+        log.warning("%s", result["timing_warning"])
     return result
+
+
+def _noise_warning(run: RunDir, rows: list[dict[str, Any]]) -> str | None:
+    """What report.md, report.json and the terminal say when some variant's timings are noisy
+    (`Timing.noise`); None when none is."""
+    noisy = [f"{r['name']} ({'; '.join(r['timing_noise'])})" for r in rows if r["timing_noise"]]
+    if not noisy:
+        return None
+    return (
+        f"timings are noisy ({NOISE_RULE}): {', '.join(noisy)}. The machine was busy while "
+        "measuring, so the speed figures and the recommendation may be off: re-run "
+        f"`lightship report --run {shlex.quote(str(run.root))}` when it is quiet"
+    )

@@ -83,6 +83,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"{'' if v['recommendable'] else ' (not recommended)'} |"
         )
     lines.append("")
+    if r.get("timing_warning"):  # absent from reports before it
+        lines += [f"**Warning:** {r['timing_warning']}.", ""]
     lines.append(
         f"Recommended (fastest at batch {r['batch']} that passes the gate): "
         f"**{r['recommended'] or 'none'}** ★"
