@@ -6,6 +6,7 @@ They live outside `lightship.train` because `lightship.quantize` must not import
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint, RichProgressBar
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, RichProgressBar, WeightAveraging
 from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightship.errors import ConfigError
@@ -41,13 +43,70 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
+def warmup_ema(
+    decay: float, averaged: torch.Tensor, current: torch.Tensor, n_averaged: torch.Tensor
+) -> torch.Tensor:
+    """One EMA update whose decay ramps up with the updates done so far, `n_averaged`:
+    min(decay, (1 + n) / (10 + n)), as TensorFlow's ExponentialMovingAverage(num_updates=...)."""
+    d = torch.clamp((1 + n_averaged) / (10 + n_averaged), max=decay)
+    return d * averaged + (1 - d) * current
+
+
+class WarmupEMA(WeightAveraging):
+    """An exponential moving average of the weights, validated and checkpointed in their place,
+    with a warm-up: early updates follow the weights (decay 0.18 at the 2nd, 0.5 at the 9th) and
+    the full `decay` applies from update (10 * decay - 1) / (1 - decay) on (440 for 0.98).
+
+    Lightning's EMAWeightAveraging uses `decay` from the first step: after 24 steps (8 epochs of
+    240 images) a 0.98 average is still 62 % the first step's weights, and validation, the
+    checkpoints and best.ckpt would hold a barely trained model. The update count lives in the
+    averaged model's state, so a resumed run continues the ramp where it stopped.
+    """
+
+    def __init__(self, decay: float) -> None:
+        super().__init__(avg_fn=functools.partial(warmup_ema, decay))
+
+
 class LatestBestCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint where a tie with the best score goes to the newer checkpoint.
+    """ModelCheckpoint where a tie with the best score goes to the newer checkpoint, and
+    last.ckpt (with `save_last`) is written at the end of every epoch.
 
     Accuracy on a few hundred validation images saturates (often at 1.0) halfway through a
     decaying learning-rate schedule; the stock callback keeps the *first* checkpoint with the
     top score, a noisier model than the later, annealed ones that tie with it.
+
+    Lightning 2.6 writes last.ckpt only in a step that also saved a top-k checkpoint, and at the
+    end of training only if it never wrote one: after the last improving epoch last.ckpt would
+    stay behind, and `--resume` would re-train the epochs since (all of them, on a finished run).
     """
+
+    _last_saved_step = -1  # the global step last.ckpt holds
+
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]
+    ) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_saved_step = trainer.global_step
+
+    def _save_last_if_behind(self, trainer: pl.Trainer) -> None:
+        if (
+            self.save_last
+            and self._last_saved_step != trainer.global_step
+            and not trainer.sanity_checking
+            and trainer.state.fn == TrainerFn.FITTING
+        ):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_behind(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_behind(trainer)
 
     def check_monitor_top_k(self, trainer: pl.Trainer, current: torch.Tensor | None = None) -> bool:
         if current is None or self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
@@ -87,12 +146,22 @@ class EpochSummary(Callback):
         )
 
 
+class EpochBar(RichProgressBar):
+    """Lightning's rich bar, epochs counted as people count them: "Epoch 3/3" for the last of
+    max_epochs=3, where Lightning shows "Epoch 2/2" (its zero-based index)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        of = f"/{self.trainer.max_epochs}" if self.trainer.max_epochs is not None else ""
+        # padded to the validation bar's label, as Lightning does: no flicker between the two
+        return f"{f'Epoch {current_epoch + 1}{of}':{len(self.validation_description)}}"
+
+
 def progress(mode: str) -> tuple[bool, list[Callback]]:
     """(enable Lightning's bar, callbacks): rich on a terminal, one line per epoch elsewhere."""
     if mode == "auto":
         mode = "rich" if sys.stderr.isatty() else "none"
     if mode == "rich":
-        return True, [RichProgressBar()]
+        return True, [EpochBar()]
     return False, [EpochSummary()]
 
 

@@ -47,6 +47,18 @@ class DataConfig(Section):
     prefetch_factor: int | None = Field(None, ge=1)
     augment: bool = Field(True, description="random rotation, scale and shift while training")
 
+    @model_validator(mode="after")
+    def _path_needs_a_source(self) -> DataConfig:
+        # Checked here, not guessed from the disk: the source is recorded with the run and its
+        # checkpoints, and configs/digits.yaml names it, so it must read as the user meant it.
+        if self.source == "digits" and self.path is not None:
+            kind = "npz" if self.path.suffix.lower() == ".npz" else "folder"
+            raise ConfigError(
+                f"data.path={self.path} is set but data.source is digits (the built-in images), "
+                f"which reads no path: add --set data.source={kind}, or drop data.path"
+            )
+        return self
+
 
 class ModelConfig(Section):
     name: str = Field("digits_cnn", description="registry name or `package.module:Class`")
@@ -191,6 +203,19 @@ class Config(Section):
                     f"{self.data.channels}: give one per channel, e.g. --set 'model.{key}="
                     f"{[values[0] if values else 0.5] * self.data.channels}'"
                 )
+        given = [v for key in ("mean", "std") for v in getattr(self.model, key) or []]
+        if given and all(v <= 1 for v in given) and any(0 < v < 1 for v in given):
+            # ImageNet's 0..1 statistics: x / 0.229 on 0..255 pixels saturates every layer
+            scaled = " ".join(
+                f"--set 'model.{key}={[round(v * 255, 3) for v in values]}'"
+                for key in ("mean", "std")
+                if (values := getattr(self.model, key)) is not None
+            )
+            raise ConfigError(
+                "model.mean/std are in pixel units 0..255 (the model normalises uint8 images), "
+                "but every value given is at most 1, as for images scaled to 0..1: multiply "
+                f"them by 255 ({scaled}), or leave them out to measure them on the training images"
+            )
         return self
 
 

@@ -635,3 +635,42 @@ def test_a_model_without_num_classes_is_told_how_many_logits_to_output(tmp_path:
         "a num_classes argument"
     )
     assert not (tmp_path / "f").exists()
+
+
+class ForgetsAfter(torch.nn.Sequential):
+    """A linear classifier whose evaluation, once it has trained `steps` steps in this process,
+    answers class 0 for every image: each validation after that scores worse than those before."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, steps: int) -> None:
+        super().__init__(
+            torch.nn.Flatten(), torch.nn.Linear(in_channels * image_size**2, num_classes)
+        )
+        self.steps, self.calls = steps, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        out = super().forward(x)
+        if not self.training and self.calls > self.steps:
+            return torch.zeros_like(out) + torch.arange(out.shape[1], 0, -1)  # class 0 wins
+        return out
+
+
+def test_last_ckpt_holds_the_last_epoch_though_it_did_not_improve(tmp_path: Path) -> None:
+    # Lightning 2.6 left last.ckpt at the last epoch that saved a top-k checkpoint: here the
+    # 2nd of 4, and `--resume` trained epochs 2 and 3 again
+    run = tmp_path / "worse"
+    forgets = f"model.name={__name__}:ForgetsAfter"
+    steps = 2 * 10  # tiny: 10 steps an epoch, so epochs 2 and 3 validate worse than 0 and 1
+    args = ["--set", forgets, "--set", f"model.kwargs={{steps: {steps}}}"]
+    args += ["--set", "checkpoint.save_top_k=1", "--set", "early_stopping.enabled=false"]
+    longer = ["--set", "trainer.log_every_n_steps=50"]  # than an epoch: Lightning warned of it
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *args, *longer, check=True)
+    assert "log_every_n_steps" not in proc.stderr
+    entry = manifest(run)["checkpoint"]
+    assert entry["source_checkpoint"].startswith("checkpoints/epoch=01-")  # the last better one
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert (last["epoch"], last["global_step"]) == (3, 4 * 10)
+
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert f"nothing to train: {run} already finished 4 epochs (step 40)" in proc.stdout
+    assert manifest(run)["checkpoint"] == entry

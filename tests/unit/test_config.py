@@ -227,3 +227,32 @@ def test_mean_std_need_one_value_per_channel() -> None:
 def test_std_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="'model.std' = \\[0\\].*every std must be > 0"):
         load_config(None, ["model.std=[0]"])
+
+
+@pytest.mark.parametrize(("path", "source"), [("/data/shapes", "folder"), ("d.NPZ", "npz")])
+def test_a_data_path_without_its_source_is_refused(path: str, source: str) -> None:
+    # data.path alone trained on the built-in digits, and recorded the path beside them
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "digits.yaml", [f"data.path={path}"])
+    assert str(err.value) == (
+        f"data.path={path} is set but data.source is digits (the built-in images), which "
+        f"reads no path: add --set data.source={source}, or drop data.path"
+    )
+    assert load_config(None, [f"data.path={path}", f"data.source={source}"]).data.source == source
+
+
+def test_mean_and_std_in_0_to_1_are_refused_with_them_in_pixel_units() -> None:
+    # ImageNet's [0.485, ...] / [0.229, ...] were taken as they are for 0..255 pixels
+    imagenet = ["model.mean=[0.485, 0.456, 0.406]", "model.std=[0.229, 0.224, 0.225]"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.channels=3", *imagenet])
+    assert str(err.value) == (
+        "model.mean/std are in pixel units 0..255 (the model normalises uint8 images), but every "
+        "value given is at most 1, as for images scaled to 0..1: multiply them by 255 (--set "
+        "'model.mean=[123.675, 116.28, 103.53]' --set 'model.std=[58.395, 57.12, 57.375]'), or "
+        "leave them out to measure them on the training images"
+    )
+    with pytest.raises(ConfigError, match="--set 'model.std=\\[127.5\\]'\\)"):
+        load_config(None, ["model.std=[0.5]"])
+    raw = load_config(None, ["model.mean=[0]", "model.std=[1]"])  # no normalisation: taken
+    assert (raw.model.mean, raw.model.std) == ([0.0], [1.0])

@@ -545,3 +545,59 @@ def test_a_relative_data_path_is_recorded_absolute(
     monkeypatch.chdir(tmp_path)
     spec = spec_from_config(DataConfig(source="npz", path=Path("data/d.npz")))
     assert spec.path == str(tmp_path / "data" / "d.npz")
+
+
+def test_images_beside_the_class_folders_are_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # they were left out without a word: a 2-class model trained on the rest
+    make_folder(tmp_path / "imgs")
+    for i in range(4):
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / f"loose{i}.png")
+    (tmp_path / "imgs" / "readme.txt").write_text("")
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        assert load_splits(spec).labels == ["cat", "dog"]
+        load_splits(spec)
+    assert caplog.messages == [
+        f"image folder {tmp_path / 'imgs'}: left out 4 images that lie directly in it, in no "
+        "class sub-folder (loose0.png, loose1.png, loose2.png and 1 more): move them into "
+        "class sub-folders to train on them"
+    ]
+
+
+def test_a_flat_folder_of_images_is_told_to_make_class_folders(tmp_path: Path) -> None:
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{i}.jpg")
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="folder", path=str(tmp_path)))
+    assert str(err.value) == (
+        f"image folder {tmp_path} has no images: expected {tmp_path}/<class>/*.png|jpg (found "
+        "classes: []); 3 images lie directly in it: move them into class sub-folders"
+    )
+
+
+def test_a_folder_given_a_file_or_npz_a_folder_names_the_other_source(tmp_path: Path) -> None:
+    # they said "image folder ... does not exist" of a file that exists
+    make_folder(tmp_path / "imgs")
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 8, 8), np.uint8), y=np.arange(4))
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "d.npz")))
+    assert str(err.value) == (
+        f"data.source=folder needs an image folder, but {tmp_path / 'd.npz'} is a file: "
+        "set data.source=npz for an .npz file"
+    )
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="npz", path=str(tmp_path / "imgs")))
+    assert str(err.value) == (
+        f"data.source=npz needs an .npz file, but {tmp_path / 'imgs'} is a folder: "
+        "set data.source=folder for an image folder of <class>/*.png|jpg"
+    )
+
+
+def test_an_empty_image_file_is_said_to_be_empty(tmp_path: Path) -> None:
+    # it said "not a readable PNG or JPEG image (unrecognised data)"
+    make_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "cat" / "0.png").write_bytes(b"")
+    with pytest.raises(DataError, match="cannot read 1 of 13 images: cat/0.png: empty file \\("):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs")))

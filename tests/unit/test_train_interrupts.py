@@ -208,3 +208,16 @@ def test_a_training_killed_after_its_first_checkpoint_resumes_and_drops_the_old_
     assert sha256_file(run / "checkpoints" / "last.ckpt") != new_last
     best = torch.load(run / "best.ckpt", weights_only=True)
     assert best["hyper_parameters"]["model_spec"]["name"] == MODEL
+
+
+def test_sigterm_while_fitting_a_new_run_says_to_train_it_again(tmp_path: Path) -> None:
+    # it said "runs/fresh is as it was", of a folder it had made, with a config.yaml in it
+    run = tmp_path / "fresh"
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGTERM"))
+    assert proc.returncode == 143, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"interrupted: no checkpoint was written yet: train {run} again with "
+        f"`make train RUN={run} CONFIG={run / 'config.yaml'}`"
+    )
+    assert list((run / "checkpoints").iterdir()) == []
+    assert not list(run.glob(".previous.*"))

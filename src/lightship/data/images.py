@@ -79,6 +79,8 @@ def decode(
     file holds colour. Raises ImageError naming `name`."""
     c, h, w = chw
     mode = {1: "L", 3: "RGB"}[c]
+    if (len(source) if isinstance(source, bytes) else source.stat().st_size) == 0:
+        raise ImageError(name, "empty file (0 bytes): not a readable PNG or JPEG image")
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
             if im.format not in FORMATS:

@@ -161,9 +161,14 @@ def _note_gray(colour: int) -> None:
         )
 
 
-def _image_files(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Path]]:
-    """An image folder's classes, its (image file, class index) pairs and the other files."""
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+def _image_files(
+    root: Path,
+) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[Path]]:
+    """An image folder's classes, its (image file, class index) pairs, the other files, and the
+    images lying directly in the root, which belong to no class."""
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    classes = [p.name for p in entries if p.is_dir()]
+    loose = [p for p in entries if p.is_file() and p.suffix.lower() in images.SUFFIXES]
     files: list[tuple[Path, int]] = []
     skipped: list[Path] = []
     for idx, name in enumerate(classes):
@@ -172,7 +177,7 @@ def _image_files(root: Path) -> tuple[list[str], list[tuple[Path, int]], list[Pa
                 files.append((f, idx))
             else:
                 skipped.append(f)
-    return classes, files, skipped
+    return classes, files, skipped, loose
 
 
 def _folder(
@@ -180,11 +185,25 @@ def _folder(
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The folder's images, classes and their names; `digest` (a hashlib object) takes each
     image file's path, class and the sha256 of its bytes, read once for both."""
+    if root.is_file():
+        fix = (
+            "set data.source=npz for an .npz file"
+            if root.suffix.lower() == ".npz"
+            else "set data.path to a folder of <class>/*.png|jpg"
+        )
+        raise DataError(f"data.source=folder needs an image folder, but {root} is a file: {fix}")
     if not root.is_dir():
         raise DataError(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
         )
-    classes, files, skipped = _image_files(root)
+    classes, files, skipped, loose = _image_files(root)
+    if loose and files:
+        _note_once(
+            logging.WARNING,
+            f"image folder {root}: left out {len(loose)} images that lie directly in it, in no "
+            f"class sub-folder ({_some([f.name for f in loose], 3)}): move them into class "
+            "sub-folders to train on them",
+        )
     if skipped:
         kinds = sorted({f.suffix.lower() or f.name for f in skipped})
         _note_once(
@@ -194,9 +213,14 @@ def _folder(
             + _some([str(f.relative_to(root)) for f in skipped]),
         )
     if not files:
+        there = (
+            f"; {len(loose)} images lie directly in it: move them into class sub-folders"
+            if loose
+            else ""
+        )
         raise DataError(
             f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "
-            f"(found classes: {classes})"
+            f"(found classes: {classes}){there}"
         )
     y = np.array([label for _, label in files], dtype=np.int64)
     _check_classes("folder", str(root), y, classes)  # before the slow part: decoding
@@ -230,6 +254,11 @@ def _folder(
 
 
 def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    if path.is_dir():
+        raise DataError(
+            f"data.source=npz needs an .npz file, but {path} is a folder: set data.source=folder "
+            "for an image folder of <class>/*.png|jpg"
+        )
     if not path.is_file():
         raise DataError(
             f"npz file {path} does not exist: set data.path to a .npz with arrays x and y"

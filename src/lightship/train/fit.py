@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -18,11 +19,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import yaml
-from pytorch_lightning.callbacks import (
-    Callback,
-    EarlyStopping,
-    EMAWeightAveraging,
-)
+from pytorch_lightning.callbacks import Callback, EarlyStopping
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -31,6 +28,7 @@ from lightship import __version__, models
 from lightship.callbacks import (
     AtomicCheckpointIO,
     LatestBestCheckpoint,
+    WarmupEMA,
     evaluate,
     fit_trainer,
     progress,
@@ -273,6 +271,17 @@ def _unknown_kwargs(cfg: Config, exc: models.UnknownModelArguments) -> ConfigErr
     )
 
 
+def _train_batches(cfg: Config, images: int) -> int:
+    """Training batches an epoch (Lightning's count, before DDP shares them out)."""
+    batches = math.ceil(images / cfg.data.batch_size)
+    limit = cfg.trainer.limit_train_batches
+    if isinstance(limit, float):
+        batches = int(batches * limit)
+    elif isinstance(limit, int):
+        batches = min(batches, limit)
+    return max(batches, 1)
+
+
 def _trainer(**kwargs: Any) -> pl.Trainer:
     """pl.Trainer, its refusals (devices=0, an unknown accelerator...) as one-line ConfigErrors."""
     try:
@@ -321,17 +330,25 @@ def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
         run.checkpoints.mkdir(parents=True, exist_ok=True)
         stash = run.set_aside()
     try:
+        new_run = False
         if stash is not None:
             # last.ckpt first: what `RunDir.recover_set_aside` tells a finished stash by
             for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
                 if old.is_file():
                     os.replace(old, stash / old.name)
+            new_run = not any(stash.iterdir())
         try:
             yield
         except BaseException as exc:
             if stash is not None and not run.last_ckpt.is_file():
                 run.put_back(stash)
-                what = f"{run.root} is as it was (no checkpoint was written yet)"
+                # a new run keeps its folder and config.yaml: nothing was there to put back
+                what = (
+                    f"no checkpoint was written yet: train {run.root} again with "
+                    f"{run.train_command()}"
+                    if new_run
+                    else f"{run.root} is as it was (no checkpoint was written yet)"
+                )
             else:
                 what = f"resume with {run.train_command()}"
             if isinstance(exc, KeyboardInterrupt):
@@ -428,8 +445,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     callbacks: list[Callback] = [checkpoint]
     if cfg.optim.ema_decay is not None:
         # Validation, checkpoints and best.ckpt see the averaged weights: a smoother trajectory,
-        # so the val_acc-selected checkpoint is not a lucky noisy step.
-        callbacks.append(EMAWeightAveraging(decay=cfg.optim.ema_decay))
+        # so the val_acc-selected checkpoint is not a lucky noisy step. Warmed up: a short or
+        # small training would otherwise validate and keep mostly its initial weights.
+        callbacks.append(WarmupEMA(cfg.optim.ema_decay))
     early: EarlyStopping | None = None
     if cfg.early_stopping.enabled:
         early = EarlyStopping(
@@ -462,7 +480,8 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         callbacks=callbacks,
         enable_progress_bar=show_bar,
         enable_model_summary=show_bar,
-        log_every_n_steps=t.log_every_n_steps,
+        # at most one epoch: Lightning warns of a longer interval on every small data set
+        log_every_n_steps=min(t.log_every_n_steps, _train_batches(cfg, len(splits.train_y))),
         limit_train_batches=t.limit_train_batches,
         limit_val_batches=t.limit_val_batches,
         plugins=[AtomicCheckpointIO()],

@@ -1,0 +1,48 @@
+"""Lightning callbacks of lightship's own, driven by hand: hand-set weights, known answers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightship.callbacks import EpochBar, WarmupEMA
+
+
+class One(pl.LightningModule):
+    """A single weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+def test_ema_follows_the_weights_early_and_keeps_its_decay_later() -> None:
+    # Lightning's EMAWeightAveraging(decay=0.98) kept 0.98 of the old average from step 2 on:
+    # after a jump of the weight from 0 to 1 the average read 0.02, here 9/11
+    module = One()
+    ema = WarmupEMA(decay=0.98)
+    ema.setup(None, module, "fit")  # type: ignore[arg-type]  # (unused)
+
+    def step(global_step: int, weight: float) -> float:
+        module.w.data.fill_(weight)
+        trainer = SimpleNamespace(global_step=global_step)
+        ema.on_train_batch_end(trainer, module, None, None, 0)  # type: ignore[arg-type]
+        assert ema._average_model is not None
+        return float(next(ema._average_model.module.parameters()).detach())
+
+    assert step(1, 0.0) == 0.0  # the first update copies the weights
+    assert step(2, 1.0) == pytest.approx(1 - 2 / 11)  # decay (1 + 1) / (10 + 1)
+    for s in range(3, 500):
+        step(s, 1.0)
+    assert step(500, 2.0) == pytest.approx(1.02)  # long past its warm-up: decay 0.98
+
+
+def test_the_progress_bar_counts_epochs_from_one() -> None:
+    # Lightning's bar read "Epoch 2/2" in the last epoch of max_epochs=3
+    bar = EpochBar()
+    bar._trainer = SimpleNamespace(max_epochs=3)  # type: ignore[assignment]
+    assert bar._get_train_description(2) == "Epoch 3/3 "  # padded to "Validation"
