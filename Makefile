@@ -7,7 +7,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-RUN    ?= runs/default
+DEFAULT_RUN := runs/default
+RUN    ?= $(DEFAULT_RUN)
 CONFIG ?= configs/digits.yaml
 RESUME ?=
 ARGS   ?=
@@ -31,6 +32,8 @@ help: ## list the targets
 	@echo "variables:"
 	@echo "  RUN=runs/NAME                 the run directory every target reads and writes (docker-smoke: only when given)"
 	@echo "  CONFIG=configs/X.yaml         the training config (train, and a stage that trains first)"
+	@echo "                                a stage trains a RUN without best.ckpt only when RUN is $(DEFAULT_RUN),"
+	@echo "                                CONFIG or ARGS is given, or train is among the targets"
 	@echo "  RESUME=1                      train: continue from last.ckpt with the run's config.yaml"
 	@echo "  ARGS='--set trainer.max_epochs=3'   train, bench-train (and training a stage starts)"
 	@echo "  EXPORT_ARGS='--formats onnx'  export (and the export quantize/report/serve start)"
@@ -71,8 +74,25 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # put in place, so a missing model.onnx is the signal to export. A run that trained before
 # (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its best checkpoint back
 # and keeps what was made from it, where CONFIG's model would replace it.
+# A run that is not there is trained only when that is plainly what was asked: the default run
+# (a fresh clone's `make serve`), CONFIG or ARGS given, or `train` among the goals. A mistyped
+# RUN (`make export RUN=runs/shapez`) would otherwise train CONFIG's model for minutes and
+# export and serve it under the wrong name. Checked as the recipe is expanded, so `make -n`
+# stops too.
 $(RUN)/best.ckpt: | $(STAMP)
+	$(if $(train_asked),,$(error $(no_run)))
 	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
+
+comma := ,
+empty :=
+space := $(empty) $(empty)
+train_asked = $(or $(filter train,$(MAKECMDGOALS)),$(filter $(abspath $(DEFAULT_RUN)),$(abspath \
+	$(RUN))),$(filter-out file,$(origin CONFIG)),$(ARGS),$(wildcard $(RUN)/checkpoints/last.ckpt))
+runs_parent = $(dir $(patsubst %/,%,$(RUN)))
+trained_runs = $(patsubst $(runs_parent)%/best.ckpt,%,$(wildcard $(runs_parent)*/best.ckpt))
+no_run = no trained run at $(RUN): train it first with `make train RUN=$(RUN) \
+	CONFIG=configs/...` (or check the name: $(runs_parent) $(if $(trained_runs),holds: \
+	$(subst $(space),$(comma)$(space),$(strip $(trained_runs))),holds no trained run))
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
 	$(call args_note,export,EXPORT_ARGS)

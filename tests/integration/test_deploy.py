@@ -236,14 +236,15 @@ def test_model_target_bakes_only_serving_files_into_the_image(tmp_path: Path) ->
     assert nested == ["model/export/model.onnx", "model/manifest.json"]
 
 
-def make(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+def make(*args: str, path: str | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     # as if typed in a shell: not a sub-make of `make test` (MAKELEVEL adds "Entering directory")
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "RUN")}
+    given = ("MAKEFLAGS", "MAKELEVEL", "RUN", "CONFIG", "ARGS")
+    env = {k: v for k, v in os.environ.items() if k not in given}
     if path is not None:
         env["PATH"] = path
     return subprocess.run(
         [shutil.which("make") or "make", *args],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
@@ -275,6 +276,68 @@ def test_make_docker_smoke_serves_run_when_one_is_given() -> None:
     assert default.endswith("deploy/smoke.py"), default  # the handmade model, checked exactly
     given = make("-n", "docker-smoke", "RUN=runs/bench/digits").stdout.splitlines()[-1]
     assert given.endswith("deploy/smoke.py --run runs/bench/digits"), given
+
+
+def checkout(root: Path, runs: dict[str, str]) -> Path:
+    """The Makefile in a fresh directory, its .venv taken as installed, and `runs`: a run's name
+    -> the file it holds (best.ckpt, checkpoints/last.ckpt)."""
+    root.mkdir()
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, root / name)
+    stamp = root / ".venv" / ".installed"
+    stamp.parent.mkdir()
+    stamp.touch()
+    older = stamp.stat().st_mtime_ns - 10**9
+    os.utime(root / "pyproject.toml", ns=(older, older))
+    for name, file in runs.items():
+        (root / "runs" / name / file).parent.mkdir(parents=True)
+        (root / "runs" / name / file).touch()
+    return root
+
+
+@pytest.mark.parametrize("target", ["export", "quantize", "report", "serve"])
+def test_make_stage_on_a_mistyped_run_stops_before_training(target: str, tmp_path: Path) -> None:
+    """`make export RUN=runs/shapez` (meaning runs/shapes): one line naming the trained runs,
+    not 25 epochs of CONFIG's model served under the wrong name."""
+    root = checkout(
+        tmp_path / "checkout",
+        {"shapes": "best.ckpt", "digits": "best.ckpt", "empty": "config.yaml"},
+    )
+    for args in (["-n"], []):  # a dry run stops as the real one does, which runs nothing
+        proc = make(*args, target, "RUN=runs/shapez", cwd=root)
+        assert (proc.returncode, proc.stdout) == (2, ""), proc
+        (line,) = proc.stderr.splitlines()
+        assert re.fullmatch(
+            r"Makefile:\d+: \*\*\* no trained run at runs/shapez: train it first with "
+            r"`make train RUN=runs/shapez CONFIG=configs/\.\.\.` \(or check the name: runs/ "
+            r"holds: digits, shapes\)\.  Stop\.",
+            line,
+        ), line
+    assert not (root / "runs" / "shapez").exists()
+    proc = make("-n", target, "RUN=elsewhere/x", cwd=root)
+    assert "(or check the name: elsewhere/ holds no trained run)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "training"),
+    [
+        # a fresh clone's `make serve`: the default run, with the default config
+        (["serve"], "lightship train --run runs/default --config configs/digits.yaml"),
+        (["quantize", "RUN=runs/default/"], "lightship train --run runs/default/ --config"),
+        (["export", "RUN=runs/new", "CONFIG=configs/tiny.yaml"], "--config configs/tiny.yaml"),
+        (["report", "RUN=runs/new", "ARGS=--set trainer.max_epochs=1"], "max_epochs=1"),
+        (["train", "export", "quantize", "RUN=runs/new"], "lightship train --run runs/new"),
+        # a run that trained before and lost best.ckpt: resumed, as the Makefile says
+        (["export", "RUN=runs/old"], "lightship train --run runs/old  --resume"),
+    ],
+)
+def test_make_stages_train_a_missing_run_when_asked(
+    args: list[str], training: str, tmp_path: Path
+) -> None:
+    root = checkout(tmp_path / "checkout", {"old": "checkpoints/last.ckpt"})
+    proc = make("-n", *args, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert training in proc.stdout and "lightship export --run" in proc.stdout, proc.stdout
 
 
 # -- .dockerignore --------------------------------------------------------------------------

@@ -162,10 +162,10 @@ def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> N
 
 
 def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) -> None:
-    # a fresh RUN: report and serve train and export first
+    # a fresh RUN given with its CONFIG: report and serve train and export first
     fresh = tmp_path / "fresh"
     for target in ("report", "serve"):
-        out = make_n(target, f"RUN={fresh}")
+        out = make_n(target, f"RUN={fresh}", "CONFIG=configs/tiny.yaml")
         assert f"lightship train --run {fresh}" in out, out
         assert f"lightship export --run {fresh}" in out, out
     # an exported run is never exported again by file times: `cp -r` gives best.ckpt a newer
@@ -410,7 +410,7 @@ def test_resuming_puts_back_a_lost_best_checkpoint_and_keeps_what_was_made_from_
 
 def test_make_resumes_a_run_that_lost_its_best_checkpoint(tiny_run: Path) -> None:
     # training anew with make's default config would replace the run with another model
-    out = make_n("export", f"RUN={tiny_run}/nowhere")
+    out = make_n("export", f"RUN={tiny_run}/nowhere", "CONFIG=configs/digits.yaml")
     assert f"lightship train --run {tiny_run}/nowhere --config configs/digits.yaml" in out
     out = make_n("export", f"RUN={tiny_run}", "-B")
     assert re.search(rf"lightship train --run {tiny_run} +--resume", out), out
