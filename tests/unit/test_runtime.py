@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,7 +53,15 @@ def test_float_and_int_pixels_are_cast(predictor: OrtPredictor) -> None:
 @pytest.mark.parametrize(
     ("x", "message"),
     [
-        (np.zeros((1, 1, 3, 3), np.uint8), r"expected shape \[N, 1, 2, 2\], got \[1, 1, 3, 3\]"),
+        (np.zeros((1, 1, 3, 3), np.uint8), r"expected shape \[N, 1, 2, 2\], got \[1, 1, 3, 3\]$"),
+        # channels last, as PIL and numpy images come (V2 infer sends the shape as it is)
+        (
+            np.zeros((1, 2, 2, 1), np.uint8),
+            re.escape(
+                "expected shape [N, 1, 2, 2], got [1, 2, 2, 1] "
+                "(this looks like NHWC: transpose to NCHW)"
+            ),
+        ),
         (np.zeros((0, 1, 2, 2), np.uint8), "empty batch"),
         (np.full((1, 1, 2, 2), np.nan, np.float32), "NaN"),
         (np.full((1, 1, 2, 2), 300.0), r"0\.\.255"),

@@ -458,6 +458,18 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
         r"expected shape [N, 1, 2, 2], got [1, 1, 3, 3]",
     ),
     (
+        "channels last",
+        {"json": v2_json(np.zeros((1, 2, 2, 1), np.uint8))},
+        400,
+        "got [1, 2, 2, 1] (this looks like NHWC: transpose to NCHW)",
+    ),
+    (
+        "v1 body",
+        {"json": {"instances": X.tolist()}},
+        400,
+        'the body has no "inputs" list (V2 format: ',
+    ),
+    (
         "data/shape mismatch",
         {
             "json": {

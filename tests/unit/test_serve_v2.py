@@ -78,7 +78,20 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
     [
         (b"{not json", None, "malformed JSON"),
         (b"[1, 2]", None, "must be a JSON object"),
-        (b'{"inputs": []}', None, "exactly one input"),
+        (b'{"inputs": []}', None, "exactly one input 'input'; got 0"),
+        # the simple protocol's body sent to V2 infer: which format goes where
+        (
+            b'{"instances": [[[1, 2], [3, 4]]]}',
+            None,
+            re.escape(
+                'the body has no "inputs" list (V2 format: {"inputs": [{"name": "input", '
+                '"shape": [...], "datatype": "UINT8", "data": [...]}]}); for {"instances": '
+                "[...]} use /v1/predict"
+            )
+            + "$",
+        ),
+        (b'{"id": "a"}', None, r'the body has no "inputs" list \(V2 format: .*\]}\)$'),
+        (b'{"inputs": {"name": "input"}}', None, r"^inputs must be a list, got dict \(V2"),
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2]).replace(b'"input"', b'"pixels"'),
             None,
@@ -315,6 +328,22 @@ def test_v1_instances_and_predictions() -> None:
         (b'{"instances": [[[1, 2], [3]]]}', "ragged"),
         (b'{"instances": [[["a", "b"], ["c", "d"]]]}', "numbers"),
         (b'{"instances": [[1, 2, 3, 4]]}', r"must be \[1, 2, 2\]"),
+        (
+            b'{"instances": [[[[1, 2, 3], [4, 5, 6], [7, 8, 9]]]]}',
+            r"must be \[1, 2, 2\] pixels; got instances of shape \[1, 3, 3\]$",
+        ),
+        # channels last, as PIL and numpy images come: said so
+        (
+            b'{"instances": [[[[1], [2]], [[3], [4]]]]}',
+            re.escape(
+                "each instance must be [1, 2, 2] pixels; got instances of shape [2, 2, 1] "
+                "(this looks like HWC: transpose each to CHW)"
+            ),
+        ),
+        (
+            b'{"inputs": [{"name": "input"}]}',
+            re.escape('a V2 body ({"inputs": [...]}) goes to /v2/models/{name}/infer'),
+        ),
         (b'{"instances": [[[1, 2], [3, 4]]], "top_k": 0}', "top_k"),
         (b'{"instances": [[[1, 2], [3, true]]]}', "instances hold true/false"),
     ],

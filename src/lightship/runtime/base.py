@@ -195,8 +195,11 @@ class Predictor(ABC):
         if x.ndim == 3:
             x = x[None]
         if x.ndim != 4 or tuple(x.shape[1:]) != self.chw:
+            c, h, w = self.chw
+            nhwc = x.ndim == 4 and tuple(x.shape[1:]) == (h, w, c)
             raise InputError(
                 f"expected shape [N, {', '.join(map(str, self.chw))}], got {list(x.shape)}"
+                + (" (this looks like NHWC: transpose to NCHW)" if nhwc else "")
             )
         if x.shape[0] == 0:
             raise InputError("empty batch: send at least one image")

@@ -28,7 +28,12 @@ def decode_instances(
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict) or "instances" not in doc:
-        raise ProtocolError('body must be a JSON object {"instances": [image, ...]}')
+        v2_hint = (
+            '; a V2 body ({"inputs": [...]}) goes to /v2/models/{name}/infer'
+            if isinstance(doc, dict) and "inputs" in doc
+            else ""
+        )
+        raise ProtocolError(f'body must be a JSON object {{"instances": [image, ...]}}{v2_hint}')
     instances = doc["instances"]
     if not isinstance(instances, list):
         raise ProtocolError("instances must be a list of images (nested lists of pixels)")
@@ -47,10 +52,15 @@ def decode_instances(
         raise ProtocolError("instances must hold numbers (pixel values 0..255)")
     if x.ndim == 3 and chw[0] == 1:  # one-channel images may leave out the channel axis
         x = x[:, None]
-    if x.ndim != 4:  # Predictor.check would read a 3-D array as one image: say it here
+    # Checked here rather than by Predictor.check, which would read a 3-D array as one image
+    # and speaks of batches: the client sent instances.
+    if x.ndim != 4 or x.shape[1:] != chw:
+        c, h, w = chw
+        channels_last = x.shape[1:] == (h, w, c)
         raise ProtocolError(
             f"each instance must be [{', '.join(map(str, chw))}] pixels; "
             f"got instances of shape {list(x.shape[1:])}"
+            + (" (this looks like HWC: transpose each to CHW)" if channels_last else "")
         )
     return x, top_k
 

@@ -210,6 +210,23 @@ def _from_json_data(
     return x.reshape(shape)
 
 
+def _no_inputs(doc: dict[str, Any], input_name: str) -> str:
+    """Why a body without an `inputs` list is refused, and what goes where: the simple
+    protocol's `{"instances": ...}` sent here is the common mistake."""
+    inputs = doc.get("inputs")
+    what = (
+        'the body has no "inputs" list'
+        if inputs is None
+        else f"inputs must be a list, got {type(inputs).__name__}"
+    )
+    example = (
+        f'{{"inputs": [{{"name": "{input_name}", "shape": [...], "datatype": "UINT8", '
+        '"data": [...]}]}'
+    )
+    v1_hint = '; for {"instances": [...]} use /v1/predict' if "instances" in doc else ""
+    return f"{what} (V2 format: {example}){v1_hint}"
+
+
 def decode_request(
     body: bytes, header_length: str | None, input_name: str, outputs: tuple[str, ...] = OUTPUTS
 ) -> InferRequest:
@@ -233,9 +250,10 @@ def decode_request(
     params = _parameters(doc.get("parameters"), "parameters")
 
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or len(inputs) != 1:
-        count = len(inputs) if isinstance(inputs, list) else "no"
-        raise ProtocolError(f"this model takes exactly one input '{input_name}'; got {count}")
+    if not isinstance(inputs, list):
+        raise ProtocolError(_no_inputs(doc, input_name))
+    if len(inputs) != 1:
+        raise ProtocolError(f"this model takes exactly one input '{input_name}'; got {len(inputs)}")
     tensor = _object(inputs[0], "input")
     if tensor.get("name") != input_name:
         raise ProtocolError(
