@@ -44,6 +44,19 @@ def exported(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+def test_export_prints_each_artifact_once_then_the_next_stage(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "once"
+    shutil.copytree(tiny_run, run)
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx,torchscript", check=True)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    for variant, file in (("onnx-fp32", "model.onnx"), ("torchscript", "model.ts")):
+        (line,) = [x for x in lines if file in x]  # was a log line too, the same figures
+        assert line.startswith(f"{variant} ") and " parity: max |Δlogit| " in line, line
+    assert lines[-1] == f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)"
+
+
 def artifacts(run: Path) -> dict:
     return json.loads((run / "manifest.json").read_text())["artifacts"]
 
@@ -400,9 +413,9 @@ def test_a_format_torch_cannot_export_is_one_error_line(
     assert last_line(proc.stderr) == (
         "error: torch cannot export this model to pt2: GuardOnDataDependentSymNode: Could not "
         "guard on data-dependent expression Eq(u0, 1) (unhinted: Eq(u0, 1)). (Size-like "
-        f"symbols: none) — leave pt2 out: `PYTHONPATH=. make export RUN={run} "
-        "EXPORT_ARGS='--formats onnx,torchscript'` (model.onnx and model.ts are written), or "
-        "change the model's forward (`lightship --verbose export` shows the traceback)"
+        "symbols: none) — leave pt2 out: model.onnx and model.ts are written; go on with "
+        f"`PYTHONPATH=. make quantize RUN={run}`, or change the model's forward (`lightship "
+        "--verbose export` shows the traceback)"
     )
     # neither a traceback nor the partial graphs torch.export prints when it gives up, nor the
     # warning it logs for each failed attempt (the dynamo ONNX exporter's and the .pt2)

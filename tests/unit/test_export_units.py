@@ -6,6 +6,7 @@ import logging
 import os
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import onnx
@@ -13,10 +14,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from lightship.export import core
 from lightship.export import onnx as onnx_export
 from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.failure import printout_on_failure_to_debug
+from lightship.runs import RunDir
 from tests.conftest import ROOT
 
 WRITERS = {"onnx": onnx_export.write, "ts": ts_export.write, "pt2": pt2_export.write}
@@ -99,3 +102,29 @@ def test_what_a_block_that_succeeds_prints_is_passed_on(
         print("from Python")
         os.write(2, b"a warning\n")
     assert capfd.readouterr() == ("from C++\nfrom Python\n", "a warning\n")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "chosen", "fix"),
+    [
+        # what is left of the request, never what is already written
+        ("onnx", ["onnx", "torchscript", "pt2"], "`make export RUN=r EXPORT_ARGS='--formats "
+         "torchscript,pt2'`"),
+        ("torchscript", ["onnx", "torchscript", "pt2"], "`make export RUN=r EXPORT_ARGS="
+         "'--formats pt2'` (model.onnx is written)"),
+        # nothing left and model.onnx written: the stage that comes next
+        ("pt2", ["onnx", "torchscript", "pt2"], "model.onnx and model.ts are written; go on "
+         "with `make quantize RUN=r`"),
+        ("pt2", ["onnx", "pt2"], "model.onnx is written; go on with `make quantize RUN=r`"),
+        # no model.onnx: the other formats
+        ("pt2", ["pt2"], "`make export RUN=r EXPORT_ARGS='--formats onnx,torchscript'`"),
+        ("onnx", ["pt2", "onnx"], "`make export RUN=r EXPORT_ARGS='--formats pt2'` (model.pt2 "
+         "is written)"),
+    ],
+)  # fmt: skip
+def test_a_failed_format_says_how_to_go_on_from_what_is_written(
+    fmt: str, chosen: list[str], fix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # in the checkout: make's targets
+    loaded: Any = SimpleNamespace(model_spec={"name": "digits_cnn"})
+    assert core._fix(RunDir(Path("r")), loaded, fmt, chosen) == f"leave {fmt} out: {fix}"

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightship import cli, runs
-from lightship.runs import RunDir, lock_run, sha256_file
+from lightship.runs import RunDir, lock_run, sha256_file, stage_command
 from tests.conftest import CONFIGS, last_line, run_cli
 from tests.failing_models import SmallCNN
 
@@ -127,7 +127,12 @@ def test_an_export_stopped_between_formats_keeps_and_names_those_done(
     assert cli._invoke(argv) == 130
     # it ended with a bare "interrupted"
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"interrupted: onnx exported and kept; export again with {RunDir(run).command('export')}"
+        "interrupted: onnx exported and kept; export the rest with `"
+        + stage_command(
+            f"make export RUN={run} EXPORT_ARGS='--formats torchscript'",
+            f"lightship export --run {run} --formats torchscript",
+        )
+        + "`"
     )
     entry = RunDir(run).manifest()["artifacts"]["onnx-fp32"]
     assert entry["sha256"] == sha256_file(run / entry["file"])

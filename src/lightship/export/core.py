@@ -96,21 +96,34 @@ def eager_logits(
     return {b: run_batched(predict, x, b) for b in batches}
 
 
-def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str]) -> str:
-    """How to go on without `fmt`, as a command that runs from here: the export of the other
-    formats asked for (all the others when it was the only one), and what this export already
-    wrote before it."""
-    others = ",".join([f for f in chosen if f != fmt] or [f for f in FORMATS if f != fmt])
+def _command(run: RunDir, loaded: LoadedCheckpoint, stage: str, formats: Sequence[str] = ()) -> str:
+    """`stage` on this run as a command that runs from here, with the PYTHONPATH its model's
+    module needs; for export, `formats` when they are not all of them."""
     spec = loaded.model_spec
     env = pythonpath_prefix(str(spec["name"]), spec.get("module_file"))
     q = shlex.quote(str(run.root))
-    command = stage_command(
-        f"{env}make export RUN={q} EXPORT_ARGS='--formats {others}'",
-        f"{env}lightship export --run {q} --formats {others}",
+    some = ",".join(formats) if formats and set(formats) != set(FORMATS) else ""
+    return stage_command(
+        f"{env}make {stage} RUN={q}" + (f" EXPORT_ARGS='--formats {some}'" if some else ""),
+        f"{env}lightship {stage} --run {q}" + (f" --formats {some}" if some else ""),
     )
-    written = [FILENAMES[f] for f in chosen[: chosen.index(fmt)]]
-    done = f" ({' and '.join(written)} {'are' if len(written) > 1 else 'is'} written)"
-    return f"leave {fmt} out: `{command}`{done if written else ''}"
+
+
+def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str]) -> str:
+    """How to go on without `fmt`, as a command that runs from here. What this export wrote
+    before `fmt` stays: the export of the formats asked for after it, or, when none is left and
+    model.onnx is written, the next stage; else the export of the other formats asked for (all
+    the others when `fmt` was the only one)."""
+    written = list(chosen[: chosen.index(fmt)])
+    rest = list(chosen[chosen.index(fmt) + 1 :])
+    files = [FILENAMES[f] for f in written]
+    done = f"{' and '.join(files)} {'are' if len(files) > 1 else 'is'} written"
+    if "onnx" in written and not rest:
+        return f"leave {fmt} out: {done}; go on with `{_command(run, loaded, 'quantize')}`"
+    others = rest or written or [f for f in FORMATS if f != fmt]
+    return f"leave {fmt} out: `{_command(run, loaded, 'export', others)}`" + (
+        f" ({done})" if files else ""
+    )
 
 
 @contextmanager
@@ -246,11 +259,13 @@ def export(
             run.record(VARIANT_OF[fmt], entry)
             if fmt == "onnx":
                 _discard_quantized_from_another(run, entry["sha256"])
+            # the caller prints the artifacts with their parity, once (`lightship export`)
             artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
-            log.info("%s: %s, parity %s", VARIANT_OF[fmt], final, parity.summary())
     except KeyboardInterrupt:  # the last line says what is kept and how to go on
-        done = ", ".join(a.format for a in artifacts)
-        kept = f"{done} exported and kept; " if done else ""
-        note_interrupt(f"{kept}export again with {run.command('export')}")
+        done = [a.format for a in artifacts]
+        rest = [f for f in chosen if f not in done]
+        kept = f"{', '.join(done)} exported and kept; " if done else ""
+        again = "export the rest with" if done else "export again with"
+        note_interrupt(f"{kept}{again} `{_command(run, loaded, 'export', rest)}`")
         raise
     return artifacts

@@ -571,10 +571,12 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         f"epochs, step {trainer.global_step})"
     )
     pythonpath = models.pythonpath_prefix(cfg.model.name, module_file)
+    # an unchanged best.ckpt kept its exports: exporting again is not what comes next
+    after = "quantize" if unchanged and run.artifact("onnx-fp32") else "export"
     print(
         f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
-        f"next: {next_command('export', run.root, pythonpath)}",
+        f"next: {next_command(after, run.root, pythonpath)}",
         flush=True,
     )
     return run
