@@ -258,7 +258,7 @@ def report(
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import speedup, why_none
+    from lightship.report.render import speedup, tie_note, why_none
     from lightship.runs import RunDir
 
     with lock_run(run, "lightship report"):
@@ -293,6 +293,11 @@ def report(
             f"recommended: {best['name']}: x eager {speedup(best, 'eager')}, x ONNX fp32 "
             f"{speedup(best, 'onnx_fp32')} (medians; in brackets the middle half of the rounds)"
         )
+        tie = tie_note(r)
+        if tie:
+            print(f"  {tie}")
+    if r["timing_warning"]:  # below the figures it speaks of
+        print(f"warning: {r['timing_warning']}", file=sys.stderr)
     if best is None:  # `serve`'s auto would refuse this report
         print(f"why none: {why_none(r)}")
         if any(v["recommendable"] for v in r["variants"]):

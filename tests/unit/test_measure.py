@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from lightship.report.measure import Timing, measure, spread
+from lightship.report import measure as measure_module
+from lightship.report.measure import CpuClock, Timing, busy_share, measure, spread
 from lightship.report.render import speedup
 from lightship.runtime import Predictor
 from tests.conftest import ROOT, last_line, run_cli
@@ -99,6 +101,107 @@ def test_timings_of_a_quiet_machine_are_not_noisy_and_of_a_busy_one_are() -> Non
     assert slowed.noise() == ["img/s ±30%"]
     assert slowed.noise(steady, "eager", own_rounds=False) == ["x eager ±30%"]
     assert BUSY_EAGER.noise(own_rounds=False) == ["p90 102x p50"]
+
+
+def test_timings_taken_while_other_processes_used_the_cpu_are_noisy_however_steady() -> None:
+    # A report made beside a test run on the same 2 cores: ratios shifted alike in every round
+    # (QAT "63.70 (62.28-64.04) x eager", 9x too high), so no spread or tail tells
+    steady = Timing(latencies(0.06, 0.07), [34000.0, 34500.0, 34200.0, 34400.0, 34100.0])
+    base = Timing(latencies(0.5, 0.6), [540.0, 545.0, 538.0, 541.0, 543.0])
+    assert steady.noise(base, "eager") == []
+    busy = Timing(steady.latency_ms, steady.throughput, others_cpu_s=4.8, machine_cpu_s=10.0)
+    assert busy.busy_share == pytest.approx(0.48)
+    assert busy.noise(base, "eager") == ["other processes used 48% of the CPU"]
+    assert busy.noise(own_rounds=False) == ["other processes used 48% of the CPU"]
+    # a quiet machine's share (reports made alone: 0.2-0.3 %, no variant over 2 %)
+    quiet = Timing(steady.latency_ms, steady.throughput, others_cpu_s=0.02, machine_cpu_s=10.0)
+    assert quiet.noise(base, "eager") == []
+    assert steady.busy_share is None  # not measured (no /proc/stat): no reason either way
+    # several variants' together; clock ticks can put one short interval below zero
+    assert busy_share([busy, quiet]) == pytest.approx(4.82 / 20)
+    assert busy_share([Timing(others_cpu_s=-0.01, machine_cpu_s=1.0)]) == 0.0
+    assert busy_share([steady]) is None
+
+
+def test_others_cpu_is_the_machines_busy_time_less_this_process() -> None:
+    start = CpuClock(own_s=10.0, busy_s=100.0, total_s=400.0)
+    end = CpuClock(own_s=10.9, busy_s=101.4, total_s=402.0)  # 1 s on 2 cores
+    others, machine = end.others_since(start)
+    assert others == pytest.approx(0.5) and machine == pytest.approx(2.0)
+
+
+def test_measure_counts_the_cpu_others_used_while_each_variant_was_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each variant's share is taken over its own slices of each round (read before and after
+    it): others busy while one variant ran show in that variant's share alone."""
+    clock = {"own": 0.0, "busy": 0.0, "total": 0.0}
+
+    class Busy(Recorder):
+        def _run(self, x: np.ndarray) -> np.ndarray:  # 1 ms on 2 cores, others' share `busy`
+            clock["total"] += 0.002
+            clock["own"] += 0.001
+            clock["busy"] += 0.001 + 0.002 * (0.6 if self.name == "b" else 0.0)
+            return x
+
+    monkeypatch.setattr(
+        CpuClock, "now", staticmethod(lambda: CpuClock(clock["own"], clock["busy"], clock["total"]))
+    )
+    calls: list[tuple[str, int]] = []
+    predictors = {n: cast(Predictor, Busy(n, calls, 0.0)) for n in "ab"}
+    images = np.zeros((3, 1, 2, 2), np.uint8)
+    timings = measure(predictors, images, rounds=3, seconds=0.0, warmup=1)
+    assert timings["a"].busy_share == pytest.approx(0.0, abs=1e-9)
+    assert timings["b"].busy_share == pytest.approx(0.6)
+    assert timings["b"].machine_cpu_s == pytest.approx(3 * 21 * 0.002)  # 20 + 1 calls a round
+    assert timings["b"].noise(own_rounds=False) == ["other processes used 60% of the CPU"]
+
+
+def test_without_proc_stat_the_share_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(measure_module, "Path", lambda _: Path("/nonexistent/stat"))
+    assert CpuClock.now() is None
+    calls: list[tuple[str, int]] = []
+    p = cast(Predictor, Recorder("a", calls, 0.0))
+    timings = measure({"a": p}, np.zeros((3, 1, 2, 2), np.uint8), rounds=2, seconds=0.0)
+    assert timings["a"].busy_share is None and timings["a"].noise() == []
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="Linux's /proc/stat")
+def test_a_busy_child_process_counts_as_others_and_this_process_does_not() -> None:
+    """Real clocks: a child spinning for 0.4 s is others' CPU (at least its own CPU time, less
+    a clock tick per core); this process spinning as long is not, whatever else runs here."""
+    import resource
+
+    cpus = sum(line[3:4].isdigit() for line in Path("/proc/stat").read_text().splitlines())
+    slack = 2 * cpus / os.sysconf("SC_CLK_TCK")  # a clock tick per core at either end
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0, start = time.perf_counter(), CpuClock.now()
+    subprocess.run([sys.executable, "-c", SPIN, "0.4"], check=True)
+    end, wall = CpuClock.now(), time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert start is not None and end is not None
+    child_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    others, machine = end.others_since(start)
+    assert machine == pytest.approx(wall * cpus, abs=slack)  # every core's seconds
+    assert others >= child_s - slack, (others, child_s)
+
+    start = CpuClock.now()
+    deadline = time.process_time() + 0.4
+    while time.process_time() < deadline:
+        pass
+    end = CpuClock.now()
+    assert start is not None and end is not None
+    assert end.own_s - start.own_s >= 0.4
+    others, machine = end.others_since(start)
+    assert others <= machine - 0.4 + slack
+
+
+SPIN = """
+import sys, time
+deadline = time.process_time() + float(sys.argv[1])
+while time.process_time() < deadline:
+    pass
+"""
 
 
 def test_rounds_time_every_variant_once_in_shuffled_orders() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -150,34 +152,95 @@ def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
     assert len(renamed) == 3 and _all_new(run)
 
 
-def test_a_busy_machine_is_a_warning_in_the_terminal_report_md_and_report_json(
+def busy(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
+    """`measure` on a machine others kept busy: every variant timed while they used 48 % of
+    it, the eager baseline stalled in some calls, torchscript slowed in some rounds."""
+    timings = {
+        name: Timing([0.5] * 10, [1000.0] * 5, others_cpu_s=4.8, machine_cpu_s=10.0)
+        for name in predictors
+    }
+    timings["eager"].latency_ms[8:] = [100.0, 100.0]  # stalled calls: p90 200x p50
+    timings["torchscript"].throughput = [600.0, 800.0, 1000.0, 1300.0, 1600.0]
+    return timings
+
+
+BUSY_WARNING = (
+    "timings are noisy (other processes using over 10% of the CPU, batch-1 p90 over 3x p50, or "
+    "the middle half of the rounds over ±20% from their median): other processes used 48% of "
+    "the CPU while measuring, eager (p90 200x p50), torchscript (img/s ±30%; x eager ±30%). "
+    "The machine was busy while measuring, so the speed figures and the recommendation may be "
+    "off: re-run `lightship report --run {run}` when it is quiet"
+)
+
+
+def test_a_busy_machine_is_a_warning_in_report_md_and_report_json(
     run: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def busy(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
-        timings = {name: Timing([0.5] * 10, [1000.0] * 5) for name in predictors}
-        timings["eager"].latency_ms[8:] = [100.0, 100.0]  # stalled calls: p90 200x p50
-        timings["torchscript"].throughput = [600.0, 800.0, 1000.0, 1300.0, 1600.0]
-        return timings
-
     monkeypatch.setattr(report_core, "measure", busy)
     with caplog.at_level(logging.WARNING, "lightship.report"):
         result = report(RunDir(run), FAST)
 
+    busy_reason = "other processes used 48% of the CPU"
     assert {v["name"]: v["timing_noise"] for v in result["variants"]} == {
-        "eager": ["p90 200x p50"],
-        "torchscript": ["img/s ±30%", "x eager ±30%"],
-        "onnx-fp32": [],
+        "eager": [busy_reason, "p90 200x p50"],
+        "torchscript": [busy_reason, "img/s ±30%", "x eager ±30%"],
+        "onnx-fp32": [busy_reason],
     }
-    warning = (
-        "timings are noisy (batch-1 p90 over 3x p50, or the middle half of the rounds over ±20% "
-        "from their median): eager (p90 200x p50), torchscript (img/s ±30%; x eager ±30%). The "
-        "machine was busy while measuring, so the speed figures and the recommendation may be "
-        f"off: re-run `lightship report --run {run}` when it is quiet"
-    )
+    assert result["machine_busy_share"] == 0.48
+    assert all(v["machine_busy_share"] == 0.48 for v in result["variants"])
+    warning = BUSY_WARNING.format(run=run)
     assert result["timing_warning"] == warning
-    assert json.loads((run / "report" / "report.json").read_text())["timing_warning"] == warning
-    assert f"\n**Warning:** {warning}.\n" in (run / "report" / "report.md").read_text()
-    assert caplog.messages == [warning]
+    on_disk = json.loads((run / "report" / "report.json").read_text())
+    assert on_disk["timing_warning"] == warning and on_disk["machine_busy_share"] == 0.48
+    md = (run / "report" / "report.md").read_text()
+    assert f"\n**Warning:** {warning}.\n" in md
+    assert "- other processes used 48.0% of the CPU while variants were timed\n" in md
+    assert caplog.messages == []  # the caller shows it: the CLI below its table
+
+
+def test_the_cli_prints_the_timing_warning_once_below_its_table(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship import cli
+
+    monkeypatch.setattr(report_core, "measure", busy)
+    out = io.StringIO()  # stdout and stderr as a terminal interleaves them
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", out)
+    cli.report(run=run, threads=1, rounds=1, batch=64, gate=0.99)
+    lines = out.getvalue().splitlines()
+    warning = f"warning: {BUSY_WARNING.format(run=run)}"
+    assert lines.count(warning) == 1 and out.getvalue().count("timings are noisy") == 1
+    table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
+    recommended = next(i for i, line in enumerate(lines) if line.startswith("recommended:"))
+    assert table_end < recommended < lines.index(warning)
+    assert lines[-1].startswith("next: ")
+
+
+def test_report_json_says_how_the_recommendation_was_made_and_on_how_many_threads(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def tied(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
+        timings = {name: Timing([0.5] * 10, [1000.0, 1000.0, 1000.0]) for name in predictors}
+        timings["torchscript"].throughput = [1010.0, 990.0, 1000.0]  # as fast as ONNX fp32
+        return timings
+
+    monkeypatch.setattr(report_core, "measure", tied)
+    result = report(RunDir(run), ReportSettings(threads=2, rounds=3, seconds=0.01))
+    rows = {v["name"]: v for v in result["variants"]}
+    # both exact to fp32 (SQNR at its cap): the smaller file wins the tie
+    assert rows["torchscript"]["sqnr_db"] == rows["onnx-fp32"]["sqnr_db"]
+    smaller = min(("torchscript", "onnx-fp32"), key=lambda n: rows[n]["bytes"])
+    by = result["recommended_by"]
+    assert result["recommended"] == smaller and by["tie_break"] == "bytes"
+    assert sorted(by["tied"]) == ["onnx-fp32", "torchscript"]
+    assert json.loads((run / "report" / "report.json").read_text())["recommended_by"] == by
+    md = (run / "report" / "report.md").read_text()
+    assert f"**{smaller}** ★, tied in speed with " in md and "chosen for the smaller file" in md
+    # torch runs every batch on the report's threads; ONNX Runtime, one image on whichever
+    # session answered it sooner as the model loaded
+    assert rows["eager"]["batch1_threads"] == rows["torchscript"]["batch1_threads"] == 2
+    assert rows["onnx-fp32"]["batch1_threads"] in (1, 2)
 
 
 def test_a_quiet_machine_is_no_warning(

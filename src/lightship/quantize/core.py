@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -192,11 +192,11 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _peak_rss_mb() -> float | None:
+def _peak_rss_mib() -> float | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+                return int(line.split()[1]) / 1024  # kB, which Linux means as KiB
     except OSError:
         pass
     return None
@@ -328,8 +328,23 @@ class Quantizer:
     def close(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
 
-    def _gate(self, accuracy: float) -> bool:
-        return accuracy >= self.settings.gate * self.fp32_acc
+    @cached_property
+    def fp32_val_acc(self) -> float:
+        """fp32's accuracy on the validation split, which the choices made while quantizing
+        are judged on (`_gate(..., "validation")`), so that the test split's accuracy, which
+        the manifest and the report state, decided nothing."""
+        return self._val_accuracy(self.fp32)
+
+    def _val_accuracy(self, model: Path | Predictor) -> float:
+        return _accuracy(model, self.splits.val_x, self.splits.val_y)[0]
+
+    def _gate(self, accuracy: float, split: Literal["test", "validation"] = "test") -> bool:
+        """Whether `accuracy`, measured on `split`, passes the gate against fp32's on it."""
+        if split == "validation":
+            fp32, images = self.fp32_val_acc, len(self.splits.val_y)
+        else:
+            fp32, images = self.fp32_acc, len(self.splits.test_y)
+        return fallback.passes_gate(accuracy, fp32, self.settings.gate, images)
 
     def _static(self, out: Path, scheme: isa.Scheme, exclude: Sequence[str]) -> None:
         s = self.settings
@@ -355,7 +370,7 @@ class Quantizer:
                 "method": s.calibration_method,
                 "chunk": s.calibration_chunk,
                 "seconds": round(time.perf_counter() - t0, 2),
-                "peak_rss_mb": _peak_rss_mb(),
+                "peak_rss_mib": _peak_rss_mib(),
             }
 
     def _scheme_error(self, path: Path) -> dict[str, float]:
@@ -376,13 +391,18 @@ class Quantizer:
         # the file is renamed into place and recorded at once after: an interrupt in between
         # would leave a model its manifest entry does not describe, which the report refuses.
         with atomic_path(final) as tmp, made_here("static", tmp, self.work):
+            # Every choice below is made on the validation split; the test split only measures
+            # the model they made.
             for round_ in range(s.fallback_budget + 1):
                 self._static(tmp, self.scheme, exclude)
-                acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
+                val_acc = self._val_accuracy(tmp)
                 log.info(
-                    "static int8 round %d: accuracy %.4f (fp32 %.4f)", round_, acc, self.fp32_acc
+                    "static int8 round %d: validation accuracy %.4f (fp32 %.4f)",
+                    round_,
+                    val_acc,
+                    self.fp32_val_acc,
                 )
-                if self._gate(acc) or round_ == s.fallback_budget:
+                if self._gate(val_acc, "validation") or round_ == s.fallback_budget:
                     break
                 ranked = fallback.rank_nodes(
                     self.pre_static, tmp, self.calib[:64], self.input_name, frozenset(exclude)
@@ -393,19 +413,27 @@ class Quantizer:
                 island = ptq.fp32_island(self.pre_static, worst.node)
                 log.info("gate failed: keeping %s in fp32 (%s)", island, worst.as_dict())
                 exclude.extend(n for n in island if n not in exclude)
-                fallback_nodes.append({**worst.as_dict(), "island": island, "accuracy_before": acc})
-            speed = self._first_conv_in_fp32(tmp, exclude, acc)
+                fallback_nodes.append(
+                    {
+                        **worst.as_dict(),
+                        "island": island,
+                        "accuracy_before": val_acc,
+                        "accuracy_split": "validation",
+                    }
+                )
+            speed = self._first_conv_in_fp32(tmp, exclude, val_acc)
             if speed is not None and speed["kept"]:
                 exclude.extend(speed["island"])
-                acc = speed["accuracy"]
-            gemm = self._gemm_convs(tmp, acc)
-            chosen = self._scheme_error(tmp)
+                val_acc = speed["accuracy"]
+            gemm = self._gemm_convs(tmp, val_acc)
             meta = self._meta("static")
             if exclude:
                 meta[DISABLED_OPTIMIZERS] = "QDQPropagationTransformer"
             if gemm is not None and gemm["kept"]:
                 meta[SPIN_IN_RUN] = "1"
             ptq.copy_metadata(self.fp32, tmp, meta)
+            chosen = self._scheme_error(tmp)
+            acc = chosen["accuracy"]  # on the test split: the model as it is written
             scales = ptq.scales_digest(tmp)
             share = int8_share(tmp)
             seconds = time.perf_counter() - t0
@@ -433,15 +461,16 @@ class Quantizer:
         return Variant("static", final, acc, self._gate(acc), entry)
 
     def _first_conv_in_fp32(
-        self, current: Path, exclude: list[str], acc: float
+        self, current: Path, exclude: list[str], val_acc: float
     ) -> dict[str, Any] | None:
         """Keep a thin first conv in fp32 if that measures faster here (and passes the gate).
 
         Kept when it is > 5 % faster at batch 64, passes the gate, and is as accurate as the
-        all-int8 model or as fp32, whichever is lower: an all-int8 model that happens to beat
-        fp32 by a test image (the tiny model, on an AVX-512 Xeon) must not veto a model 1.5x
-        faster that scores as fp32 does. Replaces `current` with that model when it is kept;
-        None when the model has no thin first conv (`ptq.thin_first_conv`).
+        all-int8 model (`val_acc`) or as fp32, whichever is lower, all on the validation split:
+        an all-int8 model that happens to beat fp32 by an image (the tiny model, on an AVX-512
+        Xeon) must not veto a model 1.5x faster that scores as fp32 does. Replaces `current`
+        with that model when it is kept; None when the model has no thin first conv
+        (`ptq.thin_first_conv`).
         """
         island = [n for n in ptq.thin_first_conv(self.pre_static) if n not in exclude]
         if not island:
@@ -451,13 +480,17 @@ class Quantizer:
         # timed as it would be served: with the metadata that keeps its fp32 pool fast
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
         model = load_predictor(candidate)
-        cand_acc, _ = _accuracy(model, self.splits.test_x, self.splits.test_y)
+        cand_acc = self._val_accuracy(model)
         before, after = self._time_candidate(
             "first conv in fp32", load_predictor(current), model, latency=False
         )
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
-        kept = self._gate(cand_acc) and cand_acc >= min(acc, self.fp32_acc) and gain > 1.05
+        kept = (
+            self._gate(cand_acc, "validation")
+            and cand_acc >= min(val_acc, self.fp32_val_acc)
+            and gain > 1.05
+        )
         _settle(candidate, current, kept)
         log.info(
             "first conv in fp32: %.0f img/s against %.0f all-int8 at batch 64: %s",
@@ -471,20 +504,24 @@ class Quantizer:
             "img_per_s": {"all_int8": round(all_int8, 1), "first_conv_fp32": round(first_fp32, 1)},
             "speedup": round(gain, 3),  # the median of the within-round ratios
             "accuracy": cand_acc,
-            "accuracy_all_int8": acc,
+            "accuracy_all_int8": val_acc,
+            "accuracy_fp32": self.fp32_val_acc,
+            "accuracy_split": "validation",  # what the choice was made on
             "kept": kept,
         }
 
     def _time_candidate(
         self, step: str, current: Predictor, candidate: Predictor, latency: bool
     ) -> tuple[Timing, Timing]:
-        """`current` and `candidate` timed interleaved on the test images at batch `AB_BATCH`
-        (and batch 1 with `latency`): the A/B of every `step` that keeps a candidate model only
-        where it measures faster here. Timings too noisy to trust (`Timing.noise`, as the report
-        judges its own) are a warning: the machine was busy, and the choice may be wrong."""
+        """`current` and `candidate` timed interleaved on the validation images, where quantize
+        makes its choices, at batch `AB_BATCH` (and batch 1 with `latency`): the A/B of every
+        `step` that keeps a candidate model only where it measures faster here. Timings too
+        noisy to trust (`Timing.noise`, as the report judges its own: the CPU other processes
+        used, the spread of the rounds) are a warning: the machine was busy, and the choice
+        may be wrong."""
         timings = measure(
             {"current": current, "candidate": candidate},
-            self.splits.test_x,
+            self.splits.val_x,
             rounds=8,
             batch=AB_BATCH,
             seconds=0.05,
@@ -508,15 +545,16 @@ class Quantizer:
             )
         return before, after
 
-    def _gemm_convs(self, current: Path, acc: float) -> dict[str, Any] | None:
+    def _gemm_convs(self, current: Path, val_acc: float) -> dict[str, Any] | None:
         """Send the deep convs to ORT's AMX GEMM (`ptq.route_convs_to_gemm`) if that measures
         faster here, with the model's threads spinning inside each run, which it needs.
 
         Tried only on an AMX CPU for the vnni scheme. Kept when > 5 % faster at batch 64, no
-        slower at batch 1 and as accurate (the rewrite is exact), and, where short batches run
-        on a multi-thread session whose threads would spin, when its batch-1 run takes at least
-        `SPIN_MIN_RUN_MS`: spinning made the digits model (0.1 ms) 30 % slower served one
-        request at a time. Replaces `current` when kept; None when not tried.
+        slower at batch 1 and as accurate on the validation split as `current` (`val_acc`: the
+        rewrite is exact), and, where short batches run on a multi-thread session whose threads
+        would spin, when its batch-1 run takes at least `SPIN_MIN_RUN_MS`: spinning made the
+        digits model (0.1 ms) 30 % slower served one request at a time. Replaces `current` when
+        kept; None when not tried.
         """
         if self.target != "vnni" or "amx_int8" not in self.cpu.flags:
             return None
@@ -533,7 +571,7 @@ class Quantizer:
             "deep convs on ORT's GEMM", load_predictor(current), routed_model, latency=True
         )
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
-        cand_acc, _ = _accuracy(routed_model, self.splits.test_x, self.splits.test_y)
+        cand_acc = self._val_accuracy(routed_model)
         gain = gemm.speedup_over(direct)
         # the first rule this candidate breaks; "" when it is kept
         if run_ms < SPIN_MIN_RUN_MS and short_threads > 1:
@@ -545,8 +583,8 @@ class Quantizer:
             not_kept = f"{gain:.2f}x is not over 1.05x"
         elif gemm_ms > run_ms:
             not_kept = f"slower at batch 1: {gemm_ms:.3f} against {run_ms:.3f} ms"
-        elif cand_acc != acc:
-            not_kept = f"accuracy {cand_acc:.4f} against {acc:.4f}"
+        elif cand_acc != val_acc:
+            not_kept = f"validation accuracy {cand_acc:.4f} against {val_acc:.4f}"
         else:
             not_kept = ""
         kept = not not_kept
@@ -567,6 +605,7 @@ class Quantizer:
             },
             "speedup": round(gain, 3),
             "accuracy": cand_acc,
+            "accuracy_split": "validation",
             "kept": kept,
             **({"not_kept": not_kept} if not_kept else {}),
         }
@@ -634,8 +673,8 @@ class Quantizer:
                     f"{type(exc).__name__}: {first}; `--verbose` shows where",
                     "quantize this model with `--methods static,dynamic` instead",
                 ) from None
+            gemm = self._gemm_convs(tmp, self._val_accuracy(tmp))
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
-            gemm = self._gemm_convs(tmp, acc)
             entry = {
                 **self._entry(tmp, final, "qat", acc),
                 **info,

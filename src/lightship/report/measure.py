@@ -6,16 +6,19 @@ variants alike and no variant always follows the same one. Speed-ups are the med
 taken within a round: on the machines we measured, speed drifts by 10-20 % within seconds, and
 many short rounds gave ratios that repeat within a few per cent where three long ones spread by
 a third (`lightship report --rounds` trades time for spread). Other work on the cores spreads
-them far wider: `Timing.noise` says when.
+them far wider, or, where torch and ONNX Runtime slow unequally beside it, shifts every round's
+ratio alike: `Timing.noise` says when, from the spread and from the CPU other processes used.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -29,11 +32,53 @@ from lightship.runtime import Predictor
 # 22 % and up or 20-350x, and one of them put int8 at "54x eager" (6.9x on a quiet machine).
 NOISY_SPREAD = 0.2
 NOISY_TAIL = 3.0
+# Past this share of the machine's CPU used by other processes while a variant was timed, its
+# timings are noisy however steady its rounds look: torch's OpenMP threads, which spin at their
+# barriers, slow far more beside other work than ONNX Runtime does, so every round's ratio
+# shifts alike. The digits run's 5-round reports on the same 2 cores, others' share measured
+# beside them: alone, 0.2-0.3 % (no variant over 2 %), int8 6.9-7.0x eager; beside a loop busy
+# a quarter of the time, 14 % (ONNX fp32 at 1.98x eager against 2.31-2.38x); half the time,
+# 19 % (dynamic int8 1.39x against 1.09-1.12x); a loop always busy, 42 % (int8 23x); other
+# workers' jobs, 57 %, int8 at 16.2x (15.4-17.0) with no spread or tail to tell.
+NOISY_BUSY = 0.1
 # What `Timing.noise`'s short reasons mean, for a message to say once
 NOISE_RULE = (
-    f"batch-1 p90 over {NOISY_TAIL:g}x p50, or the middle half of the rounds over "
-    f"±{NOISY_SPREAD:.0%} from their median"
+    f"other processes using over {NOISY_BUSY:.0%} of the CPU, batch-1 p90 over "
+    f"{NOISY_TAIL:g}x p50, or the middle half of the rounds over ±{NOISY_SPREAD:.0%} from "
+    "their median"
 )
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """CPU seconds at one moment: this process's, all its threads together, and the machine's
+    busy and total, every core together (Linux's /proc/stat)."""
+
+    own_s: float
+    busy_s: float
+    total_s: float
+
+    @staticmethod
+    def now() -> CpuClock | None:
+        """None where there is no /proc/stat (not Linux): the busy share is then left out."""
+        try:
+            tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
+            # user nice system idle iowait irq softirq steal (guest time is counted in user)
+            first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+            jiffies = [int(v) for v in first[1:9]]
+            idle = jiffies[3] + jiffies[4]
+        except (AttributeError, OSError, ValueError, IndexError):
+            return None
+        total = sum(jiffies)
+        return CpuClock(time.process_time(), (total - idle) / tick, total / tick)
+
+    def others_since(self, start: CpuClock) -> tuple[float, float]:
+        """CPU seconds other processes used since `start` (the machine's busy time less this
+        process's), and the machine's CPU seconds in all (elapsed x cores). The machine counts
+        in clock ticks (10 ms), this process to the nanosecond: over one short interval the
+        first can come out below zero, over many they even out."""
+        others = (self.busy_s - start.busy_s) - (self.own_s - start.own_s)
+        return others, self.total_s - start.total_s
 
 
 def spread(values: Sequence[float] | np.ndarray) -> float:
@@ -47,6 +92,10 @@ def spread(values: Sequence[float] | np.ndarray) -> float:
 class Timing:
     latency_ms: list[float] = field(default_factory=list)  # batch-1 calls, all rounds
     throughput: list[float] = field(default_factory=list)  # images/s, large batch, per round
+    # CPU seconds other processes used while this variant was timed, and the machine's CPU
+    # seconds over the same intervals (0: not measured, no /proc/stat)
+    others_cpu_s: float = 0.0
+    machine_cpu_s: float = 0.0
 
     def summary(self) -> dict[str, float]:
         lat = np.asarray(self.latency_ms)
@@ -55,6 +104,12 @@ class Timing:
             "p90": float(np.percentile(lat, 90)),
             "p99": float(np.percentile(lat, 99)),
         }
+
+    @property
+    def busy_share(self) -> float | None:
+        """The share of the machine's CPU that other processes used while this variant was
+        timed; None where it was not measured."""
+        return busy_share([self])
 
     @property
     def throughput_per_s(self) -> float:
@@ -74,14 +129,16 @@ class Timing:
         self, base: Timing | None = None, base_name: str = "base", *, own_rounds: bool = True
     ) -> list[str]:
         """What says this variant was timed on a busy machine, [] when nothing does (reasons as
-        short as `p90 102x p50`, `img/s ±31%`, `x eager ±26%`; `NOISE_RULE` says what they
-        mean): its batch-1 p90 over `NOISY_TAIL` times its p50 (another process held the core
-        during some calls), or the middle half of its rounds' img/s, or of its within-round
-        speed-ups over `base`, more than `NOISY_SPREAD` from their median (some rounds slowed
-        and not others). `own_rounds=False` leaves out its own img/s, for a choice made on the
-        speed-up alone: interleaving keeps that steady where every variant of a round slows
-        alike."""
-        found = []
+        short as `other processes used 48% of the CPU`, `p90 102x p50`, `img/s ±31%`, `x eager
+        ±26%`; `NOISE_RULE` says what they mean): other processes using more than `NOISY_BUSY`
+        of the machine's CPU while it was timed, its batch-1 p90 over `NOISY_TAIL` times its
+        p50 (another process held the core during some calls), or the middle half of its
+        rounds' img/s, or of its within-round speed-ups over `base`, more than `NOISY_SPREAD`
+        from their median (some rounds slowed and not others). `own_rounds=False` leaves out
+        its own img/s, for a choice made on the speed-up alone: interleaving keeps that steady
+        where every variant of a round slows alike."""
+        busy = busy_reason(self.busy_share)
+        found = [busy] if busy else []
         if self.latency_ms:
             lat = self.summary()
             if lat["p90"] > NOISY_TAIL * lat["p50"]:
@@ -97,6 +154,22 @@ class Timing:
 
     def _ratios(self, base: Timing) -> np.ndarray:
         return np.asarray(self.throughput) / np.asarray(base.throughput)
+
+
+def busy_reason(share: float | None) -> str | None:
+    """`other processes used 48% of the CPU` where `share` is over `NOISY_BUSY`, else None."""
+    if share is None or share <= NOISY_BUSY:
+        return None
+    return f"other processes used {share:.0%} of the CPU"
+
+
+def busy_share(timings: Sequence[Timing]) -> float | None:
+    """The share of the machine's CPU other processes used while `timings` were measured, all
+    of them together; None where it was not measured (no /proc/stat)."""
+    total = sum(t.machine_cpu_s for t in timings)
+    if total <= 0:
+        return None
+    return min(max(sum(t.others_cpu_s for t in timings) / total, 0.0), 1.0)
 
 
 # glibc mallopt parameters (malloc.h)
@@ -160,11 +233,17 @@ def measure(
     for r in range(rounds):
         for i in order.permutation(len(names)):
             name, p = names[i], predictors[names[i]]
+            start = CpuClock.now()
             if latency:
                 lat = time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
                 timings[name].latency_ms.extend(1000 * t for t in lat)
             big_calls = time_calls(lambda p=p: p._run(big), seconds, 1)  # type: ignore[misc]
             timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
+            end = CpuClock.now()
+            if start is not None and end is not None:
+                others, machine = end.others_since(start)
+                timings[name].others_cpu_s += others
+                timings[name].machine_cpu_s += machine
             if on_step is not None:
                 on_step(name, r)
     return timings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,60 @@ def speedup(v: dict[str, Any], base: str) -> str:
         return "—"
     spread = v.get(f"speedup_vs_{base}_iqr")
     return f"{value:.2f}" + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+
+
+def gate_percent(gate: float) -> str:
+    """`99.5%` for 0.995: the gate as given, never rounded (0.995, 0.999 and 1.004 all printed
+    as 100 % once)."""
+    return f"{(Decimal(str(float(gate))) * 100).normalize():f}%"
+
+
+def _threads_line(r: dict[str, Any]) -> list[str]:
+    """Which variants answer one image on fewer threads than the report's (ONNX Runtime's
+    `short_batch_threads`: one, where that measured sooner as the model loaded)."""
+    fewer = [v for v in r["variants"] if v.get("batch1_threads", r["threads"]) < r["threads"]]
+    if not fewer:
+        return []
+    names = ", ".join(f"{v['name']} ({v['batch1_threads']})" for v in fewer)
+    return [
+        f"- threads at batch 1: fewer than {r['threads']} for {names}: ONNX Runtime answered "
+        "one image sooner on one thread than on all of them when the model loaded, and runs "
+        "it so here as in `serve`; the other variants, and every longer batch, use "
+        f"{r['threads']}"
+    ]
+
+
+def tie_note(r: dict[str, Any]) -> str:
+    """Where the recommended variant won a tie in speed (`core.recommend`), with whom and by
+    what, for report.md's and the CLI's line; "" where it was the fastest alone."""
+    best, by = r["recommended"], r.get("recommended_by")  # absent from reports before it
+    if best is None or not by or not by["tied"]:
+        return ""
+    rows = {v["name"]: v for v in r["variants"]}
+    fastest = by["fastest"]
+    ratios = "; ".join(
+        f"{fastest} over {n} {by['over'][n]['ratio']:.2f} "
+        f"({by['over'][n]['iqr'][0]:.2f}–{by['over'][n]['iqr'][1]:.2f})"
+        for n in by["tied"]
+        if n != fastest
+    )
+    others = [n for n in by["tied"] if n != best]
+    if by["tie_break"] == "sqnr":
+        why = "the higher SQNR vs fp32"
+        figures = [f"{n} {_sqnr(rows[n]['sqnr_db'])} dB" for n in [best, *others]]
+    else:
+        why = "the smaller file"
+        figures = [f"{n} {_fmt_bytes(rows[n]['bytes'])}" for n in [best, *others]]
+    return (
+        f"tied in speed with {', '.join(others)} (within-round ratio {ratios}), chosen for "
+        f"{why} ({', '.join(figures)})"
+    )
+
+
+def _sqnr(db: float | None) -> str:
+    if db is None:
+        return "—"
+    return f"≥ {SQNR_CAP_DB:.0f}" if db >= SQNR_CAP_DB else f"{db:.1f}"  # exact, or as good as
 
 
 def _split_line(variants: list[dict[str, Any]]) -> list[str]:
@@ -51,16 +106,22 @@ def markdown(r: dict[str, Any]) -> str:
             if r.get("malloc_keeps_freed_memory")
             else ""
         ),
+        *_threads_line(r),
         *_split_line(r["variants"]),
-        f"- accuracy gate: a variant keeps >= {r['gate']:.0%} of fp32 accuracy "
-        f"({r['fp32_accuracy']:.4f})",
+        f"- accuracy gate: a variant keeps >= {gate_percent(r['gate'])} of fp32 accuracy "
+        f"({r['fp32_accuracy']:.4f}), compared as counts of test images right",
     ]
+    busy = r.get("machine_busy_share")  # absent from reports before it, None off Linux
+    if busy is not None:
+        lines.append(f"- other processes used {busy:.1%} of the CPU while variants were timed")
     cal = r.get("calibration")
     if cal:
         lines.append(
             f"- calibration: {cal['samples']} training images, {cal['method']}, "
             f"{cal['chunk']} images held at once, {cal['seconds']} s, "
-            f"peak RSS {cal.get('peak_rss_mb') or 0:.0f} MB, scales {cal['scales_sha256'][:12]}"
+            # peak_rss_mb before it was named for its unit: MiB too (VmHWM KiB / 1024)
+            f"peak RSS {cal.get('peak_rss_mib') or cal.get('peak_rss_mb') or 0:.0f} MiB, "
+            f"scales {cal['scales_sha256'][:12]}"
         )
     lines += [
         "",
@@ -70,9 +131,7 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for v in r["variants"]:
         name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
-        sqnr = "—" if v["sqnr_db"] is None else f"{v['sqnr_db']:.1f}"
-        if v["sqnr_db"] is not None and v["sqnr_db"] >= SQNR_CAP_DB:
-            sqnr = f"≥ {SQNR_CAP_DB:.0f}"  # exact, or as good as
+        sqnr = _sqnr(v["sqnr_db"])
         lat = v["latency_ms"]
         lines.append(
             f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
@@ -85,9 +144,11 @@ def markdown(r: dict[str, Any]) -> str:
     lines.append("")
     if r.get("timing_warning"):  # absent from reports before it
         lines += [f"**Warning:** {r['timing_warning']}.", ""]
+    by = r.get("recommended_by")  # absent from reports before it
+    rule = by["rule"] if by else f"fastest at batch {r['batch']} that passes the gate"
+    tie = tie_note(r)
     lines.append(
-        f"Recommended (fastest at batch {r['batch']} that passes the gate): "
-        f"**{r['recommended'] or 'none'}** ★"
+        f"Recommended ({rule}): **{r['recommended'] or 'none'}** ★" + (f", {tie}" if tie else "")
     )
     if r["recommended"] is None:
         lines.append(f"\nWhy none: {why_none(r)}.")

@@ -1,0 +1,186 @@
+"""Which variant the report recommends, and how report.md states it, the gate and the setup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightship.quantize.fallback import passes_gate
+from lightship.report import render
+from lightship.report.core import recommend
+from lightship.report.measure import Timing
+
+# Within-round img/s of the digits run's int8 variants (15 rounds of a report made alone):
+# QAT ran 1.011x static (middle half 0.965-1.022), faster in 9 rounds of 15.
+STATIC = [34500.0] * 15
+RATIOS = "0.93 0.95 0.96 0.965 0.97 0.99 1.011 1.011 1.015 1.02 1.02 1.022 1.03 1.04 1.05"
+QAT = [float(v) * 34500.0 for v in RATIOS.split()]
+
+
+def row(name: str, sqnr: float | None, size: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "sqnr_db": sqnr,
+        "bytes": size,
+        "gate_passed": True,
+        "recommendable": True,
+        **kw,
+    }
+
+
+def test_variants_whose_within_round_ratio_straddles_one_tie_and_the_closer_to_fp32_wins() -> None:
+    rows = [row("onnx-int8-static", 49.1, 166_000), row("onnx-int8-qat", 10.6, 174_000)]
+    timings = {
+        "onnx-int8-static": Timing(throughput=STATIC),
+        "onnx-int8-qat": Timing(throughput=QAT),
+    }
+    assert timings["onnx-int8-qat"].speedup_over(timings["onnx-int8-static"]) > 1  # the fastest
+    best, by = recommend(rows, timings, 64)
+    assert best == "onnx-int8-static"
+    assert by["fastest"] == "onnx-int8-qat"
+    assert by["tied"] == ["onnx-int8-qat", "onnx-int8-static"] and by["tie_break"] == "sqnr"
+    assert by["over"]["onnx-int8-static"]["ratio"] == pytest.approx(1.011)
+    assert by["over"]["onnx-int8-static"]["iqr"] == pytest.approx([0.9675, 1.021], abs=5e-4)
+    assert "then the smaller file" in by["rule"]
+
+
+def test_a_variant_faster_in_most_rounds_wins_whatever_its_sqnr_or_its_median_img_s() -> None:
+    # b ran 1.1x a in every round but one, where a slow patch of the machine fell on b alone;
+    # the machine ran 3x faster in the last three rounds, and a's median img/s is the higher
+    a = Timing(throughput=[1000.0, 1000.0, 3000.0, 3000.0, 3000.0])
+    b = Timing(throughput=[1100.0, 1100.0, 1100.0, 3300.0, 3300.0])
+    assert a.throughput_per_s > b.throughput_per_s
+    rows = [row("a", 120.0, 100), row("b", 10.0, 200)]
+    best, by = recommend(rows, {"a": a, "b": b}, 64)
+    assert best == "b" and by["fastest"] == "b"
+    assert by["tied"] == [] and by["tie_break"] is None
+
+
+def test_a_tie_at_the_same_sqnr_goes_to_the_smaller_file() -> None:
+    rows = [row("torchscript", 120.0, 571_000), row("onnx-fp32", 120.0, 582_000)]
+    same = Timing(throughput=[1000.0, 1010.0, 990.0, 1000.0])
+    other = Timing(throughput=[1005.0, 1000.0, 1000.0, 995.0])
+    best, by = recommend(rows, {"torchscript": other, "onnx-fp32": same}, 64)
+    assert best == "torchscript" and by["tie_break"] == "bytes"
+
+
+def test_only_variants_that_pass_the_gate_and_can_be_served_are_candidates() -> None:
+    rows = [
+        row("eager", None, 1, recommendable=False),
+        row("fast", 30.0, 1, gate_passed=False),
+        row("slow", 40.0, 1),
+    ]
+    timings = {
+        "eager": Timing(throughput=[9000.0] * 3),
+        "fast": Timing(throughput=[5000.0] * 3),
+        "slow": Timing(throughput=[100.0] * 3),
+    }
+    assert recommend(rows, timings, 64)[0] == "slow"
+    best, by = recommend(rows[:2], timings, 64)
+    assert best is None and by["fastest"] is None and by["rule"]
+
+
+def report_dict(**kw: Any) -> dict[str, Any]:
+    """A report.json of two ONNX variants, for `render.markdown`."""
+    variants = [
+        {
+            "name": name,
+            "bytes": 166_000,
+            "accuracy": 0.99,
+            "delta_vs_fp32": 0.0,
+            "sqnr_db": sqnr,
+            "int8_share": 0.8,
+            "latency_ms": {"p50": 0.06, "p90": 0.07, "p99": 0.1},
+            "throughput_per_s": 34000.0,
+            "gate_passed": True,
+            "recommendable": True,
+            "recommended": name == "onnx-int8-static",
+            "nodes_fp32": [],
+            "lanes": 2,
+            "split_rows": 8,
+            "batch1_threads": 1,
+        }
+        for name, sqnr in (("onnx-int8-static", 49.1), ("onnx-int8-qat", 10.6))
+    ]
+    return {
+        "run": "runs/default",
+        "cpu": {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx512_vnni"], "target": "vnni"},
+        "threads": 2,
+        "versions": {"lightship": "0.1.0"},
+        "test_images": 269,
+        "batch": 64,
+        "rounds": 15,
+        "gate": 0.99,
+        "fp32_accuracy": 0.9963,
+        "variants": variants,
+        "recommended": "onnx-int8-static",
+        "recommended_by": {
+            "rule": "the rule",
+            "fastest": "onnx-int8-qat",
+            "over": {"onnx-int8-static": {"ratio": 1.011, "iqr": [0.965, 1.022]}},
+            "tied": ["onnx-int8-qat", "onnx-int8-static"],
+            "tie_break": "sqnr",
+        },
+        **kw,
+    }
+
+
+def test_report_md_states_the_rule_and_the_tie_it_broke() -> None:
+    md = render.markdown(report_dict())
+    assert (
+        "Recommended (the rule): **onnx-int8-static** ★, tied in speed with onnx-int8-qat "
+        "(within-round ratio onnx-int8-qat over onnx-int8-static 1.01 (0.96–1.02)), chosen for "
+        "the higher SQNR vs fp32 (onnx-int8-static 49.1 dB, onnx-int8-qat 10.6 dB)\n"
+    ) in md
+    untied = report_dict()
+    untied["recommended_by"] = {**untied["recommended_by"], "tied": [], "tie_break": None}
+    assert "Recommended (the rule): **onnx-int8-static** ★\n" in render.markdown(untied)
+
+
+@pytest.mark.parametrize(
+    ("gate", "shown"),
+    [(0.99, "99%"), (0.995, "99.5%"), (0.999, "99.9%"), (1.004, "100.4%"), (1.0, "100%")],
+)
+def test_the_gate_prints_as_given(gate: float, shown: str) -> None:
+    assert render.gate_percent(gate) == shown
+    assert f"a variant keeps >= {shown} of fp32 accuracy" in render.markdown(report_dict(gate=gate))
+
+
+def test_a_variant_exactly_at_the_gate_passes() -> None:
+    # 104 test images, fp32 100 right, int8 99: 99/104 >= 0.99 x 100/104 to the image, where
+    # in floats 99/104 = 0.95192307692307687 < 0.99 * (100/104) = 0.95192307692307698
+    assert 99 / 104 < 0.99 * (100 / 104)
+    assert passes_gate(99 / 104, 100 / 104, 0.99, 104)
+    assert not passes_gate(98 / 104, 100 / 104, 0.99, 104)
+    # 0.1 is a hair over 1/10 as a float: one right of ten keeps a tenth of ten right
+    assert passes_gate(1 / 10, 10 / 10, 0.1, 10)
+    assert passes_gate(269 / 269, 268 / 269, 1.0, 269) and not passes_gate(0.5, 1.0, 1.0, 2)
+
+
+def test_report_md_says_which_variants_answer_one_image_on_one_thread() -> None:
+    r = report_dict()
+    r["variants"][1]["batch1_threads"] = 2
+    md = render.markdown(r)
+    assert (
+        "- threads at batch 1: fewer than 2 for onnx-int8-static (1): ONNX Runtime answered "
+        "one image sooner on one thread than on all of them"
+    ) in md
+    r["variants"][0]["batch1_threads"] = 2
+    assert "threads at batch 1" not in render.markdown(r)
+
+
+def test_calibration_peak_rss_is_in_mib() -> None:
+    cal = {"samples": 256, "method": "minmax", "chunk": 64, "seconds": 0.13}
+    cal["scales_sha256"] = "c60050341897bc46"
+    md = render.markdown(report_dict(calibration={**cal, "peak_rss_mib": 521.07}))
+    assert "peak RSS 521 MiB," in md
+    # manifests before the field was named for its unit held MiB under peak_rss_mb
+    md = render.markdown(report_dict(calibration={**cal, "peak_rss_mb": 521.07}))
+    assert "peak RSS 521 MiB," in md
+
+
+def test_report_md_says_how_busy_other_processes_kept_the_machine() -> None:
+    md = render.markdown(report_dict(machine_busy_share=0.003))
+    assert "- other processes used 0.3% of the CPU while variants were timed\n" in md
+    assert "other processes" not in render.markdown(report_dict(machine_busy_share=None))
