@@ -8,12 +8,14 @@ from typing import cast
 import numpy as np
 import onnx
 import pytest
+import pytorch_lightning as pl
+import torch
 from onnx import TensorProto, helper
 
 from lightship.data import Splits
 from lightship.errors import ConfigError
 from lightship.quantize import core as quantize_core
-from lightship.quantize import isa, ptq
+from lightship.quantize import isa, ptq, qat
 from lightship.quantize.core import parse_methods
 from lightship.report import evaluate
 from lightship.report.render import pareto_front
@@ -623,3 +625,48 @@ def test_the_static_fallback_stops_when_the_validation_split_passes(
     assert kept[0]["accuracy_split"] == "validation"
     assert v.accuracy == 0.5 and not v.gate_passed  # on test
     assert recorded["onnx-int8-static"]["accuracy"] == 0.5
+
+
+class _Flat(pl.LightningModule):
+    """val_acc 1.0 at every epoch: early stopping's patience runs out after the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.net = (
+            torch.nn.Identity()
+        )  # what FreezeLate looks at: no ExportedNet, nothing to freeze
+        self.epochs: list[int] = []
+
+    def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+        return (self.w - 1).pow(2).sum()
+
+    def validation_step(self, batch: list[torch.Tensor], i: int) -> None:
+        self.log("val_acc", 1.0)
+
+    def on_train_epoch_start(self) -> None:
+        self.epochs.append(self.current_epoch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("epochs", [4, 6])
+def test_qat_early_stopping_runs_the_frozen_epoch_before_it_stops(epochs: int) -> None:
+    # A 4-epoch QAT whose val_acc was 1.0 at once stopped after epoch 2, the observers never off
+    freeze = qat.FreezeLate(epochs - 1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
+    model = _Flat()
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[qat.StopAfterFreezing(freeze), freeze],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, loader, loader)
+    # patience 2: epochs 0-2 see no improvement after the first; epoch 3 runs frozen, then stop
+    assert model.epochs == [0, 1, 2, 3]
+    assert freeze.at == 3

@@ -291,6 +291,31 @@ class FreezeLate(Callback):
             net.freeze()
 
 
+class StopAfterFreezing(EarlyStopping):
+    """EarlyStopping on val_acc (patience 2) that, where it would stop before `freeze`'s epoch,
+    moves that epoch up and runs it first: the model QAT hands on has always been fine-tuned
+    against the scales the int8 model will use. On a small validation split val_acc reaches
+    1.0 at once, and a 4-epoch QAT stopped after its third with the observers still on."""
+
+    def __init__(self, freeze: FreezeLate | None) -> None:
+        super().__init__(monitor="val_acc", mode="max", patience=2)
+        self.freeze = freeze
+
+    def _run_early_stopping_check(self, trainer: pl.Trainer) -> None:
+        super()._run_early_stopping_check(trainer)
+        if (
+            trainer.should_stop
+            and self.freeze is not None
+            and trainer.current_epoch < self.freeze.at
+        ):
+            trainer.should_stop = False
+            self.freeze.at = trainer.current_epoch + 1
+            log.info(
+                "QAT: val_acc has not improved for %d epochs: a last epoch with observers off",
+                self.patience,
+            )
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0][:200] if text else "") or type(exc).__name__
@@ -344,9 +369,9 @@ def fine_tune(
         mode="max",
         save_top_k=1,
     )
-    early = EarlyStopping(monitor="val_acc", mode="max", patience=2)
     # With one epoch there is no "late": freezing would leave the observers nothing to see.
     freeze = [FreezeLate(epochs - 1)] if epochs > 1 else []
+    early = StopAfterFreezing(freeze[0] if freeze else None)
     show_bar, bars = progress("auto")
     trainer = pl.Trainer(
         default_root_dir=workdir,
