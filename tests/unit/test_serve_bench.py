@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -73,24 +74,30 @@ def test_cpu_sample_tells_the_main_thread_from_the_others() -> None:
 def test_each_cell_reports_its_median_cpu_figures_and_the_table_shows_them() -> None:
     cells = []
     for r, (loop_us, cores, busy) in enumerate([(200.0, 1.7, 0.96), (260.0, 1.8, 0.98)]):
-        for endpoint, loop in (("server", loop_us), ("no-model ceiling", loop_us / 2)):
+        for endpoint, loop in (
+            (bench.SERVER, loop_us),
+            (bench.SAME_PATH, loop_us / 4),
+            (bench.FASTAPI, loop_us / 2),
+        ):
             cell = _cell(endpoint, "binary", 16, r, 600.0)
             cell.loop_us_per_request = loop
-            cell.other_threads_cores = cores if endpoint == "server" else 0.0
+            cell.other_threads_cores = cores if endpoint == bench.SERVER else 0.0
             cell.machine_busy = busy
             cells.append(cell)
     load, _, _ = bench.summarise(cells, [700.0, 700.0], [16])
-    server = next(x for x in load if x["endpoint"] == "server")
+    server = next(x for x in load if x["endpoint"] == bench.SERVER)
     assert server["loop_us_per_request"] == 230.0
     assert server["other_threads_cores"] == 1.75
     assert server["machine_busy"] == 0.97
-    assert "| 0.86 | 230 (115) | 1.75 | 97% |" in _table(cells, [700.0, 700.0], 2)
+    # event loop: server / same path / FastAPI
+    assert "| 0.86 | 230 / 58 / 115 | 1.75 | 97% |" in _table(cells, [700.0, 700.0], 2)
     # figures that could not be measured (no /proc) print as a dash
     unmeasured = [
-        _cell("server", "binary", 16, 0, 600.0),
-        _cell("no-model ceiling", "binary", 16, 0, 900.0),
+        _cell(bench.SERVER, "binary", 16, 0, 600.0),
+        _cell(bench.SAME_PATH, "binary", 16, 0, 1200.0),
+        _cell(bench.FASTAPI, "binary", 16, 0, 900.0),
     ]
-    assert "| 0.86 | - (-) | - | - |" in _table(unmeasured, [700.0], 1)
+    assert "| 0.86 | - / - / - | - | - |" in _table(unmeasured, [700.0], 1)
 
 
 def _table(cells: list[bench.LoadResult], in_process: list[float], rounds: int) -> str:
@@ -110,55 +117,64 @@ def _table(cells: list[bench.LoadResult], in_process: list[float], rounds: int) 
 
 
 def _cell(endpoint: str, protocol: str, c: int, r: int, rps: float) -> bench.LoadResult:
-    batch = 12.0 + r if endpoint == "server" else None
+    batch = 12.0 + r if endpoint == bench.SERVER else None
     return bench.LoadResult(
         "digits", endpoint, protocol, c, r, int(rps * 4), rps, 1.0 + r, 2.0, 2.5 + r, 0, 0, batch
     )
 
 
 def test_ratios_are_taken_within_each_round_then_the_median() -> None:
-    # Round 1 is a slow patch for everything; in round 2 only the no-model cell is slow.
-    server_json, no_model_json = [900.0, 450.0, 900.0], [1000.0, 900.0, 500.0]
+    # Round 1 is a slow patch for everything; in round 2 only the FastAPI cell is slow.
+    server_json, fastapi_json = [900.0, 450.0, 900.0], [1000.0, 900.0, 500.0]
     cells = []
     for r in range(3):
         k = 0.5 if r == 1 else 1.0
         cells += [
-            _cell("server", "json", 16, r, server_json[r]),
-            _cell("no-model ceiling", "json", 16, r, no_model_json[r]),
-            _cell("server", "binary", 16, r, 1200 * k),
-            _cell("no-model ceiling", "binary", 16, r, 1500 * k),
+            _cell(bench.SERVER, "json", 16, r, server_json[r]),
+            _cell(bench.SAME_PATH, "json", 16, r, 2000 * k),
+            _cell(bench.FASTAPI, "json", 16, r, fastapi_json[r]),
+            _cell(bench.SERVER, "binary", 16, r, 1200 * k),
+            _cell(bench.SAME_PATH, "binary", 16, r, 3000 * k),
+            _cell(bench.FASTAPI, "binary", 16, r, 1500 * k),
         ]
     in_process = [1000.0, 500.0, 1000.0]
     load, ratios, ranges = bench.summarise(cells, in_process, [16])
     # Per round 0.9, 0.5, 1.8: the median is 0.9 (a ratio of the medians would say 1.0).
-    assert ratios["server_vs_no_model"]["json"]["16"] == 0.9
-    assert ranges["server_vs_no_model"]["json"]["16"] == [0.5, 1.8]
+    assert ratios["server_vs_fastapi"]["json"]["16"] == 0.9
+    assert ranges["server_vs_fastapi"]["json"]["16"] == [0.5, 1.8]
     assert ranges["server_vs_in_process"]["json"]["16"] == [0.9, 0.9]
-    assert ratios["server_vs_no_model"]["binary"]["16"] == 0.8
+    assert ratios["server_vs_fastapi"]["binary"]["16"] == 0.8
+    # Per round 0.45, 0.45, 0.45 and 0.4: each ceiling has its own ratio.
+    assert ratios["server_vs_same_path"] == {
+        "json": {"16": 0.45, "peak": 0.45},
+        "binary": {"16": 0.4, "peak": 0.4},
+    }
     assert ratios["server_vs_in_process"] == {"json": {"16": 0.9}, "binary": {"16": 1.2}}
-    assert ratios["binary_vs_json"]["server"] == {"16": 1.333}
-    assert ratios["binary_vs_json"]["no-model ceiling"] == {"16": 1.5}
+    assert ratios["binary_vs_json"][bench.SERVER] == {"16": 1.333}
+    assert ratios["binary_vs_json"][bench.SAME_PATH] == {"16": 1.5}
+    assert ratios["binary_vs_json"][bench.FASTAPI] == {"16": 1.5}
     # Each cell reports its median over the rounds and keeps every round's figure.
-    json_cell = next(x for x in load if x["endpoint"] == "server" and x["protocol"] == "json")
+    json_cell = next(x for x in load if x["endpoint"] == bench.SERVER and x["protocol"] == "json")
     assert json_cell["req_per_s"] == 900.0
     assert json_cell["req_per_s_by_round"] == [900.0, 450.0, 900.0]
     assert json_cell["rounds"] == 3
     assert json_cell["p50_ms"] == 2.0  # median of 1, 2, 3
     assert json_cell["p99_ms_max"] == 4.5
     assert json_cell["mean_batch_rows"] == 13.0
-    assert json_cell["requests"] == 4 * (900 + 450 + 900)
+    assert json_cell["served"] == 4 * (900 + 450 + 900)
+    assert json_cell["failed"] == 0
 
 
 def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:
     cells = [
-        _cell("server", "json", 1, 0, 500.0),
-        _cell("no-model ceiling", "json", 1, 0, 1000.0),
-        _cell("server", "json", 1, 1, 600.0),
-        _cell("no-model ceiling", "json", 1, 1, 0.0),  # wrk got nothing through
+        _cell(bench.SERVER, "json", 1, 0, 500.0),
+        _cell(bench.FASTAPI, "json", 1, 0, 1000.0),
+        _cell(bench.SERVER, "json", 1, 1, 600.0),
+        _cell(bench.FASTAPI, "json", 1, 1, 0.0),  # wrk got nothing through
     ]
     _, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0], [1])
-    assert ratios["server_vs_no_model"]["json"]["1"] == 0.5
-    assert ranges["server_vs_no_model"]["json"]["1"] == [0.5, 0.5]
+    assert ratios["server_vs_fastapi"]["json"]["1"] == 0.5
+    assert ranges["server_vs_fastapi"]["json"]["1"] == [0.5, 0.5]
     assert ratios["server_vs_in_process"]["json"]["1"] == 0.55
 
 
@@ -166,10 +182,10 @@ def test_peak_ratio_is_each_endpoints_best_concurrency_within_a_round() -> None:
     # Round 0: the server peaks at 64 connections (900), the no-model endpoint at 16 (1000).
     # Round 1: both at 16; the no-model endpoint is slow that round. A missing cell is skipped.
     rates = {
-        ("server", 16): [800.0, 700.0],
-        ("server", 64): [900.0, 600.0],
-        ("no-model ceiling", 16): [1000.0, 800.0],
-        ("no-model ceiling", 64): [700.0, math.nan],
+        (bench.SERVER, 16): [800.0, 700.0],
+        (bench.SERVER, 64): [900.0, 600.0],
+        (bench.FASTAPI, 16): [1000.0, 800.0],
+        (bench.FASTAPI, 64): [700.0, math.nan],
     }
     cells = [
         _cell(endpoint, protocol, c, r, rps[r])
@@ -180,10 +196,10 @@ def test_peak_ratio_is_each_endpoints_best_concurrency_within_a_round() -> None:
     ]
     _, ratios, ranges = bench.summarise(cells, [1000.0, 1000.0], [16, 64])
     # per round 900/1000 and 700/800: the median of 0.9 and 0.875
-    assert ratios["server_vs_no_model"]["json"]["peak"] == 0.887
-    assert ratios["server_vs_no_model"]["binary"]["peak"] == 0.887
-    assert ratios["server_vs_no_model"]["json"]["16"] == 0.838  # 0.8 and 0.875
-    assert ranges["server_vs_no_model"]["json"]["peak"] == [0.875, 0.9]
+    assert ratios["server_vs_fastapi"]["json"]["peak"] == 0.887
+    assert ratios["server_vs_fastapi"]["binary"]["peak"] == 0.887
+    assert ratios["server_vs_fastapi"]["json"]["16"] == 0.838  # 0.8 and 0.875
+    assert ranges["server_vs_fastapi"]["json"]["peak"] == [0.875, 0.9]
 
 
 def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -> None:
@@ -195,40 +211,79 @@ def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -
     assert all(v > 0 for v in sweep.values())
 
 
-def test_markdown_shows_each_server_row_beside_its_no_model_row_and_the_ratios() -> None:
-    cells = [
-        _cell("server", "binary", 16, 0, 1500.0),
-        _cell("no-model ceiling", "binary", 16, 0, 4000.0),
-        _cell("server", "json", 16, 0, 1200.0),
-        _cell("no-model ceiling", "json", 16, 0, 3000.0),
-    ]
-    load, ratios, _ = bench.summarise(cells, [9000.0], [16])
-    results = {
+def _results(cells: list[bench.LoadResult], **model: Any) -> dict[str, Any]:
+    """What `bench` hands `markdown`: one digits model measured as `cells` at 16 connections."""
+    load, ratios, ranges = bench.summarise(cells, [9000.0], [16])
+    digits = {
+        "model": "digits",
+        "variant": "onnx-int8-static",
+        "in_process_ceiling": {"rows_per_s": 9000.0, "best_batch": 64},
+        "load": load,
+        "ratios": ratios,
+        "ratio_ranges": ranges,
+        "startup": {"seconds": 0.81, "correct": True},
+    }
+    return {
         "cpu": "Test CPU",
         "cores": 2,
         "duration_s": 5.0,
         "rounds": 1,
-        "models": [
-            {
-                "model": "digits",
-                "variant": "onnx-int8-static",
-                "in_process_ceiling": {"rows_per_s": 9000.0, "best_batch": 64},
-                "load": load,
-                "ratios": ratios,
-                "startup": {"seconds": 0.81, "correct": True},
-            }
-        ],
+        "models": [digits | model],
     }
-    table = bench.markdown(results)
+
+
+def test_markdown_shows_each_server_row_beside_both_no_model_endpoints_and_the_ratios() -> None:
+    cells = [
+        _cell(bench.SERVER, "binary", 16, 0, 1500.0),
+        _cell(bench.SAME_PATH, "binary", 16, 0, 6000.0),
+        _cell(bench.FASTAPI, "binary", 16, 0, 4000.0),
+        _cell(bench.SERVER, "json", 16, 0, 1200.0),
+        _cell(bench.SAME_PATH, "json", 16, 0, 4000.0),
+        _cell(bench.FASTAPI, "json", 16, 0, 3000.0),
+    ]
+    table = bench.markdown(_results(cells))
     assert "Test CPU" in table
+    header = table.splitlines()[2]
+    assert "| × same-path no-model | × FastAPI no-model | × in-process |" in header
+    assert "× no-model |" not in header  # no endpoint goes by that name alone any more
+    # server req/s, failed, p50, p99, mean batch, no-model req/s (same path / FastAPI), ratios
     assert (
-        "| digits (onnx-int8-static) | binary | 16 | 1500 | 1.00 | 2.50 | 12.0 | 4000 | 0.38 "
-        "| 0.17 |" in table
+        "| digits (onnx-int8-static) | binary | 16 | 1500 | 0 | 1.00 | 2.50 | 12.0 "
+        "| 6000 / 4000 | 0.25 | 0.38 | 0.17 |" in table
     )
     assert "9000 rows/s at batch 64" in table
-    assert "c=16: 1.25 (no-model 1.33)" in table
-    assert "against the no-model endpoint's best: JSON 0.40, binary 0.38" in table
+    assert "c=16: 1.25 (same path 1.50, FastAPI 1.33)" in table
+    assert (
+        "against each no-model endpoint's best: same path JSON 0.30, binary 0.25; "
+        "FastAPI JSON 0.40, binary 0.38" in table
+    )
     assert "first answer 0.81 s" in table
+    assert "parsed off the event loop" not in table
+
+
+def test_markdown_says_when_a_body_is_parsed_off_the_loop_by_the_server_only() -> None:
+    cells = [_cell(e, "json", 16, 0, 1000.0) for e in bench.ENDPOINTS]
+    table = bench.markdown(_results(cells, bodies_parsed_off_loop=["json"]))
+    assert "json bodies are large enough to be parsed off the event loop by the server" in table
+    # The benchmark's own one-image bodies are not, for either model: like for like.
+    from lightship.serve.app import LARGE_BODY_BYTES
+
+    for chw in ((1, 28, 28), (3, 32, 32)):
+        assert all(len(b) < LARGE_BODY_BYTES for b, _ in bench.request_bodies(chw, "x").values())
+
+
+def test_markdown_counts_and_names_each_cell_with_failed_requests() -> None:
+    cells = [_cell(e, p, 16, 0, 1000.0) for e in bench.ENDPOINTS for p in bench.PROTOCOLS]
+    failing = next(c for c in cells if (c.endpoint, c.protocol) == (bench.SERVER, "json"))
+    failing.non2xx, failing.socket_errors = 120, 3
+    table = bench.markdown(_results(cells))
+    assert "| digits (onnx-int8-static) | json | 16 | 1000 | 123 |" in table
+    assert "| digits (onnx-int8-static) | binary | 16 | 1000 | 0 |" in table
+    assert (
+        "- **digits, server, json at 16 connections: 123 requests failed** (120 error answers, "
+        "3 socket errors or timeouts, over 1 round(s)); its req/s counts 2xx answers only" in table
+    )
+    assert table.count("requests failed") == 1
 
 
 def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
@@ -236,13 +291,175 @@ def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
     for r, (server, no_model) in enumerate([(1000.0, 2000.0), (900.0, 1000.0), (800.0, 1000.0)]):
         for protocol in ("json", "binary"):
             cells += [
-                _cell("server", protocol, 16, r, server),
-                _cell("no-model ceiling", protocol, 16, r, no_model),
+                _cell(bench.SERVER, protocol, 16, r, server),
+                _cell(bench.SAME_PATH, protocol, 16, r, 2 * no_model),
+                _cell(bench.FASTAPI, protocol, 16, r, no_model),
             ]
     table = _table(cells, [1000.0, 1000.0, 1000.0], 3)
-    # × no-model per round 0.5, 0.9, 0.8; × in-process 1.0, 0.9, 0.8
-    assert "| 1000 | 0.80 (0.50–0.90) | 0.90 (0.80–1.00) |" in table
-    assert "c=16: 1.00 (no-model 1.00)" in table  # the same every round: no range
+    # × same path per round 0.25, 0.45, 0.4; × FastAPI 0.5, 0.9, 0.8; × in-process 1.0, 0.9, 0.8
+    assert "| 0.40 (0.25–0.45) | 0.80 (0.50–0.90) | 0.90 (0.80–1.00) |" in table
+    assert "c=16: 1.00 (same path 1.00, FastAPI 1.00)" in table  # the same every round: no range
+
+
+def test_a_ceiling_not_measured_prints_as_a_dash() -> None:
+    cells = [_cell(bench.SERVER, "json", 16, 0, 1000.0), _cell(bench.FASTAPI, "json", 16, 0, 2e3)]
+    assert "| - / 2000 | - | 0.50 |" in _table(cells, [1000.0], 1)
+
+
+def test_each_round_alternates_the_protocol_measured_first_and_rotates_the_endpoints() -> None:
+    rounds = bench.schedule(4, [1, 16])
+    for cells in rounds:  # every cell of every endpoint, once a round
+        assert sorted(cells) == sorted(
+            (e, p, c) for e in bench.ENDPOINTS for p in bench.PROTOCOLS for c in (1, 16)
+        )
+    assert [cells[0][1] for cells in rounds] == ["json", "binary", "json", "binary"]
+    # within each protocol and connection count, the endpoints take turns at going first
+    assert [cells[0][0] for cells in rounds] == [*bench.ENDPOINTS, bench.SERVER]
+    assert rounds[1][:3] == [
+        (bench.SAME_PATH, "binary", 1),
+        (bench.FASTAPI, "binary", 1),
+        (bench.SERVER, "binary", 1),
+    ]
+
+
+# An HTTP/1.1 server (keep-alive, as wrk expects) that answers every other POST 429.
+HALF_BUSY = """
+import itertools, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+count, lock = itertools.count(), threading.Lock()
+
+class HalfBusy(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        self.answer(200)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with lock:
+            n = next(count)
+        self.answer(429 if n % 2 else 200)
+
+    def answer(self, status):
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[-1])), HalfBusy).serve_forever()
+"""
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="needs wrk")
+def test_error_answers_are_counted_as_failed_not_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    (tmp_path / "stub.py").write_text(HALF_BUSY)
+    body = tmp_path / "body"
+    body.write_bytes(bench.request_bodies((1, 2, 2), "input")["json"][0])
+    proc = bench._Process([sys.executable, str(tmp_path / "stub.py")], tmp_path / "log", "/")
+    try:
+        cell = bench._cell(
+            "digits", bench.FASTAPI, "json", 2, 0, proc, proc.url + "/infer", body, 0, 1.0
+        )
+    finally:
+        proc.stop()
+    # every other answer was a 429: about as many failed as were served, give or take the
+    # requests in flight when wrk stopped
+    assert cell.non2xx > 50 and cell.socket_errors == 0
+    assert abs(cell.served - cell.non2xx) <= 2
+    assert cell.failed == cell.non2xx
+    assert cell.req_per_s == pytest.approx(cell.served, rel=0.2)  # in 1 s
+    assert f"{cell.non2xx} requests failed ({cell.non2xx} error answers" in caplog.text
+    assert "FAILED" in bench._cell_line(cell)
+
+
+def test_the_same_path_ceiling_is_the_server_answering_without_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import httpx
+
+    from lightship.runtime import load_predictor
+    from lightship.serve import app as serve_app
+    from lightship.serve.ceiling import InstantBatcher
+    from lightship.serve.model import ServedModel
+    from lightship.serve.settings import ServeSettings
+
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    runs: list[np.ndarray] = []
+    model_run = predictor._run
+
+    def counted(x: np.ndarray) -> np.ndarray:
+        runs.append(x)
+        return model_run(x)
+
+    predictor._run = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(serve_app, "Batcher", InstantBatcher)
+    app = serve_app.create_app(
+        predictor, ServedModel("hand", "file", path, None), ServeSettings(run=path)
+    )
+    service = app.state.service
+    x = np.array([[[[1, 2], [3, 4]]]], np.uint8)
+
+    async def main() -> list[httpx.Response]:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(service.settled.wait(), 10)
+            assert service.ready
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                infer = "/v2/models/hand/infer"
+                good = {"inputs": [{"name": "input", "shape": [1, 1, 2, 2], "datatype": "UINT8"}]}
+                good["inputs"][0]["data"] = x.ravel().tolist()
+                bad = {"inputs": [{"name": "input", "shape": [1, 1, 2, 3], "datatype": "UINT8"}]}
+                bad["inputs"][0]["data"] = list(range(6))
+                return [
+                    await client.post(infer, json=good),
+                    await client.post(infer, json=bad),
+                    await client.post("/v2/models/other/infer", json=good),
+                    await client.get("/metrics"),
+                ]
+
+    ok, wrong_shape, unknown, metrics = asyncio.run(main())
+    assert isinstance(service.batcher, InstantBatcher) and service.batcher._threads == []
+    # the model ran once, on the warm-up batch; the request got zeros of its logits' shape
+    assert len(runs) == 1
+    assert ok.status_code == 200
+    assert ok.json()["outputs"][0]["shape"] == [1, 2]
+    assert ok.json()["outputs"][0]["data"] == [0.0, 0.0]
+    # the server's own checks and error answers, its metrics
+    assert wrong_shape.status_code == 400 and "expected shape" in wrong_shape.json()["error"]
+    assert unknown.status_code == 404
+    assert 'route="/v2/models/{model_name}/infer",status="200"} 1.0' in metrics.text
+    assert "lightship_batch_rows_count 0.0" in metrics.text
+
+
+def test_the_same_path_ceiling_runs_as_lightship_serve_takes_its_arguments(
+    tmp_path: Path,
+) -> None:
+    import sys
+
+    import httpx
+
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    cmd = [sys.executable, "-m", "lightship.serve.ceiling", "serve", "--run", str(path)]
+    proc = bench._Process([*cmd, "--model-name", "hand"], tmp_path / "log")
+    try:
+        body, _ = bench.request_bodies((1, 2, 2), "input")["json"]
+        answer = httpx.post(f"{proc.url}/v2/models/hand/infer", content=body, timeout=5)
+        metrics = proc.get("/metrics")
+    finally:
+        proc.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == [0.0, 0.0]
+    assert bench._batch_rows(metrics) == (0.0, 0.0)
 
 
 def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
@@ -258,6 +475,8 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), models="digits,vgg")
     with pytest.raises(LightshipError, match="--rounds and --instances must be at least 1"):
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)
+    with pytest.raises(LightshipError, match="--duration must be a whole number of seconds"):
+        bench.bench(Path("d"), Path("r"), 0.5, [1], Path("o.json"))  # wrk would refuse it
     # checked before the benchmark trains the runs it lacks (minutes), not after
     proc = run_cli("bench", "serve", "--threads", "0", "--digits-run", "/nonexistent/run")
     assert proc.returncode == 2 and last_line(proc.stderr) == (
@@ -311,7 +530,7 @@ def test_bench_serve_help_says_what_it_writes_how_long_and_where_it_trains() -> 
     defaults = {p.name: p.default for p in command.params}
     assert "a Markdown table beside it (OUT with .md)" in text, text
     # the time it states follows from the defaults: every cell of every model, every round
-    cells = 2 * 2 * len(defaults["concurrency"].split(","))  # endpoints x protocols x conns
+    cells = len(bench.ENDPOINTS) * len(bench.PROTOCOLS) * len(defaults["concurrency"].split(","))
     per_model = defaults["duration"] * defaults["rounds"] * cells
     assert f"{defaults['duration']:g} s x {defaults['rounds']} rounds x {cells} cells" in text
     minutes = round(len(defaults["models"].split(",")) * per_model / 60)

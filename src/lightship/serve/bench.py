@@ -1,14 +1,24 @@
-"""`lightship bench serve`: requests/s and latency of a real server under wrk, beside two ceilings.
+"""`lightship bench serve`: requests/s and latency of a real server under wrk, beside ceilings.
 
 For each model (digits, a ResNet-18) the server runs as a separate process (`lightship serve`),
 and wrk drives one-image V2 infer requests, JSON and binary, at each concurrency. Measured in the
-same run, on the same machine:
+same run, on the same machine, beside it (`lightship.serve.ceiling`):
 
 - **in-process ceiling**: the served Predictor called directly, rows/s at its best batch size —
   what the model can do with no HTTP at all;
-- **no-model ceiling**: a FastAPI route that parses the same request and answers a response of
-  the same shape without a model (`lightship.serve.ceiling`), under the same wrk load — what
-  HTTP and the protocol cost alone.
+- **same-path no-model ceiling**: `lightship serve` itself with a batcher that answers each
+  request at once with zero logits (no queue, no inference thread) — the server's own request
+  path, parsing, checks and answer encoding included: what batching and the model cost on top
+  of it is the gap;
+- **FastAPI no-model endpoint**: a FastAPI route that parses the same request and answers a
+  response of the same shape without a model, the endpoint the serving issue's target names.
+  The server answers its tensor routes ahead of FastAPI (plain ASGI), which costs its event
+  loop less per request than this route: the server can beat it, so it is no ceiling of the
+  server's path, only the issue's yardstick.
+
+Throughput counts 2xx answers only: wrk's own count includes error answers (a 429 from a full
+queue is quick), and drops requests that failed on the socket or timed out. Every cell that had
+a failure is marked and warned about.
 
 wrk and the server share the machine's cores: on a 2-core box the figures are a floor. Where
 the time goes is measured too (Linux): the CPU each endpoint's event loop spends per request,
@@ -43,6 +53,8 @@ from lightship.report.measure import time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
 
+log = logging.getLogger(__name__)
+
 WRK_HINT = "install wrk: `sudo apt-get install -y wrk` (Debian/Ubuntu) or `brew install wrk`"
 # Prints one JSON line at the end of a wrk run: requests, errors, latency percentiles (µs).
 WRK_LUA = """
@@ -64,24 +76,37 @@ end
 """
 
 
+SERVER = "server"
+SAME_PATH = "same-path no-model"
+FASTAPI = "FastAPI no-model"
+ENDPOINTS = (SERVER, SAME_PATH, FASTAPI)
+# The ratio of the server to each no-model endpoint, by its key in the results
+CEILINGS = {"server_vs_same_path": SAME_PATH, "server_vs_fastapi": FASTAPI}
+PROTOCOLS = ("json", "binary")
+
+
 @dataclass
 class LoadResult:
     model: str
-    endpoint: str  # "server" or "no-model ceiling"
+    endpoint: str  # one of ENDPOINTS
     protocol: str  # "json" or "binary"
     concurrency: int
     round: int
-    requests: int
-    req_per_s: float
-    p50_ms: float
+    served: int  # 2xx answers
+    req_per_s: float  # 2xx answers per second
+    p50_ms: float  # latencies are of every answer, failed ones included (wrk's)
     p90_ms: float
     p99_ms: float
-    non2xx: int
-    socket_errors: int
+    non2xx: int  # error answers (wrk counts status >= 400)
+    socket_errors: int  # connect, read, write errors and timeouts: no answer at all
     mean_batch_rows: float | None = None
     loop_us_per_request: float | None = None  # the endpoint's event loop (main thread) CPU
     other_threads_cores: float | None = None  # its other threads: inference, ORT's pool
     machine_busy: float | None = None  # share of all cores busy (wrk, server, anything else)
+
+    @property
+    def failed(self) -> int:
+        return self.non2xx + self.socket_errors
 
 
 @dataclass(frozen=True)
@@ -318,7 +343,7 @@ def summarise(
     """Median of each (endpoint, protocol, concurrency) cell over the rounds, the ratios, and
     each ratio's range (least and greatest of its rounds, keyed as the ratios are).
 
-    A ratio is taken within each round (the server beside the no-model endpoint, the
+    A ratio is taken within each round (the server beside the no-model endpoints, the
     in-process ceiling and the other protocol measured minutes apart at most), then the median
     over rounds: on a noisy machine that is steadier than a ratio of medians.
     """
@@ -334,7 +359,8 @@ def summarise(
                 "protocol": protocol,
                 "concurrency": c,
                 "rounds": len(runs),
-                "requests": sum(r.requests for r in runs),
+                "served": sum(r.served for r in runs),
+                "failed": sum(r.failed for r in runs),
                 "req_per_s": round(_median([r.req_per_s for r in runs]), 1),
                 "req_per_s_by_round": [r.req_per_s for r in runs],
                 "p50_ms": round(_median([r.p50_ms for r in runs]), 3),
@@ -357,7 +383,7 @@ def summarise(
         per_round = {x.round: x.req_per_s for x in runs}
         series[key] = [per_round.get(r, math.nan) for r in rounds]
 
-    kinds = ("server_vs_in_process", "server_vs_no_model", "binary_vs_json")
+    kinds = ("server_vs_in_process", *CEILINGS, "binary_vs_json")
     ratios: dict[str, dict[str, dict[str, float]]] = {k: {} for k in kinds}
     ranges: dict[str, dict[str, dict[str, list[float]]]] = {k: {} for k in kinds}
 
@@ -369,18 +395,19 @@ def summarise(
         ranges[kind].setdefault(group, {})[cell] = spread
 
     for c in concurrency:
-        for protocol in ("json", "binary"):
-            server = ("server", protocol, c)
+        for protocol in PROTOCOLS:
+            server = (SERVER, protocol, c)
             ratio("server_vs_in_process", protocol, str(c), server, "in-process")
-            ratio("server_vs_no_model", protocol, str(c), server, ("no-model ceiling", protocol, c))
-        for endpoint in ("server", "no-model ceiling"):
+            for kind, ceiling in CEILINGS.items():
+                ratio(kind, protocol, str(c), server, (ceiling, protocol, c))
+        for endpoint in ENDPOINTS:
             ratio(
                 "binary_vs_json", endpoint, str(c), (endpoint, "binary", c), (endpoint, "json", c)
             )
-    # The no-model endpoint's ceiling is its best rate at any concurrency, and the server's
-    # best may come at another (batching grows with connections): peak against peak, per round.
-    for protocol in ("json", "binary"):
-        for endpoint in ("server", "no-model ceiling"):
+    # A no-model endpoint's ceiling is its best rate at any concurrency, and the server's best
+    # may come at another (batching grows with connections): peak against peak, per round.
+    for protocol in PROTOCOLS:
+        for endpoint in ENDPOINTS:
             cells_of = [
                 series[key] for c in concurrency if (key := (endpoint, protocol, c)) in series
             ]
@@ -388,14 +415,27 @@ def summarise(
                 max((v[i] for v in cells_of if math.isfinite(v[i])), default=math.nan)
                 for i in range(len(rounds))
             ]
-        ratio(
-            "server_vs_no_model",
-            protocol,
-            "peak",
-            ("server", protocol, "peak"),
-            ("no-model ceiling", protocol, "peak"),
-        )
+        for kind, ceiling in CEILINGS.items():
+            ratio(kind, protocol, "peak", (SERVER, protocol, "peak"), (ceiling, protocol, "peak"))
     return load, ratios, ranges
+
+
+def schedule(rounds: int, concurrency: list[int]) -> list[list[tuple[str, str, int]]]:
+    """The cells of each round in the order they are measured: (endpoint, protocol, connections).
+
+    Every cell of every endpoint in each round, so that a slow patch of the machine touches the
+    server and its ceilings alike. Which protocol goes first alternates between rounds, and the
+    endpoints take turns at going first: measured always in the same order, one of them would
+    always follow the other's load (a warmer cache, a hotter CPU) and the ratio between them
+    would say so.
+    """
+    order = []
+    for r in range(rounds):
+        turn = r % len(ENDPOINTS)
+        endpoint_order = ENDPOINTS[turn:] + ENDPOINTS[:turn]
+        protocols = PROTOCOLS if r % 2 == 0 else PROTOCOLS[::-1]
+        order.append([(e, p, c) for p in protocols for c in concurrency for e in endpoint_order])
+    return order
 
 
 def bench_model(
@@ -409,9 +449,11 @@ def bench_model(
     threads: int | None,
     instances: int = 1,
 ) -> dict[str, Any]:
-    """One model: both endpoints up side by side, every cell measured once per round."""
+    """One model: the server and both no-model endpoints up side by side, every cell measured
+    once per round."""
     from rich.console import Console
 
+    from lightship.serve.app import LARGE_BODY_BYTES
     from lightship.serve.model import choose
     from lightship.serve.settings import ServeSettings
 
@@ -430,71 +472,70 @@ def bench_model(
     best_x = np.resize(bench_image(chw), (best, *chw))
     console.print(f"  in-process: best batch {best} ({sweep[best]:.0f} rows/s)")
     bodies = {}
+    body_bytes = {}
     for protocol, (body, hlen) in request_bodies(chw, spec.get("name", "input")).items():
         path = work / f"{label}-{protocol}.body"
         path.write_bytes(body)
         bodies[protocol] = (path, hlen)
+        body_bytes[protocol] = len(body)
 
-    serve_cmd = [sys.executable, "-m", "lightship", "serve", "--run", str(run.root)]
-    serve_cmd += ["--variant", served.variant, "--model-name", label]
-    serve_cmd += ["--threads", str(settings.model_threads()), "--instances", str(instances)]
-    ceiling_cmd = [sys.executable, "-m", "lightship.serve.ceiling"]
-    ceiling_cmd += ["--input-name", spec.get("name", "input"), "--classes", str(len(labels))]
+    serve_args = ["serve", "--run", str(run.root), "--variant", served.variant]
+    serve_args += ["--model-name", label, "--threads", str(settings.model_threads())]
+    serve_args += ["--instances", str(instances)]
+    commands = {
+        SERVER: [sys.executable, "-m", "lightship", *serve_args],
+        SAME_PATH: [sys.executable, "-m", "lightship.serve.ceiling", *serve_args],
+        FASTAPI: [
+            sys.executable,
+            "-m",
+            "lightship.serve.ceiling",
+            "--input-name",
+            spec.get("name", "input"),
+            "--classes",
+            str(len(labels)),
+        ],
+    }
     procs: dict[str, _Process] = {}
+    url: dict[str, str] = {}
     cells: list[LoadResult] = []
     in_process: list[float] = []
+    order = schedule(rounds, concurrency)
     try:
-        # Both endpoints stay up for the whole model (an idle one costs nothing) and each
-        # round measures every cell of both, alternating which goes first: a slow patch of
-        # the machine then touches the server and its ceilings alike.
-        procs["server"] = _Process(serve_cmd, work / f"{label}-server.log")
-        url = {"server": f"{procs['server'].url}/v2/models/{label}/infer"}
-        startup = _first_answer(
-            procs["server"], url["server"], bodies["json"][0].read_bytes(), expected
-        )
-        console.print(
-            f"  first answer {startup['seconds']:.2f} s after start, "
-            f"{'correct' if startup['correct'] else 'WRONG'}"
-        )
-        procs["no-model ceiling"] = _Process(ceiling_cmd, work / f"{label}-no-model.log")
-        url["no-model ceiling"] = f"{procs['no-model ceiling'].url}/v2/models/{label}/infer"
+        # All endpoints stay up for the whole model: an idle one costs nothing.
+        for endpoint, cmd in commands.items():
+            log_file = work / f"{label}-{endpoint.replace(' ', '-')}.log"
+            procs[endpoint] = _Process(cmd, log_file)
+            url[endpoint] = f"{procs[endpoint].url}/v2/models/{label}/infer"
+            if endpoint == SERVER:
+                startup = _first_answer(
+                    procs[SERVER], url[SERVER], bodies["json"][0].read_bytes(), expected
+                )
+                console.print(
+                    f"  first answer {startup['seconds']:.2f} s after start, "
+                    f"{'correct' if startup['correct'] else 'WRONG'}"
+                )
         for endpoint in procs:
             for body_path, hlen in bodies.values():
                 _wrk(url[endpoint], body_path, hlen, 4, min(duration, 1.0))  # warm-up
-        for r in range(rounds):
+        for r, cells_of_round in enumerate(order):
             in_process.append(_rows_per_s(predictor, best_x, 1.0, instances))
             console.print(f"  round {r + 1}/{rounds}: in-process {in_process[-1]:.0f} rows/s")
-            order = list(procs) if r % 2 == 0 else list(reversed(procs))
-            for protocol, (body_path, hlen) in bodies.items():
-                for conc in concurrency:
-                    for endpoint in order:
-                        cell = _cell(
-                            label,
-                            endpoint,
-                            protocol,
-                            conc,
-                            r,
-                            procs[endpoint],
-                            url[endpoint],
-                            body_path,
-                            hlen,
-                            duration,
-                        )
-                        cells.append(cell)
-                        console.print(
-                            f"    {endpoint:16} {protocol:6} c={conc:<3} {cell.req_per_s:8.0f} "
-                            f"req/s  p50 {cell.p50_ms:7.2f} ms  p99 {cell.p99_ms:7.2f} ms"
-                            + (
-                                f"  mean batch {cell.mean_batch_rows}"
-                                if cell.mean_batch_rows
-                                else ""
-                            )
-                            + (
-                                f"  event loop {cell.loop_us_per_request:.0f} µs/req"
-                                if cell.loop_us_per_request is not None
-                                else ""
-                            )
-                        )
+            for endpoint, protocol, conc in cells_of_round:
+                body_path, hlen = bodies[protocol]
+                cell = _cell(
+                    label,
+                    endpoint,
+                    protocol,
+                    conc,
+                    r,
+                    procs[endpoint],
+                    url[endpoint],
+                    body_path,
+                    hlen,
+                    duration,
+                )
+                cells.append(cell)
+                console.print("    " + _cell_line(cell))
     finally:
         for proc in procs.values():
             proc.stop()
@@ -506,6 +547,13 @@ def bench_model(
         "threads_per_instance": settings.model_threads(),
         "file": str(served.path),
         "input_shape": list(chw),
+        "body_bytes": body_bytes,
+        # Bodies this large are parsed off the event loop by the server and the same-path
+        # endpoint (the same code), on it by the FastAPI one: its loop column is then no match.
+        "bodies_parsed_off_loop": [p for p, n in body_bytes.items() if n >= LARGE_BODY_BYTES],
+        "protocol_order_by_round": [
+            list(dict.fromkeys(p for _, p, _ in cells_of_round)) for cells_of_round in order
+        ],
         "in_process_ceiling": {
             "rows_per_s_by_batch": {str(b): round(v, 1) for b, v in sweep.items()},
             "best_batch": best,
@@ -517,6 +565,24 @@ def bench_model(
         "ratios": ratios,
         "ratio_ranges": ranges,
     }
+
+
+def _cell_line(cell: LoadResult) -> str:
+    """One console line for a measured cell; its failures, when it had any, in red."""
+    line = (
+        f"{cell.endpoint:18} {cell.protocol:6} c={cell.concurrency:<3} {cell.req_per_s:8.0f} "
+        f"req/s  p50 {cell.p50_ms:7.2f} ms  p99 {cell.p99_ms:7.2f} ms"
+    )
+    if cell.mean_batch_rows:
+        line += f"  mean batch {cell.mean_batch_rows}"
+    if cell.loop_us_per_request is not None:
+        line += f"  event loop {cell.loop_us_per_request:.0f} µs/req"
+    if cell.failed:
+        line += (
+            f"  [red]FAILED {cell.failed} ({cell.non2xx} error answers, "
+            f"{cell.socket_errors} socket errors)[/]"
+        )
+    return line
 
 
 def _cell(
@@ -531,9 +597,10 @@ def _cell(
     header_length: int,
     duration: float,
 ) -> LoadResult:
-    """One wrk run against one endpoint; the server's mean batch from its metrics, and the CPU
-    the endpoint's threads and the machine used while wrk ran."""
-    server = endpoint == "server"
+    """One wrk run against one endpoint: its 2xx answers per second, the requests that failed
+    apart (a warning when any did), the server's mean batch from its metrics, and the CPU the
+    endpoint's threads and the machine used while wrk ran."""
+    server = endpoint == SERVER
     before = _batch_rows(proc.get("/metrics")) if server else None
     cpu_before = cpu_sample(proc.proc.pid)
     r = _wrk(url, body, header_length, concurrency, duration)
@@ -543,21 +610,38 @@ def _cell(
         after = _batch_rows(proc.get("/metrics"))
         batches = after[1] - before[1]
         mean_rows = round((after[0] - before[0]) / batches, 2) if batches else None
+    # wrk's "requests" are the answers it read, error answers (status 400 or more) included;
+    # the rest are 2xx here (nothing redirects)
+    answered = r["requests"]
+    served = answered - r["non2xx"]
     loop_us = others = busy = None
     seconds = r["duration_us"] / 1e6
-    if cpu_before is not None and cpu_after is not None and r["requests"] and seconds > 0:
-        loop_us = round(1e6 * (cpu_after.main_s - cpu_before.main_s) / r["requests"], 1)
+    if cpu_before is not None and cpu_after is not None and answered and seconds > 0:
+        loop_us = round(1e6 * (cpu_after.main_s - cpu_before.main_s) / answered, 1)
         others = round((cpu_after.others_s - cpu_before.others_s) / seconds, 3)
         total = cpu_after.total - cpu_before.total
         busy = round((cpu_after.busy - cpu_before.busy) / total, 3) if total else None
+    if r["non2xx"] or r["socket_errors"]:
+        log.warning(
+            "%s, %s %s at %d connections, round %d: %d requests failed (%d error answers, "
+            "%d socket errors or timeouts); its req/s counts 2xx answers only",
+            label,
+            endpoint,
+            protocol,
+            concurrency,
+            round_ + 1,
+            r["non2xx"] + r["socket_errors"],
+            r["non2xx"],
+            r["socket_errors"],
+        )
     return LoadResult(
         label,
         endpoint,
         protocol,
         concurrency,
         round_,
-        r["requests"],
-        round(r["requests"] / (r["duration_us"] / 1e6), 1),
+        served,
+        round(served / seconds, 1) if seconds > 0 else 0.0,
         r["p50_us"] / 1000,
         r["p90_us"] / 1000,
         r["p99_us"] / 1000,
@@ -571,8 +655,12 @@ def _cell(
 
 
 def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
-    """`0.86 (0.81-0.90)`: a ratio's median and, over more than one round, its range."""
-    text = f"{m['ratios'][kind][group][cell]:.2f}"
+    """`0.86 (0.81-0.90)`: a ratio's median and, over more than one round, its range; `-` for
+    one that was not measured."""
+    value = m["ratios"].get(kind, {}).get(group, {}).get(cell, math.nan)
+    if not math.isfinite(value):
+        return "-"
+    text = f"{value:.2f}"
     spread = m.get("ratio_ranges", {}).get(kind, {}).get(group, {}).get(cell)
     if spread and spread[0] != spread[1]:
         text += f" ({spread[0]:.2f}–{spread[1]:.2f})"
@@ -582,47 +670,68 @@ def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"CPU: {results['cpu']}, {results['cores']} cores; one image per request; wrk "
-        f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds, medians; "
-        "ratios taken within each round, then the median (in brackets: the least and greatest"
-        " round). Event loop: CPU its thread spent per request (the no-model endpoint's in"
-        " brackets); model threads: cores the server's other threads used; machine: share of"
-        " all cores busy while wrk ran.",
+        f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds (the "
+        "protocol measured first alternating, the endpoints taking turns), medians; req/s "
+        "counts 2xx answers only, and failed is the requests that got an error answer or none "
+        "(all rounds). Ratios taken within each round, then the median (in brackets: the least"
+        " and greatest round). Same-path no-model: this server with a batcher that answers at"
+        " once, no model; FastAPI no-model: a FastAPI route that parses the same request (the"
+        " serving issue's yardstick; the server's tensor routes skip FastAPI, so it is no"
+        " ceiling of the server's path). Event loop: CPU its thread spent per answered request,"
+        " server / same path / FastAPI; model threads: cores the server's other threads used;"
+        " machine: share of all cores busy while wrk ran.",
         "",
-        "| model | protocol | conc. | server req/s | p50 ms | p99 ms | mean batch "
-        "| no-model req/s | × no-model | × in-process | event loop µs/req | model threads "
-        "| machine |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | protocol | conc. | server req/s | failed | p50 ms | p99 ms | mean batch "
+        "| no-model req/s: same path / FastAPI | × same-path no-model | × FastAPI no-model "
+        "| × in-process | event loop µs/req | model threads | machine |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
 
     def figure(value: float | None, spec: str, suffix: str = "") -> str:
-        return "-" if value is None else f"{value:{spec}}{suffix}"
+        return "-" if value is None or not math.isfinite(value) else f"{value:{spec}}{suffix}"
 
+    failures = []
     for m in results["models"]:
         by_key = {(r["endpoint"], r["protocol"], r["concurrency"]): r for r in m["load"]}
         for (endpoint, protocol, c), r in by_key.items():
-            if endpoint != "server":
+            if r.get("failed"):
+                failures.append(
+                    f"- **{m['model']}, {endpoint}, {protocol} at {c} connections: "
+                    f"{r['failed']} requests failed** ({r['non2xx']} error answers, "
+                    f"{r['socket_errors']} socket errors or timeouts, over {r['rounds']} "
+                    "round(s)); its req/s counts 2xx answers only"
+                )
+            if endpoint != SERVER:
                 continue
-            nm = by_key.get(("no-model ceiling", protocol, c), {})
+            same = by_key.get((SAME_PATH, protocol, c), {})
+            fastapi = by_key.get((FASTAPI, protocol, c), {})
+            loops = " / ".join(
+                figure(x.get("loop_us_per_request"), ".0f") for x in (r, same, fastapi)
+            )
             lines.append(
                 f"| {m['model']} ({m['variant']}) | {protocol} | {c} | {r['req_per_s']:.0f} "
+                f"| {r.get('failed', 0)} "
                 f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch_rows'] or '-'} "
-                f"| {nm.get('req_per_s', math.nan):.0f} "
-                f"| {_ratio(m, 'server_vs_no_model', protocol, str(c))} "
+                f"| {figure(same.get('req_per_s'), '.0f')} "
+                f"/ {figure(fastapi.get('req_per_s'), '.0f')} "
+                f"| {_ratio(m, 'server_vs_same_path', protocol, str(c))} "
+                f"| {_ratio(m, 'server_vs_fastapi', protocol, str(c))} "
                 f"| {_ratio(m, 'server_vs_in_process', protocol, str(c))} "
-                f"| {figure(r.get('loop_us_per_request'), '.0f')} "
-                f"({figure(nm.get('loop_us_per_request'), '.0f')}) "
+                f"| {loops} "
                 f"| {figure(r.get('other_threads_cores'), '.2f')} "
                 f"| {figure(r.get('machine_busy'), '.0%')} |"
             )
     lines.append("")
+    lines += failures
     for m in results["models"]:
         ceiling = m["in_process_ceiling"]
         binary = m["ratios"]["binary_vs_json"]
-        vs_no_model = m["ratios"]["server_vs_no_model"]
         per_c = ", ".join(
-            f"c={c}: {_ratio(m, 'binary_vs_json', 'server', c)} "
-            f"(no-model {_ratio(m, 'binary_vs_json', 'no-model ceiling', c)})"
-            for c in binary["server"]
+            f"c={c}: {_ratio(m, 'binary_vs_json', SERVER, c)} (same path "
+            f"{_ratio(m, 'binary_vs_json', SAME_PATH, c)}, FastAPI "
+            f"{_ratio(m, 'binary_vs_json', FASTAPI, c)})"
+            for c in binary[SERVER]
         )
         setup = ""
         if "instances" in m:
@@ -631,11 +740,24 @@ def markdown(results: dict[str, Any]) -> str:
             f"- {m['model']}{setup}: in-process ceiling {ceiling['rows_per_s']:.0f} rows/s at "
             f"batch {ceiling['best_batch']}; binary V2 / JSON req/s {per_c}"
         )
-        if "peak" in vs_no_model.get("json", {}):
+        if "peak" in m["ratios"]["server_vs_fastapi"].get("json", {}):
+            peaks = "; ".join(
+                f"{name} JSON {_ratio(m, kind, 'json', 'peak')}, "
+                f"binary {_ratio(m, kind, 'binary', 'peak')}"
+                for name, kind in (
+                    ("same path", "server_vs_same_path"),
+                    ("FastAPI", "server_vs_fastapi"),
+                )
+            )
             lines.append(
-                f"- {m['model']}: best server req/s at any concurrency against the no-model "
-                f"endpoint's best: JSON {_ratio(m, 'server_vs_no_model', 'json', 'peak')}, "
-                f"binary {_ratio(m, 'server_vs_no_model', 'binary', 'peak')}"
+                f"- {m['model']}: best server req/s at any concurrency against each no-model "
+                f"endpoint's best: {peaks}"
+            )
+        if off_loop := m.get("bodies_parsed_off_loop"):
+            lines.append(
+                f"- {m['model']}: {' and '.join(off_loop)} bodies are large enough to be parsed "
+                "off the event loop by the server and the same-path endpoint, on it by the "
+                "FastAPI one: its event loop column counts the parsing, theirs do not"
             )
         if start := m.get("startup"):
             verdict = "correct" if start["correct"] else "WRONG"
@@ -664,10 +786,10 @@ def bench(
     # usage errors (exit 2), before wrk is looked for or any run is trained
     if not concurrency or min(concurrency) < 1:
         raise ConfigError("--concurrency must list positive connection counts, e.g. 1,16,64")
-    if rounds < 1 or duration <= 0 or instances < 1:
-        raise ConfigError(
-            "--rounds and --instances must be at least 1 and --duration positive, e.g. 3, 1, 4"
-        )
+    if rounds < 1 or instances < 1:
+        raise ConfigError("--rounds and --instances must be at least 1, e.g. 3 and 1")
+    if duration < 1 or duration != int(duration):  # wrk's -d takes whole seconds only
+        raise ConfigError(f"--duration must be a whole number of seconds, e.g. 4; got {duration:g}")
     if threads is not None and not 1 <= threads <= 256:
         raise ConfigError(f"--threads must be 1 to 256 (default: cores / instances), got {threads}")
     labels = parse_choices(models, MODELS, "--models", ConfigError)

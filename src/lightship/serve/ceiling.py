@@ -1,15 +1,29 @@
-"""The benchmark's no-model ceiling: a FastAPI V2 infer route that parses and answers, no model.
+"""The benchmark's two no-model ceilings: what serving costs without batching and inference.
 
-It decodes the request with the server's own `v2.decode_request` and encodes a response of the
-same shape with `v2.encode_response`, on the same uvicorn settings, so the gap between it and
-`lightship serve` is what batching, checks, metrics and the model cost.
+- **same-path no-model** (`python -m lightship.serve.ceiling serve ARGS`): `lightship serve
+  ARGS` itself, the real server process (uvicorn with lightship's HTTP protocol, the body limit,
+  metrics, the plain-ASGI tensor routes, V2 and v1 parsing and checks, deadlines, the error
+  table, the answer's encoding), with one part replaced: its `Batcher` by `InstantBatcher`,
+  which answers each request at once on the event loop with zero logits, no queue and no
+  inference thread. The gap between it and `lightship serve` is what batching and the model
+  cost on top of the same request path.
+- **FastAPI no-model** (`python -m lightship.serve.ceiling --input-name input --classes 10`):
+  a FastAPI V2 infer route that parses the same request with `v2.decode_request` and answers
+  with `v2.encode_response`, no model. The serving issue's target is stated against it ("the
+  digits model over JSON reaches ≥ 90 % of the no-model FastAPI ceiling"). The server answers
+  its tensor routes ahead of FastAPI's router (`HotRoutes`), which costs its event loop less
+  per request than this route does: it is no ceiling of the server's request path, and the
+  server can beat it.
 
-    python -m lightship.serve.ceiling --port 8001 --input-name input --classes 10
+Each listens on the `--port` given.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
+import time
 
 import numpy as np
 import uvicorn
@@ -17,10 +31,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from lightship.serve import v2
+from lightship.serve.batcher import Batcher, Ticket, _Item
 
 
 def create_app(input_name: str, classes: int) -> FastAPI:
-    app = FastAPI(title="lightship no-model ceiling")
+    app = FastAPI(title="lightship FastAPI no-model ceiling")
     labels = [str(i) for i in range(classes)]
 
     @app.post("/v2/models/{model_name}/infer")
@@ -38,7 +53,48 @@ def create_app(input_name: str, classes: int) -> FastAPI:
     return app
 
 
+class InstantBatcher(Batcher):
+    """The model stand-in of the same-path ceiling: every request is answered as it is
+    submitted, with zero logits, on the event loop; no queue, no timer, no inference thread.
+
+    The model runs once, on the server's warm-up batch: that answer is the warm-up's (so the
+    server turns ready only on a model that answers), and its width is the zero logits'.
+    """
+
+    _classes: int | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    def submit(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> Ticket:
+        assert self._loop is not None, "batcher not started"
+        if self._classes is None:
+            y = self._run(x)
+            self._classes = int(y.shape[1])
+        else:
+            y = np.zeros((len(x), self._classes), np.float32)
+        future = self._loop.create_future()
+        future.set_result(y)
+        now = time.monotonic()
+        return Ticket(self, _Item(x, len(x), now, now, now + timeout_s, future))
+
+
+def serve_without_model(argv: list[str]) -> None:
+    """`lightship serve` with these arguments, its batcher an `InstantBatcher`."""
+    from lightship import cli
+    from lightship.serve import app
+
+    app.Batcher = InstantBatcher  # type: ignore[misc]  # this process serves no model
+    # its log says "serving" the model like the server's: say first what this process is
+    print("no-model ceiling: `lightship serve` answering every request at once", file=sys.stderr)
+    sys.argv = ["lightship", *argv]
+    cli.main()
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:
+        serve_without_model(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)

@@ -240,8 +240,10 @@ def bench_serve(
 ) -> None:
     """Serving throughput and latency with wrk, beside in-process and no-model ceilings.
 
-    Both endpoints run as their own processes; every cell is measured once per round, server
-    and no-model alternating, and the table gives medians and within-round ratios.
+    The server, a same-path no-model ceiling (the server with a batcher that answers at once)
+    and a FastAPI no-model endpoint run as their own processes; every cell is measured once per
+    round, endpoints and protocols taking turns at going first; the table gives medians and
+    within-round ratios, and req/s counts 2xx answers only.
     """
     from lightship.errors import ConfigError
     from lightship.serve.bench import bench
