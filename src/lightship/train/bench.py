@@ -1,7 +1,9 @@
 """`lightship bench train`: training steps/s for the data-loading choices of DESIGN.md §3.
 
 Each setting runs the same model, optimizer and batch size for a fixed number of steps after a
-warm-up, in this process, one after another, so the figures compare as ratios on one machine:
+warm-up, in this process. Rounds interleave the settings (every setting once a round, the order
+reversed every other round), so a slow patch of the machine touches them all alike, and each is
+compared with the first within its round; the figures compare as ratios on one machine:
 
 - input: ``float32`` (the Dataset normalises every item in ``__getitem__``, the usual
   torchvision-style pipeline) against ``uint8`` (raw pixels through the DataLoader,
@@ -12,10 +14,10 @@ warm-up, in this process, one after another, so the figures compare as ratios on
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,34 @@ class BenchRow:
     input: str
     num_workers: int
     precision: str
-    steps: int
-    seconds: float
+    steps: int  # timed steps in each round
+    seconds: float  # median over the rounds, as are the rates
     steps_per_s: float
     images_per_s: float
     bytes_per_batch: int
+    vs_first: float = 1.0  # steps/s over the first setting's in the same round, median
+    steps_per_s_by_round: list[float] = field(default_factory=list)
+    vs_first_by_round: list[float] = field(default_factory=list)
+
+
+SETTINGS = [
+    (inp, w, p) for inp in ("float32", "uint8") for w in (0, 2) for p in ("32", "bf16-mixed")
+]
+
+
+def batches(loader: DataLoader[Any]) -> Iterator[Any]:
+    """The loader's batches for as long as they are asked for, each pass a new iteration of
+    it, as training's epochs are: every step loads its batch (in the workers, when there are
+    any). `itertools.cycle` would replay the first pass's batches from memory, and every step
+    after it would load nothing."""
+    while True:
+        yield from loader
+
+
+def round_orders(rounds: int) -> list[list[tuple[str, int, str]]]:
+    """The settings in the order each round measures them: every other round reversed, so that
+    none always runs just after the same neighbour or at the same point of a round."""
+    return [SETTINGS if r % 2 == 0 else SETTINGS[::-1] for r in range(rounds)]
 
 
 def _time_setting(
@@ -75,7 +100,7 @@ def _time_setting(
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     autocast = precision == "bf16-mixed"
-    batches = itertools.cycle(loader) if len(loader) else iter(())
+    stream = batches(loader)
     batch_bytes = 0
     start = 0.0
     for i in range(warmup + steps):
@@ -83,7 +108,7 @@ def _time_setting(
             start = time.perf_counter()
         x: torch.Tensor
         y: torch.Tensor
-        x, y = next(batches)
+        x, y = next(stream)
         batch_bytes = x.numel() * x.element_size()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = F.cross_entropy(model(x), y)
@@ -94,7 +119,7 @@ def _time_setting(
 
 
 def bench_training(
-    cfg: Config, steps: int = 30, out: Path | None = None, warmup: int = 5
+    cfg: Config, steps: int = 30, out: Path | None = None, warmup: int = 5, rounds: int = 3
 ) -> list[BenchRow]:
     from rich.console import Console
     from rich.table import Table
@@ -103,9 +128,17 @@ def bench_training(
         raise ConfigError(f"bench train --steps must be at least 1, got {steps}")
     if warmup < 0:
         raise ConfigError(f"bench train warm-up steps must be at least 0, got {warmup}")
+    if rounds < 1:
+        raise ConfigError(f"bench train rounds must be at least 1, got {rounds}")
     if out is not None:
         check_writable(out)
     splits = load_splits(spec_from_config(cfg.data))
+    bs = cfg.data.batch_size
+    if len(splits.train_x) < bs:
+        raise ConfigError(
+            f"the training split has {len(splits.train_x)} images, fewer than one batch of {bs}: "
+            "lower data.batch_size, e.g. --set data.batch_size=16"
+        )
     mean, std = splits.pixel_stats()
     norm_mean, norm_std = cfg.model.mean or mean, cfg.model.std or std
     spec = {
@@ -117,54 +150,54 @@ def bench_training(
         "mean": norm_mean,
         "std": norm_std,
     }
-    bs = cfg.data.batch_size
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    rows: list[BenchRow] = []
+    measured: dict[tuple[str, int, str], list[tuple[float, int]]] = {s: [] for s in SETTINGS}
     console = Console(stderr=True)
-    settings = [
-        (inp, w, p) for inp in ("float32", "uint8") for w in (0, 2) for p in ("32", "bf16-mixed")
-    ]
     with console.status("") as status:
-        for inp, workers, precision in settings:
-            status.update(f"bench train: input {inp}, num_workers {workers}, precision {precision}")
-            ds: Dataset[Any]
-            if inp == "float32":
-                ds = NormalizingDataset(splits.train_x, splits.train_y, norm_mean, norm_std)
-            else:
-                ds = tensors(splits.train_x, splits.train_y)
-            loader = DataLoader(
-                ds,
-                batch_size=bs,
-                shuffle=True,
-                drop_last=True,
-                num_workers=workers,
-                persistent_workers=workers > 0,
-            )
-            secs, nbytes = _time_setting(
-                spec, loader, precision, steps, warmup, float_input=inp == "float32"
-            )
-            del loader
-            rows.append(
-                BenchRow(
-                    inp, workers, precision, steps, secs, steps / secs, steps * bs / secs, nbytes
+        for r, order in enumerate(round_orders(rounds)):
+            for inp, workers, precision in order:
+                status.update(
+                    f"bench train, round {r + 1}/{rounds}: input {inp}, num_workers {workers}, "
+                    f"precision {precision}"
                 )
-            )
+                ds: Dataset[Any]
+                if inp == "float32":
+                    ds = NormalizingDataset(splits.train_x, splits.train_y, norm_mean, norm_std)
+                else:
+                    ds = tensors(splits.train_x, splits.train_y)
+                loader = DataLoader(
+                    ds,
+                    batch_size=bs,
+                    shuffle=True,
+                    drop_last=True,
+                    num_workers=workers,
+                    persistent_workers=workers > 0,
+                )
+                measured[(inp, workers, precision)].append(
+                    _time_setting(
+                        spec, loader, precision, steps, warmup, float_input=inp == "float32"
+                    )
+                )
+                del loader
+    rows = summarise(measured, steps, bs)
 
-    base = rows[0].steps_per_s
     table = Table(
-        title=f"training speed, {cfg.model.name}, batch {bs}, {torch.get_num_threads()} threads"
+        title=f"training speed, {cfg.model.name}, batch {bs}, {torch.get_num_threads()} threads, "
+        f"{steps} steps x {rounds} interleaved rounds (medians)"
     )
     for col in ("input", "workers", "precision", "steps/s", "images/s", "batch bytes", "vs first"):
         table.add_column(col, justify="right")
-    for r in rows:
+    for row in rows:
+        low, high = min(row.vs_first_by_round), max(row.vs_first_by_round)
+        spread = f" ({low:.2f}–{high:.2f})" if low != high else ""
         table.add_row(
-            r.input,
-            str(r.num_workers),
-            r.precision,
-            f"{r.steps_per_s:.1f}",
-            f"{r.images_per_s:.0f}",
-            f"{r.bytes_per_batch:,}",
-            f"{r.steps_per_s / base:.2f}x",
+            row.input,
+            str(row.num_workers),
+            row.precision,
+            f"{row.steps_per_s:.1f}",
+            f"{row.images_per_s:.0f}",
+            f"{row.bytes_per_batch:,}",
+            f"{row.vs_first:.2f}x{spread}",
         )
     Console().print(table)
     if out is not None:
@@ -173,9 +206,40 @@ def bench_training(
             "batch_size": bs,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
-            "rows": [asdict(r) for r in rows],
+            "rounds": rounds,
+            "warmup_steps": warmup,
+            "rows": [asdict(row) for row in rows],
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, json.dumps(payload, indent=2) + "\n")
         Console(stderr=True).print(f"wrote {out}")
+    return rows
+
+
+def summarise(
+    measured: dict[tuple[str, int, str], list[tuple[float, int]]], steps: int, batch_size: int
+) -> list[BenchRow]:
+    """One row per setting from its (seconds, batch bytes) of each round: medians, and its
+    steps/s over the first setting's within each round, then the median of those."""
+    first = [steps / secs for secs, _ in next(iter(measured.values()))]
+    rows = []
+    for (inp, workers, precision), runs in measured.items():
+        rates = [steps / secs for secs, _ in runs]
+        vs_first = [rate / base for rate, base in zip(rates, first, strict=True)]
+        secs = float(np.median([s for s, _ in runs]))
+        rows.append(
+            BenchRow(
+                inp,
+                workers,
+                precision,
+                steps,
+                round(secs, 4),
+                round(float(np.median(rates)), 2),
+                round(float(np.median(rates)) * batch_size, 1),
+                runs[-1][1],
+                round(float(np.median(vs_first)), 3),
+                [round(x, 2) for x in rates],
+                [round(x, 3) for x in vs_first],
+            )
+        )
     return rows
