@@ -597,7 +597,14 @@ class RunDir:
             raise self._malformed("no data_spec in its checkpoint entry")
         try:
             DataConfig.model_validate(
-                {k: v for k, v in spec.items() if k in DataConfig.model_fields}
+                {
+                    k: v
+                    for k, v in spec.items()
+                    if k in DataConfig.model_fields
+                    # runs trained before data.path needed its source recorded the path of
+                    # digits, which reads none: what they trained on is still digits
+                    and not (k == "path" and spec.get("source") == "digits")
+                }
             )
         except ValidationError as err:
             first = err.errors()[0]

@@ -249,6 +249,20 @@ def test_a_corrupt_data_spec_is_the_manifests_fault(
     )
 
 
+def test_an_older_run_that_recorded_a_path_beside_digits_still_reads(tmp_path: Path) -> None:
+    # before data.path needed its source, `--set data.path=...` alone trained digits and
+    # recorded the path: report, quantize and QAT refused such runs once the config did
+    from lightship.data import DataSpec
+    from lightship.data.module import config_from_spec
+
+    run = RunDir(tmp_path)
+    spec = {"source": "digits", "path": "/home/u/mydata.npz", "image_size": 8, "channels": 1}
+    run.record("checkpoint", {"file": "best.ckpt", "data_spec": spec})
+    assert run.data_spec()["path"] == "/home/u/mydata.npz"  # the record, as it was written
+    data = config_from_spec(DataSpec.from_dict(run.data_spec()))
+    assert (data.source, data.path) == ("digits", None)
+
+
 @pytest.mark.parametrize(
     ("field", "name"),
     [

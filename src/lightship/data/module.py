@@ -32,7 +32,8 @@ def config_from_spec(spec: DataSpec) -> DataConfig:
     """The data section that reproduces a recorded spec (same source, size and split)."""
     return DataConfig(
         source=spec.source,
-        path=Path(spec.path) if spec.path else None,
+        # digits reads no path (older runs recorded one given beside it)
+        path=Path(spec.path) if spec.path and spec.source != "digits" else None,
         image_size=spec.image_size,
         channels=spec.channels,
         val_fraction=spec.val_fraction,
