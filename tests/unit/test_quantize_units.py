@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from onnx import TensorProto, helper
 
+from lightship.callbacks import LatestBestCheckpoint
 from lightship.data import Splits
 from lightship.errors import ConfigError
 from lightship.quantize import core as quantize_core
@@ -642,7 +643,7 @@ class _Flat(pl.LightningModule):
         return (self.w - 1).pow(2).sum()
 
     def validation_step(self, batch: list[torch.Tensor], i: int) -> None:
-        self.log("val_acc", 1.0)
+        self.log("val_acc", 1.0 if self.current_epoch < 3 else 0.5)  # freezing costs accuracy
 
     def on_train_epoch_start(self) -> None:
         self.epochs.append(self.current_epoch)
@@ -652,16 +653,19 @@ class _Flat(pl.LightningModule):
 
 
 @pytest.mark.parametrize("epochs", [4, 6])
-def test_qat_early_stopping_runs_the_frozen_epoch_before_it_stops(epochs: int) -> None:
-    # A 4-epoch QAT whose val_acc was 1.0 at once stopped after epoch 2, the observers never off
-    freeze = qat.FreezeLate(epochs - 1)
+def test_qat_early_stopping_runs_the_frozen_epoch_before_it_stops(
+    epochs: int, tmp_path: Path
+) -> None:
+    # A 4-epoch QAT whose val_acc was 1.0 at once stopped after epoch 2, the observers never off;
+    # and the best checkpoint, by val_acc, was an epoch from before the freeze
+    checkpoint = LatestBestCheckpoint(dirpath=tmp_path, monitor="val_acc", mode="max", save_top_k=1)
+    freeze = qat.FreezeLate(epochs - 1, checkpoint)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
     model = _Flat()
     trainer = pl.Trainer(
         max_epochs=epochs,
-        callbacks=[qat.StopAfterFreezing(freeze), freeze],
+        callbacks=[checkpoint, qat.StopAfterFreezing(freeze), freeze],
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -670,3 +674,4 @@ def test_qat_early_stopping_runs_the_frozen_epoch_before_it_stops(epochs: int) -
     # patience 2: epochs 0-2 see no improvement after the first; epoch 3 runs frozen, then stop
     assert model.epochs == [0, 1, 2, 3]
     assert freeze.at == 3
+    assert Path(checkpoint.best_model_path).name.startswith("epoch=3-"), checkpoint.best_model_path

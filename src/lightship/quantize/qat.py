@@ -19,7 +19,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import Callback, EarlyStopping
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torchao.quantization.pt2e import (
     FusedMovingAvgObsFakeQuantize,
     MovingAverageMinMaxObserver,
@@ -279,14 +279,26 @@ class LitQAT(pl.LightningModule):
 
 class FreezeLate(Callback):
     """From epoch `at` on: observers off and batch-norm statistics frozen, so the last epoch
-    fine-tunes the weights against the scales and statistics the int8 model will use."""
+    fine-tunes the weights against the scales and statistics the int8 model will use. The
+    `checkpoint` forgets the epochs before it: the best of the frozen epochs is handed on, even
+    where an earlier one, trained with the observers on, scored higher."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, checkpoint: ModelCheckpoint | None = None) -> None:
         self.at = at
+        self.checkpoint = checkpoint
+        self.frozen = False
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch < self.at or self.frozen:
+            return
+        self.frozen = True
+        if self.checkpoint is not None:
+            self.checkpoint.best_k_models = {}
+            self.checkpoint.kth_best_model_path = ""
+            self.checkpoint.best_model_path = ""
+            self.checkpoint.best_model_score = None
         net = pl_module.net
-        if trainer.current_epoch >= self.at and isinstance(net, ExportedNet) and not net.frozen:
+        if isinstance(net, ExportedNet) and not net.frozen:
             log.info("QAT epoch %d: observers off, batch-norm statistics frozen", self.at)
             net.freeze()
 
@@ -302,9 +314,11 @@ class StopAfterFreezing(EarlyStopping):
         self.freeze = freeze
 
     def _run_early_stopping_check(self, trainer: pl.Trainer) -> None:
+        asked_before = trainer.should_stop  # another's stop is not ours to cancel
         super()._run_early_stopping_check(trainer)
         if (
             trainer.should_stop
+            and not asked_before
             and self.freeze is not None
             and trainer.current_epoch < self.freeze.at
         ):
@@ -370,7 +384,7 @@ def fine_tune(
         save_top_k=1,
     )
     # With one epoch there is no "late": freezing would leave the observers nothing to see.
-    freeze = [FreezeLate(epochs - 1)] if epochs > 1 else []
+    freeze = [FreezeLate(epochs - 1, checkpoint)] if epochs > 1 else []
     early = StopAfterFreezing(freeze[0] if freeze else None)
     show_bar, bars = progress("auto")
     trainer = pl.Trainer(
