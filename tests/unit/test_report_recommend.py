@@ -65,6 +65,25 @@ def test_a_tie_at_the_same_sqnr_goes_to_the_smaller_file() -> None:
     assert best == "torchscript" and by["tie_break"] == "bytes"
 
 
+def test_a_size_tie_break_names_only_the_sizes_it_compared() -> None:
+    # three tied: torchscript lost on SQNR, then onnx-fp32 won on size against static int8 of
+    # the same SQNR; the note listed torchscript's size too, as if it had been compared
+    rows = [
+        row("onnx-int8-static", 120.0, 3_000_000),
+        row("onnx-fp32", 120.0, 2_000_000),
+        row("torchscript", 100.0, 1_000_000),
+    ]
+    even = Timing(throughput=[1000.0, 1010.0, 990.0, 1000.0])
+    timings = {name: even for name in ("onnx-int8-static", "onnx-fp32", "torchscript")}
+    best, by = recommend(rows, timings, 64)
+    assert best == "onnx-fp32" and by["tie_break"] == "bytes"
+    note = render.tie_note({"recommended": best, "recommended_by": by, "variants": rows})
+    assert note.endswith(
+        "chosen for the smaller file of those with its SQNR (torchscript: lower SQNR) "
+        "(onnx-fp32 2.00 MB, onnx-int8-static 3.00 MB)"
+    )
+
+
 def test_only_variants_that_pass_the_gate_and_can_be_served_are_candidates() -> None:
     rows = [
         row("eager", None, 1, recommendable=False),

@@ -62,9 +62,13 @@ def tie_note(r: dict[str, Any]) -> str:
     if by["tie_break"] == "sqnr":
         why = "the higher SQNR vs fp32"
         figures = [f"{n} {_sqnr(rows[n]['sqnr_db'])} dB" for n in [best, *others]]
-    else:
-        why = "the smaller file"
-        figures = [f"{n} {_fmt_bytes(rows[n]['bytes'])}" for n in [best, *others]]
+    else:  # among those of the best SQNR; the others lost on SQNR first
+        same = [n for n in others if rows[n]["sqnr_db"] == rows[best]["sqnr_db"]]
+        lower = [n for n in others if n not in same]
+        why = "the smaller file" + (
+            f" of those with its SQNR ({', '.join(lower)}: lower SQNR)" if lower else ""
+        )
+        figures = [f"{n} {_fmt_bytes(rows[n]['bytes'])}" for n in [best, *same]]
     return (
         f"tied in speed with {', '.join(others)} (within-round ratio {ratios}), chosen for "
         f"{why} ({', '.join(figures)})"
