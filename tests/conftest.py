@@ -2,11 +2,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from lightship import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -78,3 +83,16 @@ def swap_checkpoint(run: Path) -> None:
     ckpt = torch.load(run / "best.ckpt", weights_only=True)
     next(v for v in ckpt["state_dict"].values() if v.is_floating_point()).add_(1)
     torch.save(ckpt, run / "best.ckpt")
+
+
+@pytest.fixture
+def signal_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`runs.watch_interrupts` in this process, with fresh interrupt state, undone afterwards."""
+    monkeypatch.setattr(runs, "_interrupted", threading.Event())
+    monkeypatch.setattr(runs, "_stopped_by", [])
+    monkeypatch.setattr(runs, "_interrupt_note", [])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    runs.watch_interrupts()
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)

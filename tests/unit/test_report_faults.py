@@ -9,12 +9,10 @@ import os
 import shutil
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from lightship import runs
 from lightship.report import ReportSettings, report
 from lightship.report import core as report_core
 from lightship.report.evaluate import candidates
@@ -123,12 +121,11 @@ def _all_new(run: Path) -> bool:
     )
 
 
+@pytest.mark.usefixtures("signal_handlers")
 def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _old_report(run)
-    monkeypatch.setattr("lightship.runs._interrupted", threading.Event())
-    monkeypatch.setattr("lightship.runs._stopped_by", [])
     real_replace = os.replace
     renamed: list[str] = []
 
@@ -139,15 +136,9 @@ def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
             if len(renamed) == 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # `docker stop` after the first rename
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    runs.watch_interrupts()
-    try:
-        monkeypatch.setattr(os, "replace", replace_then_stopped)
-        with pytest.raises(KeyboardInterrupt):
-            report(RunDir(run), FAST)
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    monkeypatch.setattr(os, "replace", replace_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        report(RunDir(run), FAST)
     # onnxruntime's and torch's threads take the signal as well as this one: held all the same
     assert len(renamed) == 3 and _all_new(run)
 

@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,20 +106,8 @@ def test_files_committed_together_are_synced_once_each_before_any_rename(
     assert events == ["sync"] * 3 + [f"rename {name}" for name in SET]
 
 
-@pytest.fixture
-def stop_signals_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """`watch_interrupts` in this process, undone afterwards."""
-    monkeypatch.setattr(runs, "_interrupted", threading.Event())
-    monkeypatch.setattr(runs, "_stopped_by", [])
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    runs.watch_interrupts()
-    yield
-    for s, handler in before.items():
-        signal.signal(s, handler)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.usefixtures("stop_signals_raise")
+@pytest.mark.usefixtures("signal_handlers")
 def test_a_stop_signal_during_a_commit_lands_after_its_last_rename(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int
 ) -> None:

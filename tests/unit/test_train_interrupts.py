@@ -7,8 +7,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,19 +46,6 @@ def signalled(steps: int, sig: str) -> list[str]:
         "--set",
         f"model.kwargs={{steps: {steps}, signal: {sig}}}",
     ]
-
-
-@pytest.fixture
-def signal_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """`watch_interrupts` in this process, undone afterwards."""
-    monkeypatch.setattr(runs, "_interrupted", threading.Event())
-    monkeypatch.setattr(runs, "_stopped_by", [], raising=False)
-    monkeypatch.setattr(runs, "_interrupt_note", [])
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    runs.watch_interrupts()
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
 
 
 def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(
