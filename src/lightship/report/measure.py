@@ -49,6 +49,21 @@ NOISE_RULE = (
 )
 
 
+def machine_cpu_s() -> tuple[float, float] | None:
+    """The machine's busy and total CPU seconds so far, every core together, from Linux's
+    /proc/stat; None where there is none (not Linux)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
+        # user nice system idle iowait irq softirq steal (guest time is counted in user)
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        jiffies = [int(v) for v in first[1:9]]
+        idle = jiffies[3] + jiffies[4]
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    total = sum(jiffies)
+    return (total - idle) / tick, total / tick
+
+
 @dataclass(frozen=True)
 class CpuClock:
     """CPU seconds at one moment: this process's, all its threads together, and the machine's
@@ -61,16 +76,8 @@ class CpuClock:
     @staticmethod
     def now() -> CpuClock | None:
         """None where there is no /proc/stat (not Linux): the busy share is then left out."""
-        try:
-            tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
-            # user nice system idle iowait irq softirq steal (guest time is counted in user)
-            first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-            jiffies = [int(v) for v in first[1:9]]
-            idle = jiffies[3] + jiffies[4]
-        except (AttributeError, OSError, ValueError, IndexError):
-            return None
-        total = sum(jiffies)
-        return CpuClock(time.process_time(), (total - idle) / tick, total / tick)
+        machine = machine_cpu_s()
+        return None if machine is None else CpuClock(time.process_time(), *machine)
 
     def others_since(self, start: CpuClock) -> tuple[float, float]:
         """CPU seconds other processes used since `start` (the machine's busy time less this

@@ -49,7 +49,7 @@ import numpy as np
 
 from lightship.config import parse_choices
 from lightship.errors import ConfigError, LightshipError, RunError
-from lightship.report.measure import time_calls
+from lightship.report.measure import machine_cpu_s, time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
 
@@ -112,12 +112,12 @@ class LoadResult:
 @dataclass(frozen=True)
 class CpuSample:
     """CPU seconds a process's main thread and its other threads have used, and the machine's
-    busy and total jiffies (/proc/stat), at one moment."""
+    busy and total CPU seconds (`machine_cpu_s`), at one moment."""
 
     main_s: float
     others_s: float
-    busy: int
-    total: int
+    busy: float
+    total: float
 
 
 def cpu_sample(pid: int) -> CpuSample | None:
@@ -132,11 +132,10 @@ def cpu_sample(pid: int) -> CpuSample | None:
         tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
         # The process's figure includes threads that have ended: the others are the rest.
         process, main = ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
-        jiffies = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (AttributeError, OSError, ValueError, IndexError):
         return None
-    idle = jiffies[3] + jiffies[4]  # idle + iowait
-    return CpuSample(main / tick, (process - main) / tick, sum(jiffies) - idle, sum(jiffies))
+    machine = machine_cpu_s()
+    return None if machine is None else CpuSample(main / tick, (process - main) / tick, *machine)
 
 
 def _free_port() -> int:
