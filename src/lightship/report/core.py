@@ -191,7 +191,7 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
         "scheme_check": static.get("scheme_check"),
         "recommended": best,
         "recommended_by": recommended_by,
-        "timing_warning": _noise_warning(run, timings, eager),
+        "timing_warning": _noise_warning(run, rows, timings),
         "variants": rows,
         "not_measured": left_out,  # listed in the manifest, left out: why and the fix
     }
@@ -266,17 +266,19 @@ def recommend(
     }
 
 
-def _noise_warning(run: RunDir, timings: dict[str, Timing], eager: Timing) -> str | None:
+def _noise_warning(
+    run: RunDir, rows: list[dict[str, Any]], timings: dict[str, Timing]
+) -> str | None:
     """What report.md, report.json and the terminal say when some variant's timings are noisy
-    (`Timing.noise`); None when none is. Where other processes were busy over the whole
-    measurement, that is said once rather than for every variant."""
+    (each row's `timing_noise`); None when none is. Where other processes were busy over the
+    whole measurement, that is said once rather than for every variant."""
     whole = busy_reason(busy_share(list(timings.values())))
     found = [f"{whole} while measuring"] if whole else []
-    for name, t in timings.items():
-        own = busy_reason(t.busy_share)
-        reasons = [n for n in t.noise(eager, "eager") if not (whole and n == own)]
+    for r in rows:
+        own = busy_reason(timings[r["name"]].busy_share)
+        reasons = [n for n in r["timing_noise"] if not (whole and n == own)]
         if reasons:
-            found.append(f"{name} ({'; '.join(reasons)})")
+            found.append(f"{r['name']} ({'; '.join(reasons)})")
     if not found:
         return None
     return (
