@@ -21,7 +21,7 @@ TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-smoke bench-train bench-serve clean
+.PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-model docker-smoke bench-train bench-serve clean clean-runs
 
 help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
@@ -40,7 +40,8 @@ help: ## list the targets
 	@echo "  QUANTIZE_ARGS='--methods static'    quantize"
 	@echo "  REPORT_ARGS='--rounds 5'      report, and the report \`make quantize\` writes"
 	@echo "  SERVE_ARGS='--port 9000'      serve"
-	@echo "  IMAGE=lightship-serve         docker, docker-gpu: the image's name (tag VERSION from pyproject.toml)"
+	@echo "  IMAGE=lightship-serve         docker, docker-gpu: the image's name (tag VERSION from pyproject.toml);"
+	@echo "                                docker-model: tagged with RUN's name"
 	@echo "  BENCH_SERVE_ARGS='--duration 2 --rounds 1'   bench-serve (\`lightship bench serve --help\`)"
 
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
@@ -144,6 +145,14 @@ docker-gpu: ## build the GPU serving image IMAGE:VERSION-gpu (CUDA 13, onnxrunti
 	$(docker_check)
 	docker build -f Dockerfile.gpu -t $(IMAGE):$(VERSION)-gpu .
 
+# The run is baked in with its ONNX models, manifest.json and report.json (.dockerignore), so the
+# image needs no volume; RUN must have been exported (and quantized, for the int8 variants) here.
+docker-model: | $(RUN)/export/model.onnx ## build the CPU serving image with RUN baked in: IMAGE:RUN's name
+	$(if $(filter runs/%,$(RUN)),,$(error docker-model bakes in a run under runs/ (the build context \
+	lets in only runs/): copy it there, e.g. `cp -r $(RUN) runs/NAME`, and give RUN=runs/NAME))
+	$(docker_check)
+	docker build --target model --build-arg RUN=$(patsubst %/,%,$(RUN)) -t $(IMAGE):$(notdir $(patsubst %/,%,$(RUN))) .
+
 # RUN only when given (command line or environment): by default a handmade model whose logits
 # are known, so the predictions are checked exactly; a real run's are checked for agreement.
 docker-smoke: $(STAMP) ## replay the CPU image's install, serve a handmade model (or RUN when given)
@@ -157,6 +166,10 @@ bench-serve: $(STAMP) ## wrk against a real server (digits + ResNet-18) beside n
 	@command -v wrk >/dev/null || { echo "bench-serve needs wrk: sudo apt-get install -y wrk (Debian/Ubuntu) or brew install wrk"; exit 1; }
 	$(BIN)/lightship bench serve $(BENCH_SERVE_ARGS)
 
-clean: ## remove runs/ and caches (keeps .venv; `rm -rf .venv` for a full reset)
-	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
+# Runs are kept: they hold trained weights and minutes of work. Deleting them is its own target.
+clean: ## remove caches (keeps runs/ and .venv; `make clean-runs`, `rm -rf .venv` for those)
+	rm -rf .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +
+
+clean-runs: ## delete runs/: every trained run, export, int8 model and report in it
+	@test ! -d runs || { echo "deleting runs/:" $$(ls runs); rm -rf runs; }
