@@ -8,6 +8,7 @@ runs/<name>/config.yaml  checkpoints/  best.ckpt  logs/  export/  quantize/  rep
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -45,6 +46,9 @@ DERIVED_FILES = (
     "quantize/model.int8-*.onnx",
     "quantize/qat.ckpt",
 )
+# What the Dockerfiles' `model` stage copies of a run into an image (.dockerignore): its
+# manifest.json, ONNX files and report.json; no best.ckpt, so no stage can make a variant there.
+IN_AN_IMAGE = "a model image holds only a run's manifest, ONNX files and report"
 
 
 def _file_mode() -> int:
@@ -130,15 +134,17 @@ def atomic_path(final: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_paths(*finals: Path) -> Iterator[tuple[Path, ...]]:
+def atomic_paths(*finals: Path, done: str = "") -> Iterator[tuple[Path, ...]]:
     """`atomic_path` for files that go together (the report's three): yield a temporary path
     beside each of `finals`; on success sync each once, then rename them all into place, in the
-    order given, so that they are all new or all as they were:
+    order given, and sync their folders, so that they are all new or all as they were:
 
     - a failure before the renames (the writer's, or a full disk's on a sync) leaves the old set;
     - SIGINT and SIGTERM are held back during the renames: Ctrl-C raises KeyboardInterrupt
       between any two of them otherwise (`watch_interrupts`), and an unhandled SIGTERM ends the
-      process there. The signal takes effect after the last rename.
+      process there. The signal takes effect after the last rename;
+    - once every file is in place, `done` (what now stands) is the note the CLI's last line
+      gives after a stop (`note_interrupt`), in place of one that says nothing was written.
 
     Only a process killed outright (kill -9, a crash) or a rename that fails (renames within a
     folder fail only when the folder itself goes or turns read-only) can leave the set mixed.
@@ -154,7 +160,7 @@ def atomic_paths(*finals: Path) -> Iterator[tuple[Path, ...]]:
             os.chmod(tmp, FILE_MODE)
         if interrupted():
             raise KeyboardInterrupt
-        _replace_all(list(zip(temporaries, finals, strict=True)))
+        _replace_all(list(zip(temporaries, finals, strict=True)), done)
     finally:
         for tmp in temporaries:
             tmp.unlink(missing_ok=True)
@@ -174,9 +180,9 @@ def _temporary_beside(final: Path) -> Path:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _replace_all(pairs: list[tuple[Path, Path]]) -> None:
-    """Rename each (temporary, final) pair into place, in order, with SIGINT and SIGTERM held
-    back until the last is in place."""
+def _replace_all(pairs: list[tuple[Path, Path]], done: str = "") -> None:
+    """Rename each (temporary, final) pair into place, in order, and sync their folders, with
+    SIGINT and SIGTERM held back until the last is in place, and `done` noted for the CLI."""
     held: list[int] = []  # the stop signals that came meanwhile
     handlers: dict[signal.Signals, Any] = {}
     try:
@@ -190,11 +196,34 @@ def _replace_all(pairs: list[tuple[Path, Path]]) -> None:
                     handlers[signum] = signal.signal(signum, lambda n, _: held.append(n))
         for tmp, final in pairs:
             os.replace(tmp, final)
+        if done:  # before the sync, which may fail: the files are in place all the same
+            note_interrupt(done)
+        for folder in dict.fromkeys(final.parent for _, final in pairs):
+            _sync_folder(folder)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         if held:  # now that every file is in place: Ctrl-C's KeyboardInterrupt comes from here
-            signal.raise_signal(held[0])
+            # the last one, as outside the renames, where each stop signal's handler records
+            # its own (`interrupt_exit_code`): SIGINT, then SIGTERM, exits 143
+            signal.raise_signal(held[-1])
+
+
+def _sync_folder(folder: Path) -> None:
+    """Sync `folder`: a rename is on disk only once the folder it was made in is. Where a file
+    system refuses (some network and FUSE ones cannot sync a folder, or open one to), the
+    renames stand all the same: the files themselves were synced before them."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
 
 
 # The prefixes of the scratch folders quantize makes in a run with tempfile (`Quantizer.work`
@@ -317,10 +346,20 @@ def enclosing_run(path: Path) -> Path | None:
     )
 
 
+def variant_of(model: Path) -> str:
+    """The manifest key of a run's model file, by its name (model.int8-static.onnx:
+    onnx-int8-static)."""
+    if ".int8-" in model.name:
+        return "onnx-int8-" + model.name.split(".int8-", 1)[1].removesuffix(".onnx")
+    suffixes = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "checkpoint"}
+    return suffixes.get(model.suffix, "onnx-fp32")
+
+
 def export_hint(model: Path) -> str:
-    """How to make a missing exported `model`: export the run it lies in."""
+    """How to make a missing exported or quantized `model`: the stage that writes it, on the
+    run it lies in (`RunDir.make_hint`)."""
     run = enclosing_run(model)
-    return f"run {RunDir(run).command('export')} first" if run else "export it first"
+    return RunDir(run).make_hint(variant_of(model)) if run else "export it first"
 
 
 def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
@@ -519,14 +558,56 @@ class RunDir:
         cli = "`, then `".join(f"lightship {stage} --run {run}" for stage in stages)
         return f"`{stage_command(make, cli)}`"
 
-    def remake_command(self, variant: str) -> str:
-        """The command that makes `variant` of this run again, quoted for a message."""
+    def can_make(self) -> bool:
+        """Whether a stage can make this run's variants here: not where it has no best.ckpt,
+        nor checkpoints/ to train it back from, as in the copy of a run a model image holds."""
+        return self.best_ckpt.is_file() or self.checkpoints.is_dir()
+
+    def make_command(self, variant: str) -> str:
+        """The stage that makes `variant` of this run, as a command quoted for a message."""
         if variant in ("eager", "checkpoint"):  # the report's name, and the manifest's
+            return self.train_command()
+        return self.command("quantize" if variant.startswith("onnx-int8") else "export")
+
+    def remake_command(self, variant: str) -> str:
+        """The command that makes just `variant` of this run again, quoted for a message.
+        Where no stage can run (`can_make`), `remake_hint` says what to do instead."""
+        if variant in ("eager", "checkpoint"):
             return self.train_command()
         if variant.startswith("onnx-int8-"):
             method = variant.removeprefix("onnx-int8-")
             return f"`lightship quantize --run {self.root} --methods {method}`"
         return f"`lightship export --run {self.root} --formats {variant.removesuffix('-fp32')}`"
+
+    def make_hint(self, variant: str) -> str:
+        """How to make a missing `variant` of this run, for a message's fix: run its stage,
+        or where none can run here (`can_make`), why, and how to have it all the same."""
+        if self.can_make():
+            return f"run {self.make_command(variant)} first"
+        return self._elsewhere(variant)
+
+    def remake_hint(self, variant: str) -> str:
+        """`make_hint` for a `variant` that is there but wrong: re-run the stage that makes it."""
+        if self.can_make():
+            return f"re-run {self.remake_command(variant)}"
+        return self._elsewhere(variant)
+
+    def _elsewhere(self, variant: str) -> str:
+        made = "" if variant in ("eager", "checkpoint") else " to make it from"
+        return f"{self.root} has no best.ckpt{made} ({IN_AN_IMAGE}): {self.rebuild_hint(variant)}"
+
+    def rebuild_hint(self, variant: str, *then: str) -> str:
+        """How to have `variant` in a model image, whose run no stage can make it of: make it
+        (and `then` stages) in the run the image was built from, and build the image again."""
+        if variant in ("torchscript", "pt2", "eager", "checkpoint"):  # torch's: .dockerignore
+            return (  # lets none into an image
+                "serve an ONNX variant, e.g. --variant onnx-fp32, or mount the whole run at "
+                "/model in an image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
+            )
+        stages = " ".join(("quantize" if variant.startswith("onnx-int8") else "export", *then))
+        return (
+            f"rebuild the image from a run that has it: `make {stages} docker-model RUN=runs/NAME`"
+        )
 
     def require_checkpoint(self) -> Path:
         if not self.root.is_dir():

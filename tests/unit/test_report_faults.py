@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from lightship.errors import RunBusyError
 from lightship.report import ReportSettings, report
 from lightship.report import core as report_core
 from lightship.report.evaluate import candidates
 from lightship.report.measure import Timing
-from lightship.runs import RunDir, interrupt_message, sha256_file
+from lightship.runs import RunDir, interrupt_exit_code, interrupt_message, sha256_file
 
 FAST = ReportSettings(threads=1, rounds=1, seconds=0.01)
 
@@ -126,6 +128,20 @@ def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _old_report(run)
+    renamed = _stopped_at_the_first_rename(run, monkeypatch, [signal.SIGTERM])
+    with pytest.raises(KeyboardInterrupt):
+        report(RunDir(run), FAST)
+    # onnxruntime's and torch's threads take the signal as well as this one: held all the same
+    assert len(renamed) == 3 and _all_new(run)
+    # the CLI's last line: it said "report is as it was (nothing measured is kept)"
+    assert interrupt_message() == f"interrupted: the new report was written to {run / 'report'}"
+
+
+def _stopped_at_the_first_rename(
+    run: Path, monkeypatch: pytest.MonkeyPatch, signals: list[int]
+) -> list[str]:
+    """Send `signals` to this process just after the first of the report's renames (`docker
+    stop`, Ctrl-C); returns the names renamed, as they are."""
     real_replace = os.replace
     renamed: list[str] = []
 
@@ -134,13 +150,40 @@ def test_a_stop_signal_while_the_report_is_renamed_lands_after_it(
         if Path(dst).parent == run / "report" and not Path(dst).name.startswith("."):
             renamed.append(Path(dst).name)
             if len(renamed) == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # `docker stop` after the first rename
+                for signum in signals:
+                    os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(os, "replace", replace_then_stopped)
-    with pytest.raises(KeyboardInterrupt):
-        report(RunDir(run), FAST)
-    # onnxruntime's and torch's threads take the signal as well as this one: held all the same
+    return renamed
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_ctrl_c_then_sigterm_while_the_report_is_renamed_exits_143_saying_it_is_written(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightship import cli
+
+    _old_report(run)
+    renamed = _stopped_at_the_first_rename(run, monkeypatch, [signal.SIGINT, signal.SIGTERM])
+    code = cli._invoke(["report", "--run", str(run), "--threads", "1", "--rounds", "1"])
     assert len(renamed) == 3 and _all_new(run)
+    # the later signal decides, as it does outside the renames: it exited 130
+    assert code == interrupt_exit_code() == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"interrupted: the new report was written to {run / 'report'}"
+
+
+def test_report_called_from_python_takes_the_runs_lock(run: Path) -> None:
+    # as `lightship report` and quantize do: a stage of another process must not replace a
+    # variant while it is measured
+    holder = os.open(run / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file description: another process's
+    try:
+        with pytest.raises(RunBusyError, match="is in use by another lightship process"):
+            report(RunDir(run), FAST)
+    finally:
+        os.close(holder)
+    assert not (run / "report").exists()
 
 
 def busy(predictors: dict[str, object], *args: object, **kwargs: object) -> dict[str, Timing]:
@@ -256,7 +299,7 @@ def test_the_report_syncs_each_file_once_before_any_rename(
     real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd: int) -> None:
-        events.append("sync")
+        events.append("sync folder" if os.path.isdir(f"/proc/self/fd/{fd}") else "sync")
         real_fsync(fd)
 
     def replace(src: str | Path, dst: str | Path) -> None:
@@ -267,6 +310,6 @@ def test_the_report_syncs_each_file_once_before_any_rename(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     report(RunDir(run), FAST)
-    # report.json last: `serve` reads it
+    # report.json last: `serve` reads it; then report/ itself, where the renames are
     renames = ["rename pareto.png", "rename report.md", "rename report.json"]
-    assert events == ["sync"] * 3 + renames
+    assert events == ["sync"] * 3 + renames + ["sync folder"]

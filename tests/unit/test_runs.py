@@ -6,12 +6,15 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -23,9 +26,12 @@ from lightship.runs import (
     atomic_paths,
     check_space,
     check_writable,
+    interrupt_exit_code,
+    interrupt_message,
     lock_run,
     sha256_file,
 )
+from tests.handmade import handmade_onnx
 
 
 def test_atomic_path_leaves_old_file_on_failure(tmp_path: Path) -> None:
@@ -71,8 +77,8 @@ def test_nothing_is_renamed_into_place_after_ctrl_c(
 SET = ("pareto.png", "report.md", "report.json")  # the report's, in the order it commits them
 
 
-def _commit(folder: Path, text: str) -> None:
-    with atomic_paths(*(folder / name for name in SET)) as temporaries:
+def _commit(folder: Path, text: str, done: str = "") -> None:
+    with atomic_paths(*(folder / name for name in SET), done=done) as temporaries:
         for tmp in temporaries:
             tmp.write_text(text)
 
@@ -84,11 +90,26 @@ def _texts(folder: Path) -> dict[str, str]:
 def test_files_committed_together_are_synced_once_each_before_any_rename(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    events = _sync_events(monkeypatch)
+    # the folder last: a rename is on disk once its folder is, and once will do for all three
+    _commit(tmp_path, "new")
+    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET] + [f"sync {tmp_path}"]
+    for name in SET:
+        (tmp_path / name).write_text("old")
+    events.clear()
+    _commit(tmp_path, "new")
+    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET] + [f"sync {tmp_path}"]
+
+
+def _sync_events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What `os.fsync` and `os.replace` are called on, in order, from now on: a file's sync is
+    `sync`, a folder's `sync FOLDER`, a rename `rename NAME`."""
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd: int) -> None:
-        events.append("sync")
+        folder = stat.S_ISDIR(os.fstat(fd).st_mode)
+        events.append(f"sync {os.readlink(f'/proc/self/fd/{fd}')}" if folder else "sync")
         real_fsync(fd)
 
     def replace(src: str | Path, dst: str | Path) -> None:
@@ -97,19 +118,54 @@ def test_files_committed_together_are_synced_once_each_before_any_rename(
 
     monkeypatch.setattr(runs.os, "fsync", fsync)
     monkeypatch.setattr(runs.os, "replace", replace)
-    _commit(tmp_path, "new")
-    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET]
-    for name in SET:
-        (tmp_path / name).write_text("old")
-    events.clear()
-    _commit(tmp_path, "new")
-    assert events == ["sync"] * 3 + [f"rename {name}" for name in SET]
+    return events
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_each_folder_renamed_into_is_synced_once_where_its_file_system_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    finals = [tmp_path / "a" / "x.json", tmp_path / "b" / "y.json", tmp_path / "a" / "z.json"]
+    events = _sync_events(monkeypatch)
+    with atomic_paths(*finals) as temporaries:
+        for tmp in temporaries:
+            tmp.write_text("new")
+    renames = ["rename x.json", "rename y.json", "rename z.json"]
+    assert events == ["sync"] * 3 + renames + [f"sync {tmp_path / 'a'}", f"sync {tmp_path / 'b'}"]
+
+    # a file system that cannot sync a folder (EINVAL), or open one (EACCES): the files stand
+    real_fsync, real_open = os.fsync, os.open
+
+    def refuse_folders(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    def refuse_to_open_folders(path: Path, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECTORY:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(runs.os, "fsync", refuse_folders)
+    _commit(tmp_path / "c", "synced but not its folder")
+    assert _texts(tmp_path / "c") == dict.fromkeys(SET, "synced but not its folder")
+    monkeypatch.setattr(runs.os, "open", refuse_to_open_folders)
+    _commit(tmp_path / "c", "new")
+    assert _texts(tmp_path / "c") == dict.fromkeys(SET, "new")
+
+
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [
+        ([signal.SIGINT], 130),
+        ([signal.SIGTERM], 143),
+        # the later one decides, as outside the renames, where each handler records its own
+        ([signal.SIGINT, signal.SIGTERM], 143),
+        ([signal.SIGTERM, signal.SIGINT], 130),
+    ],
+)
 @pytest.mark.usefixtures("signal_handlers")
 def test_a_stop_signal_during_a_commit_lands_after_its_last_rename(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signals: list[int], code: int
 ) -> None:
     for name in SET:
         (tmp_path / name).write_text("old")
@@ -118,14 +174,80 @@ def test_a_stop_signal_during_a_commit_lands_after_its_last_rename(
     def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
         real_replace(src, dst)
         if Path(dst).name == SET[0]:  # Ctrl-C, or `docker stop`, just after the first rename
-            os.kill(os.getpid(), signum)
+            for signum in signals:
+                os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(runs.os, "replace", replace_then_stopped)
     with pytest.raises(KeyboardInterrupt):
-        _commit(tmp_path, "new")
+        _commit(tmp_path, "new", done="the new set was written")
     assert _texts(tmp_path) == dict.fromkeys(SET, "new")
-    assert runs._stopped_by == [signum]
+    assert runs._stopped_by == [signals[-1]] and interrupt_exit_code() == code
+    # the CLI's last line says what stands: the new set, not the note from before the commit
+    assert interrupt_message() == "interrupted: the new set was written"
     assert {signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == {runs._on_stop_signal}
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_commit_that_fails_before_its_renames_keeps_the_note_that_nothing_is_written(
+    tmp_path: Path,
+) -> None:
+    runs.note_interrupt("the old set is as it was")
+    with (
+        pytest.raises(RuntimeError),
+        atomic_paths(tmp_path / "a.json", done="the new set was written"),
+    ):
+        raise RuntimeError("the writer failed")
+    assert interrupt_message() == "interrupted: the old set is as it was"
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from lightship.quantize import isa, qat
+
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    onnx, ckpt = run / "quantize" / "model.int8-qat.onnx", run / "quantize" / "qat.ckpt"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"old")
+    ckpt.write_bytes(b"old")
+    before = _tree(run)
+
+    # fine-tuning, the int8 conversion and their checks are test_qat's: here, in the scratch
+    # folder, a checkpoint of the model as it is, and a stand-in int8 model are committed
+    def fine_tune(lit: Any, dm: object, workdir: Path, epochs: int) -> tuple[Any, Path]:
+        torch.save({"state_dict": lit.state_dict()}, workdir / "best.ckpt")
+        return SimpleNamespace(current_epoch=epochs), workdir / "best.ckpt"
+
+    monkeypatch.setattr(qat, "fine_tune", fine_tune)
+    monkeypatch.setattr(qat, "convert_pt2e", lambda prepared: prepared)
+    monkeypatch.setattr(qat, "export_onnx", lambda model, x, path: handmade_onnx(path) and {})
+    monkeypatch.setattr(qat, "int8_share", lambda path: {"int8_nodes": 1, "float_nodes": 0})
+    monkeypatch.setattr(qat, "_parity", lambda *args: {})
+    killed = tmp_path / "killed"  # the run as a kill -9 at the first rename would leave it
+    real_replace = os.replace
+
+    def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
+        first = Path(dst).parent == onnx.parent and not killed.exists()
+        if first:
+            shutil.copytree(run, killed, symlinks=True)
+        real_replace(src, dst)
+        if first:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(runs.os, "replace", replace_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        qat.quantize_aware_train(RunDir(run), isa.SCHEMES["avx2"], onnx, epochs=1, lr=1e-4, seed=0)
+    assert onnx.read_bytes() != b"old" and ckpt.read_bytes() != b"old"  # both new
+    # QAT's scratch folder and temporary files are all named as the sweep knows them
+    assert runs.sweep_temporaries(killed) and _tree(killed) == before
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
 def test_check_space_says_how_much_is_needed(tmp_path: Path) -> None:

@@ -380,6 +380,7 @@ def test_a_missing_export_names_the_command_that_makes_it(
     run = tmp_path / "r"
     (run / "export").mkdir(parents=True)
     (run / "manifest.json").write_text("{}")
+    (run / "best.ckpt").write_bytes(b"weights")  # a trained run: export can make the file
     monkeypatch.chdir(tmp_path)  # outside lightship's checkout: its make targets are not here
     with pytest.raises(RunError) as err:
         load_predictor(run / "export" / name)

@@ -44,7 +44,7 @@ def test_a_path_that_does_not_exist_is_said_to_be_missing(tmp_path: Path) -> Non
     RunDir(run).record("checkpoint", {"file": "best.ckpt"})
     (run / "best.ckpt").write_bytes(b"weights")
     assert refusal(run / "export" / "model.ts") == (
-        f"no such model file: {run}/export/model.ts does not exist: check the path, or make it: "
+        f"no such model file: {run}/export/model.ts does not exist: check the path; "
         f"run `lightship export --run {run}` first"
     )
 
@@ -70,14 +70,15 @@ def test_a_trained_run_without_an_export_still_says_export(tmp_path: Path) -> No
     (run / "best.ckpt").write_bytes(b"weights")
     assert refusal(run) == (
         f"{run} has no 'onnx-fp32' artifact (it has: none): run `lightship export --run {run}` "
-        "first, or choose another --variant"
+        "first; or choose another --variant"
     )
 
 
 IN_AN_IMAGE = "a model image holds only a run's manifest, ONNX files and report"
-REBUILD = (
-    "rebuild the image from a run that has it: `make {} RUN=runs/NAME`, then `docker build "
-    "--target model --build-arg RUN=runs/NAME -t IMAGE .`"
+REBUILD = "rebuild the image from a run that has it: `make {} docker-model RUN=runs/NAME`"
+TORCH = (
+    "serve an ONNX variant, e.g. --variant onnx-fp32, or mount the whole run at /model in an "
+    "image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
 )
 
 
@@ -89,9 +90,10 @@ def test_a_run_in_a_model_image_says_to_rebuild_the_image_not_to_export_in_it(
     run = tmp_path / "model"  # as at /model in the image
     (run / "export").mkdir(parents=True)
     RunDir(run).record("checkpoint", {"file": "best.ckpt"})  # trained, never exported
+    no_ckpt = f"{run} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
     assert refusal(run) == (
-        f"{run} has no 'onnx-fp32' artifact (it has: checkpoint) and no best.ckpt to make it "
-        f"from ({IN_AN_IMAGE}): {REBUILD.format('export')}; or choose another --variant"
+        f"{run} has no 'onnx-fp32' artifact (it has: checkpoint): {no_ckpt}"
+        f"{REBUILD.format('export')}; or choose another --variant"
     )
     handmade_onnx(run / "export" / "model.onnx")
     RunDir(run).record("onnx-fp32", {"file": "export/model.onnx"})
@@ -104,36 +106,70 @@ def test_a_run_in_a_model_image_says_to_rebuild_the_image_not_to_export_in_it(
         return str(err.value)
 
     assert refused("onnx-int8-static") == (
-        f"{run}/quantize/model.int8-static.onnx is in the manifest but missing, and {run} has "
-        f"no best.ckpt to make it from ({IN_AN_IMAGE}): {REBUILD.format('quantize')}"
+        f"{run}/quantize/model.int8-static.onnx is in the manifest but missing: {no_ckpt}"
+        + REBUILD.format("quantize")
     )
     assert refused("torchscript") == (
-        f"{run}/export/model.ts is in the manifest but missing, and {run} has no best.ckpt to "
-        f"make it from ({IN_AN_IMAGE}): serve an ONNX variant, e.g. --variant onnx-fp32, or "
-        "mount the whole run at /model in an image with torch (Dockerfile.gpu, --build-arg "
-        "TORCH_VERSION=...)"
+        f"{run}/export/model.ts is in the manifest but missing: {no_ckpt}{TORCH}"
+    )
+    # training cannot give it back there: it said `lightship train --run /model`
+    assert refused("checkpoint") == (
+        f"{run}/best.ckpt is in the manifest but missing: {run} has no best.ckpt "
+        f"({IN_AN_IMAGE}): {TORCH}"
     )
     assert refused("onnx-int8-dynamic").endswith(
-        f"no best.ckpt to make it from ({IN_AN_IMAGE}): {REBUILD.format('quantize')}; or "
-        "choose another --variant"
+        f"{no_ckpt}{REBUILD.format('quantize')}; or choose another --variant"
     )
     assert refusal(run / "export" / "model.pt2") == (
-        f"no such model file: {run}/export/model.pt2 does not exist: check the path; {run} has "
-        f"no best.ckpt to make it from ({IN_AN_IMAGE}): serve an ONNX variant, e.g. --variant "
-        "onnx-fp32, or mount the whole run at /model in an image with torch (Dockerfile.gpu, "
-        "--build-arg TORCH_VERSION=...)"
+        f"no such model file: {run}/export/model.pt2 does not exist: check the path; "
+        f"{no_ckpt}{TORCH}"
     )
     assert refusal(run / "quantize" / "model.int8-qat.onnx").endswith(
-        f"check the path; {run} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
-        + REBUILD.format("quantize")
+        f"check the path; {no_ckpt}{REBUILD.format('quantize')}"
+    )
+    # a file there but changed since it was recorded: it said to re-run export there
+    RunDir(run).record("onnx-fp32", {"file": "export/model.onnx", "sha256": "0" * 64})
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-fp32")))
+    assert str(err.value) == (
+        f"{run}/export/model.onnx differs from its manifest entry (sha256): it changed after it "
+        f"was recorded; {no_ckpt}{REBUILD.format('export')}"
     )
     # With its checkpoint the run can make them: the stage's command is the fix again.
     (run / "best.ckpt").write_bytes(b"weights")
     assert refused("onnx-int8-static") == (
         f"{run}/quantize/model.int8-static.onnx is in the manifest but missing: re-run "
-        f"`lightship quantize --run {run}`"
+        f"`lightship quantize --run {run} --methods static`"
     )
-    assert refused("torchscript").endswith(f"missing: re-run `lightship export --run {run}`")
+    assert refused("torchscript").endswith(
+        f"missing: re-run `lightship export --run {run} --formats torchscript`"
+    )
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-fp32")))
+    assert str(err.value).endswith(
+        f"it changed after it was recorded; re-run `lightship export --run {run} --formats onnx`"
+    )
+
+
+def test_a_lone_file_of_a_run_that_changed_names_the_stage_that_remakes_it(
+    tmp_path: Path,
+) -> None:
+    # served by its path, its variant is "file": it said `lightship export --formats file`
+    run = tmp_path / "run"
+    (run / "quantize").mkdir(parents=True)
+    path = handmade_onnx(run / "quantize" / "model.int8-static.onnx")
+    RunDir(run).record(
+        "onnx-int8-static", {"file": "quantize/model.int8-static.onnx", "sha256": "0" * 64}
+    )
+    (run / "best.ckpt").write_bytes(b"weights")
+    model = choose(ServeSettings(run=path))
+    assert (model.variant, model.entry) == ("file", RunDir(run).artifact("onnx-int8-static"))
+    with pytest.raises(RunError) as err:
+        verify(model)
+    assert str(err.value).endswith(
+        f"it changed after it was recorded; re-run `lightship quantize --run {run} --methods "
+        "static`"
+    )
 
 
 def int8_file(path: Path, target: str) -> Path:

@@ -400,6 +400,7 @@ def test_int8_for_another_cpu_is_refused_or_warned(
 def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}})
     handmade_onnx(run / "export" / "onnx-fp32.onnx", bias=5.0)  # rewritten behind the manifest
+    (run / "best.ckpt").write_bytes(b"weights")  # a trained run: export can make it again
     with pytest.raises(RunError, match="differs from its manifest entry") as err:
         verify(choose(ServeSettings(run=run)))
     assert str(err.value).endswith(f"re-run `lightship export --run {run} --formats onnx`")
@@ -449,8 +450,7 @@ def test_a_report_with_nothing_to_serve_says_export_first(tmp_path: Path) -> Non
     assert str(err.value).endswith(
         "has none to serve yet, and no best.ckpt to make one from (a model image holds only a "
         "run's manifest, ONNX files and report): rebuild the image from a run that has it: "
-        "`make export report RUN=runs/NAME`, then `docker build --target model --build-arg "
-        "RUN=runs/NAME -t IMAGE .`"
+        "`make export report docker-model RUN=runs/NAME`"
     )
     (run / "best.ckpt").write_bytes(b"weights")
     with pytest.raises(RunError) as err:

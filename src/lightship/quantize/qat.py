@@ -51,7 +51,7 @@ from lightship.export import onnx as onnx_export
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
 from lightship.quantize import isa, ptq
 from lightship.quantize.core import MethodFailed, int8_share, made_here
-from lightship.runs import RunDir, atomic_path
+from lightship.runs import SCRATCH_PREFIXES, RunDir, atomic_paths
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, TARGET
 
@@ -443,7 +443,7 @@ def quantize_aware_train(
     source = {k: loaded.hparams[k] for k in ("model_spec", "labels", "input_spec", "data_spec")}
     lit = LitQAT(net, source, settings)
     ckpt_final = run.quantize_dir / "qat.ckpt"
-    with tempfile.TemporaryDirectory(prefix=".qat.", dir=run.root) as tmpdir:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIXES["qat"], dir=run.root) as tmpdir:
         t0 = time.perf_counter()
         trainer, best = fine_tune(lit, dm, Path(tmpdir), epochs)
         fine_tune_seconds = time.perf_counter() - t0
@@ -456,7 +456,9 @@ def quantize_aware_train(
             converted = ExportedNet(convert_pt2e(prepared)).eval()
         except Exception as exc:
             raise MethodFailed("qat", f"convert_pt2e: {_one_line(exc)}", ADVICE) from None
-        with atomic_path(out_path) as tmp_onnx, atomic_path(ckpt_final) as tmp_ckpt:
+        # committed together: a stop signal between two commits of their own would leave a
+        # new qat.ckpt beside the old int8 model
+        with atomic_paths(ckpt_final, out_path) as (tmp_ckpt, tmp_onnx):
             try:
                 exported = export_onnx(converted, example, tmp_onnx)
             except Exception as exc:

@@ -30,7 +30,14 @@ from lightship.report.measure import (
     keep_freed_memory,
     measure,
 )
-from lightship.runs import REPORT_FILES, RunDir, atomic_paths, check_writable, note_interrupt
+from lightship.runs import (
+    REPORT_FILES,
+    RunDir,
+    atomic_paths,
+    check_writable,
+    lock_run,
+    note_interrupt,
+)
 from lightship.runtime import physical_cores
 from lightship.runtime.ort import OrtPredictor
 
@@ -93,7 +100,14 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     """Measure every variant of `run`, write its report's files and return report.json's
     content; timings too noisy to trust are `timing_warning` in it (and in report.md), for the
     caller to show where its reader looks (the CLI: after its table)."""
-    s = settings or ReportSettings()
+    # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize does:
+    # no other stage may replace a variant while it is measured, and the report's files would
+    # then describe the old one.
+    with lock_run(run.root, "lightship report"):
+        return _report(run, settings or ReportSettings())
+
+
+def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
@@ -197,8 +211,11 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     }
     report_json, report_md, pareto_png = outputs
     # Committed together (`atomic_paths`): the old set or the new one, never a new report.json
-    # beside an old plot. report.json, which `serve` reads, is renamed last.
-    with atomic_paths(pareto_png, report_md, report_json) as (tmp_png, tmp_md, tmp_json):
+    # beside an old plot. report.json, which `serve` reads, is renamed last. Stopped during the
+    # renames, the stop takes effect after them: the new report is what is then said to stand.
+    written = f"the new report was written to {run.report_dir}"
+    with atomic_paths(pareto_png, report_md, report_json, done=written) as temporaries:
+        tmp_png, tmp_md, tmp_json = temporaries
         tmp_json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         tmp_md.write_text(render.markdown(result))
         render.pareto(result, tmp_png)

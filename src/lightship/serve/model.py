@@ -15,7 +15,15 @@ from typing import Any
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
-from lightship.runs import RunDir, check_recorded, enclosing_run, export_hint, makefile_here
+from lightship.runs import (
+    IN_AN_IMAGE,
+    RunDir,
+    check_recorded,
+    enclosing_run,
+    export_hint,
+    makefile_here,
+    variant_of,
+)
 from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.ort import TARGET, file_metadata
 from lightship.serve.settings import MODEL_NAME, ServeSettings
@@ -37,9 +45,6 @@ VARIANTS = (
 MODEL_SUFFIXES = (".onnx", ".ts", ".pt2", ".ckpt")
 # What the stages write in a run directory: a folder holding none of it is no run.
 RUN_CONTENTS = ("manifest.json", "best.ckpt", "export", "quantize", "report")
-# What the Dockerfiles' `model` stage copies of a run into an image (.dockerignore): its
-# manifest.json, ONNX files and report.json; no best.ckpt, so no stage can make a variant there.
-IN_AN_IMAGE = "a model image holds only a run's manifest, ONNX files and report"
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,11 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
                 f"(made or replaced since): {fix}"
             )
         if DEFAULT_VARIANT not in artifacts:
-            if not _can_make(run):
+            if not run.can_make():
                 raise RunError(
                     f"{path} recommends no variant: {run.root} has none to serve yet, and no "
                     f"best.ckpt to make one from ({IN_AN_IMAGE}): "
-                    f"{_rebuild(DEFAULT_VARIANT, 'report')}"
+                    f"{run.rebuild_hint(DEFAULT_VARIANT, 'report')}"
                 )
             raise RunError(
                 f"{path} recommends no variant: {run.root} has none to serve yet: run "
@@ -222,23 +227,13 @@ def choose(settings: ServeSettings) -> ServedModel:
     entry = artifacts.get(variant)
     if entry is None:
         have = ", ".join(sorted(artifacts)) or "none"
-        if not _can_make(run, variant):
-            raise RunError(
-                f"{target} has no '{variant}' artifact (it has: {have}) and no best.ckpt to "
-                f"make it from ({IN_AN_IMAGE}): {_rebuild(variant)}; or choose another --variant"
-            )
         raise RunError(
-            f"{target} has no '{variant}' artifact (it has: {have}): "
-            f"run {_maker(run, variant)} first, or choose another --variant"
+            f"{target} has no '{variant}' artifact (it has: {have}): {run.make_hint(variant)}; "
+            "or choose another --variant"
         )
     path = run.root / str(entry["file"])
     if not path.is_file():
-        if not _can_make(run, variant):
-            raise RunError(
-                f"{path} is in the manifest but missing, and {run.root} has no best.ckpt to "
-                f"make it from ({IN_AN_IMAGE}): {_rebuild(variant)}"
-            )
-        raise RunError(f"{path} is in the manifest but missing: re-run {_maker(run, variant)}")
+        raise RunError(f"{path} is in the manifest but missing: {run.remake_hint(variant)}")
     name = settings.model_name or _safe_name(run.name)
     return ServedModel(name, variant, path, dict(entry), chosen_by)
 
@@ -246,52 +241,15 @@ def choose(settings: ServeSettings) -> ServedModel:
 def _missing(target: Path) -> str:
     """What to say of a --run that does not exist: a model file is not made by training it."""
     if target.suffix in MODEL_SUFFIXES:
-        run = enclosing_run(target)
         made = ""
-        if run and target.suffix != ".ckpt":
-            if _can_make(RunDir(run)):
-                made = f", or make it: {export_hint(target)}"
-            else:
-                variant = {".ts": "torchscript", ".pt2": "pt2"}.get(target.suffix, DEFAULT_VARIANT)
-                variant = "onnx-int8" if ".int8-" in target.name else variant
-                made = f"; {run} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
-                made += _rebuild(variant)
+        if enclosing_run(target) and target.suffix != ".ckpt":  # made by export or quantize
+            made = f"; {export_hint(target)}"
         return f"no such model file: {target} does not exist: check the path{made}"
     return (
         f"{target} does not exist: neither a run directory nor a model file is there; give "
         "--run (LIGHTSHIP_RUN) a run directory (one `lightship train` and `lightship export` "
         f"made) or a model file ({', '.join(MODEL_SUFFIXES)})"
     )
-
-
-def _can_make(run: RunDir, variant: str = DEFAULT_VARIANT) -> bool:
-    """Whether a stage can make `variant` of `run` here: not where the run has no best.ckpt, nor
-    checkpoints/ to train it back from, as in the copy of a run a model image holds."""
-    if variant == "checkpoint":
-        return True  # training makes it, and `_maker` says so
-    return run.best_ckpt.is_file() or run.checkpoints.is_dir()
-
-
-def _rebuild(variant: str, *then: str) -> str:
-    """How to have `variant` in a model image, whose run no stage can make it of: make it (and
-    `then` stages) in the run the image was built from, and build the image again."""
-    if variant in ("torchscript", "pt2"):  # .dockerignore lets no torch file into an image
-        return (
-            f"serve an ONNX variant, e.g. --variant {DEFAULT_VARIANT}, or mount the whole run at "
-            "/model in an image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
-        )
-    stages = " ".join(("quantize" if variant.startswith("onnx-int8") else "export", *then))
-    return (
-        f"rebuild the image from a run that has it: `make {stages} RUN=runs/NAME`, then "
-        "`docker build --target model --build-arg RUN=runs/NAME -t IMAGE .`"
-    )
-
-
-def _maker(run: RunDir, variant: str) -> str:
-    """The command that makes `variant` of `run`, for a message."""
-    if variant == "checkpoint":
-        return run.train_command()
-    return run.command("quantize" if variant.startswith("onnx-int8") else "export")
 
 
 def _safe_name(name: str) -> str:
@@ -316,8 +274,10 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     else:
         what = model.variant
         root = enclosing_run(model.path)
-        remake = RunDir(root).remake_command(model.variant) if root else "the stage that wrote it"
-        check_recorded(model.path, entry, f"it changed after it was recorded; re-run {remake}")
+        # a lone file's variant ("file") is no stage's: its name says which it is
+        variant = variant_of(model.path) if model.variant == "file" else model.variant
+        remake = RunDir(root).remake_hint(variant) if root else "re-run the stage that wrote it"
+        check_recorded(model.path, entry, f"it changed after it was recorded; {remake}")
         made_for = entry.get("target")
         gemm = entry.get("gemm_convs")
     if not made_for:

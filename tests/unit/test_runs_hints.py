@@ -1,0 +1,90 @@
+"""What a message says to run to make a variant of a run: the stage's command where it has
+best.ckpt, and where it has none (the copy of a run a model image holds), how to have it
+all the same instead of a stage that cannot run there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightship.errors import RunError
+from lightship.runs import IN_AN_IMAGE, RunDir, export_hint
+from lightship.runtime import load_predictor
+
+REBUILD = "rebuild the image from a run that has it: `make {} docker-model RUN=runs/NAME`"
+TORCH = (
+    "serve an ONNX variant, e.g. --variant onnx-fp32, or mount the whole run at /model in an "
+    "image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
+)
+
+
+@pytest.fixture(autouse=True)
+def outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # lightship's own make targets are not here: lightship commands
+
+
+def image_run(root: Path) -> RunDir:
+    """A run as a model image holds it: manifest.json, export/ and quantize/, no best.ckpt."""
+    run = RunDir(root)
+    (root / "export").mkdir(parents=True)
+    (root / "quantize").mkdir()
+    run.record("checkpoint", {"file": "best.ckpt"})
+    return run
+
+
+def test_a_missing_model_of_a_trained_run_names_the_stage_that_writes_it(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.record("checkpoint", {"file": "best.ckpt"})
+    run.best_ckpt.write_bytes(b"weights")
+    assert export_hint(run.export_dir / "model.onnx") == (
+        f"run `lightship export --run {run.root}` first"
+    )
+    assert export_hint(run.export_dir / "model.ts") == (
+        f"run `lightship export --run {run.root}` first"
+    )
+    # quantize writes the int8 models, not export
+    assert export_hint(run.quantize_dir / "model.int8-static.onnx") == (
+        f"run `lightship quantize --run {run.root}` first"
+    )
+    assert export_hint(tmp_path / "model.onnx") == "export it first"  # in no run
+    assert run.remake_hint("onnx-int8-static") == (
+        f"re-run `lightship quantize --run {run.root} --methods static`"
+    )
+    assert run.remake_hint("checkpoint") == f"re-run `lightship train --run {run.root}`"
+
+
+def test_a_run_without_best_ckpt_says_how_to_have_a_variant_not_to_run_a_stage_there(
+    tmp_path: Path,
+) -> None:
+    run = image_run(tmp_path / "model")
+    no_ckpt = f"{run.root} has no best.ckpt to make it from ({IN_AN_IMAGE}): "
+    assert export_hint(run.export_dir / "model.onnx") == no_ckpt + REBUILD.format("export")
+    assert export_hint(run.quantize_dir / "model.int8-qat.onnx") == (
+        no_ckpt + REBUILD.format("quantize")
+    )
+    assert export_hint(run.export_dir / "model.pt2") == no_ckpt + TORCH
+    # a file there but not the one recorded: made again in the run the image was built from
+    assert run.remake_hint("onnx-fp32") == no_ckpt + REBUILD.format("export")
+    assert run.remake_hint("onnx-int8-static") == no_ckpt + REBUILD.format("quantize")
+    assert run.remake_hint("checkpoint") == f"{run.root} has no best.ckpt ({IN_AN_IMAGE}): {TORCH}"
+    # a run whose best.ckpt is gone but that trained there: training puts it back
+    run.checkpoints.mkdir()
+    assert export_hint(run.export_dir / "model.onnx") == (
+        f"run `lightship export --run {run.root}` first"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "fix"),
+    [("model.onnx", REBUILD.format("export")), ("model.ts", TORCH)],
+)
+def test_a_runtime_missing_a_model_of_an_image_says_so(tmp_path: Path, name: str, fix: str) -> None:
+    # onnxruntime's and torch's loaders take their fix from `export_hint`
+    run = image_run(tmp_path / "model")
+    with pytest.raises(RunError) as err:
+        load_predictor(run.export_dir / name)
+    assert str(err.value).endswith(
+        f"{run.export_dir / name} not found: {run.root} has no best.ckpt to make it from "
+        f"({IN_AN_IMAGE}): {fix}"
+    )
