@@ -14,10 +14,12 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -236,6 +238,36 @@ def test_a_64_mb_body_is_refused_with_413_json(hand: Server) -> None:
     r = httpx.post(f"{hand.url}/v2/models/hand/infer", content=body, timeout=30)
     assert r.status_code == 413
     assert "limit of 16777216 bytes" in r.json()["error"]
+    # refused by its Content-Length before any route matched it: counted under its route
+    metrics = hand.metrics()
+    assert metrics['lightship_requests_total{route="/v2/models/{model_name}/infer",status="413"}']
+    assert 'lightship_requests_total{route="unmatched",status="413"}' not in metrics
+
+
+def declared_png(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header declares width x height: what Pillow reads before any pixel."""
+    buf = io.BytesIO()
+    Image.new("1", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[16:24] = struct.pack(">II", width, height)  # IHDR's data, then its CRC
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def test_images_past_pillows_limits_are_refused_by_the_servers_quietly(hand: Server) -> None:
+    """Pillow warns past 89 MP and refuses past 179 MP; the server's limit is 40 MP."""
+    answers = [
+        httpx.post(
+            f"{hand.url}/v1/predict/image",
+            files={"files": ("big.png", declared_png(side, side), "image/png")},
+        )
+        for side in (10_000, 20_000)
+    ]
+    assert [(r.status_code, r.json()["error"]) for r in answers] == [
+        (413, "big.png: 10000x10000 pixels is too large (limit 40,000,000)"),
+        (413, "big.png: 400,000,000 pixels is too large (limit 40,000,000)"),
+    ]
+    assert "DecompressionBombWarning" not in hand.output()
 
 
 def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:

@@ -294,11 +294,16 @@ def test_images_over_the_pixel_limits_are_413(
             r = await client.post("/v1/predict/image", files=files)
             assert r.status_code == 413
             assert r.json()["error"] == "big.png: 20x20 pixels is too large (limit 399)"
-            # past twice Pillow's own limit Pillow will not open it: too large, not unreadable
+            # past twice Pillow's own limit Pillow will not open it: too large, not unreadable,
+            # said as the server's own limit says it, with the limit that refused it
             monkeypatch.setattr(v1, "MAX_IMAGE_PIXELS", 10**6)
             monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
             r = await client.post("/v1/predict/image", files=files)
-            assert r.status_code == 413 and "could be decompression bomb" in r.json()["error"]
+            assert r.status_code == 413
+            assert r.json()["error"] == "big.png: 400 pixels is too large (limit 200)"
+            monkeypatch.setattr(v1, "MAX_IMAGE_PIXELS", 150)
+            r = await client.post("/v1/predict/image", files=files)
+            assert r.json()["error"] == "big.png: 400 pixels is too large (limit 150)"
 
     run(main())
 
@@ -541,7 +546,13 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
             }
         },
         400,
-        "is not an image batch",
+        "is too large to be an image batch",
+    ),
+    (
+        "a trillion rows",
+        {"json": v2_json(X) | {"inputs": [v2_json(X)["inputs"][0] | {"shape": [10**12, 1, 2, 2]}]}},
+        413,
+        "request has 1000000000000 rows; this server takes at most 64 per request: split it",
     ),
     ("parameters 0", {"json": v2_json(X, parameters=0)}, 400, "parameters must be a JSON object"),
     (
@@ -1086,7 +1097,8 @@ def test_a_body_still_arriving_at_the_deadline_is_answered_at_once(
         assert start["status"] == 408
         assert body == {
             "error": f"request body incomplete after 0.05 s ({len(part)} bytes arrived), the "
-            "request's deadline: send it at once, or allow more with x-request-timeout-ms"
+            "server's request deadline: send it at once, or serve with a longer --timeout-ms "
+            "(LIGHTSHIP_TIMEOUT_MS)"
         }
     else:
         assert start["status"] == 504
@@ -1431,6 +1443,46 @@ def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_d
     assert [r.json()["predictions"][0]["label"] for r in answers] == ["bright"] * 6
     assert hurried.status_code == 504
     assert "deadline passed waiting to decode the images" in hurried.json()["error"]
+    assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
+
+
+def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """orjson's parse of a large body peaks at many times its size, and holds the GIL: parses
+    side by side are no faster, only larger."""
+    import lightship.serve.app as app_module
+
+    app, _ = make_app(tmp_path)
+    parsing, most = 0, 0
+    lock = threading.Lock()
+    real_decode = app_module.v1.decode_instances
+
+    def slow_decode(*args: Any) -> Any:
+        nonlocal parsing, most
+        with lock:
+            parsing += 1
+            most = max(most, parsing)
+        time.sleep(0.1)  # a 16 MiB body takes longer
+        with lock:
+            parsing -= 1
+        return real_decode(*args)
+
+    monkeypatch.setattr(app_module.v1, "decode_instances", slow_decode)
+    large = json.dumps({"instances": X.tolist()}).encode() + b" " * app_module.LARGE_BODY_BYTES
+
+    async def main() -> tuple[list[httpx.Response], httpx.Response, str]:
+        async with serving(app) as client:
+            busy = [client.post("/v1/predict", content=large) for _ in range(3)]
+            late = client.post("/v1/predict", content=large, headers={"x-request-timeout-ms": "50"})
+            *answers, hurried = await asyncio.gather(*busy, late)
+            return answers, hurried, (await client.get("/metrics")).text
+
+    answers, hurried, text = run(main())
+    assert most == 1
+    assert [r.json()["predictions"][0]["label"] for r in answers] == ["dark"] * 3
+    assert hurried.status_code == 504
+    assert "deadline passed waiting to parse the JSON body" in hurried.json()["error"]
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
 
 
@@ -1835,3 +1887,49 @@ def test_more_inference_threads_than_cores_are_warned_about(
     start_up_log(settings, monkeypatch, caplog)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == ([warning] if warning else [])
+
+
+@pytest.mark.parametrize(
+    ("name", "max_batch_rows", "warned"),
+    [
+        ("model.int8-dynamic.onnx", 64, True),
+        ("model.int8-dynamic.onnx", 1, False),  # no other client's rows in its batch
+        ("model.int8-static.onnx", 64, False),  # scales fixed at calibration
+    ],
+)
+def test_dynamic_int8_with_batching_is_warned_about(
+    name: str,
+    max_batch_rows: int,
+    warned: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Dynamic int8 computes its activation scales from each batch, and a batch holds several
+    clients' rows: one client's logits move with the others' (digits: by up to 0.1)."""
+    monkeypatch.setattr(serve_app, "physical_cores", lambda: 2)
+    path = handmade_onnx(tmp_path / name)
+    settings = ServeSettings(run=path, port=0, threads=1, max_batch_rows=max_batch_rows)
+    start_up_log(settings, monkeypatch, caplog)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == (
+        [
+            "model.int8-dynamic.onnx is dynamic int8: it scales activations per batch, so a "
+            "request's logits shift slightly with the other requests batched with it "
+            "(--max-batch-rows 64); for answers independent of traffic serve --variant "
+            "onnx-int8-static, onnx-int8-qat or onnx-fp32"
+        ]
+        if warned
+        else []
+    )
+
+
+def test_dynamic_int8_is_known_by_its_variant_or_its_manifest_entry(tmp_path: Path) -> None:
+    settings = ServeSettings(run=tmp_path)
+    warning = serve_app._batch_dependent
+    named = ServedModel("d", "onnx-int8-dynamic", tmp_path / "model.int8-dynamic.onnx", {})
+    assert (warning(named, settings) or "").startswith("onnx-int8-dynamic is dynamic int8: ")
+    renamed = ServedModel("d", "file", tmp_path / "d.onnx", {"quantization": "dynamic"})
+    assert (warning(renamed, settings) or "").startswith("d.onnx is dynamic int8: ")
+    static = ServedModel("d", "onnx-int8-static", tmp_path / "model.int8-static.onnx", {})
+    assert warning(static, settings) is None

@@ -64,3 +64,31 @@ def test_process_and_python_metrics_are_exported_beside_the_servers() -> None:
         "python_gc_collections_total",
     ):
         assert f"\n{name}" in text, name
+
+
+def test_a_body_refused_by_its_content_length_is_counted_under_its_route(tmp_path: Path) -> None:
+    """The 413 from Content-Length comes before any route is matched; it is still labelled
+    with the route the request was sent to, as the same 413 while the body streams is."""
+    app, _ = make_app(tmp_path, max_body_bytes=4096)
+    too_large = b"x" * 5000
+    routes = {
+        INFER: "/v2/models/{model_name}/infer",
+        "/v2/models/hand/versions/1/infer": "/v2/models/{model_name}/versions/{version}/infer",
+        "/v1/predict": "/v1/predict",
+        "/v1/predict/image": "/v1/predict/image",
+        "/v2/models/hand": "/v2/models/{model_name}",  # GET only: its 405, had it been read
+        "/v2/nowhere": "unmatched",
+    }
+
+    async def main() -> str:
+        async with serving(app) as client:
+            for path in routes:
+                r = await client.post(path, content=too_large)
+                assert r.status_code == 413, (path, r.text)
+            r = await client.request("GET", "/v2/health/ready", content=too_large)
+            assert r.status_code == 413
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    for route in [*routes.values(), "/v2/health/ready"]:
+        assert metric(text, f'lightship_requests_total{{route="{route}",status="413"}}') == 1, route

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from lightship.serve import v1, v2
+from lightship.serve.batcher import TooManyRows
 from lightship.serve.v2 import ProtocolError, RequestedOutput
 
 X = np.arange(8, dtype=np.uint8).reshape(2, 1, 2, 2)
@@ -312,6 +313,9 @@ def test_model_metadata_shape_has_a_dynamic_batch() -> None:
 def test_v1_instances_and_predictions() -> None:
     x, k = v1.decode_instances(b'{"instances": [[[1, 2], [3, 4]]], "top_k": 1}', (1, 2, 2), 5)
     assert x.shape == (1, 1, 2, 2) and k == 1  # [H][W] is fine for one channel
+    # null is no top_k, as V2 reads a null parameter
+    _, k = v1.decode_instances(b'{"instances": [[[1, 2], [3, 4]]], "top_k": null}', (1, 2, 2), 5)
+    assert k == 5
     body = v1.encode_predictions(np.array([[0.0, 2.0]], np.float32), ["a", "b"], 5, "m")
     (pred,) = json.loads(body)["predictions"]
     assert pred["label"] == "b" and pred["index"] == 1
@@ -351,6 +355,62 @@ def test_v1_instances_and_predictions() -> None:
 def test_v1_bad_requests(body: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         v1.decode_instances(body, (1, 2, 2), 5)
+
+
+TOO_MANY = "request has 5 rows; this server takes at most 4 per request: split it"
+
+
+def test_more_instances_than_a_batch_takes_are_refused_before_numpy_reads_them() -> None:
+    """The batcher's refusal (413, its words), from the first instance: numpy would build the
+    whole array first. The rest is never read: a ragged one after it is not what is said."""
+    image = [[1, 2], [3, 4]]
+    body = json.dumps({"instances": [image] * 4 + [[[1]]]}).encode()
+    with pytest.raises(TooManyRows, match=f"^{TOO_MANY}$"):
+        v1.decode_instances(body, (1, 2, 2), 5, max_rows=4)
+    with pytest.raises(ProtocolError, match="ragged"):  # within the limit: read, and ragged
+        v1.decode_instances(body, (1, 2, 2), 5, max_rows=5)
+    # instances of the wrong shape are said to be, as within the limit
+    hwc = json.dumps({"instances": [[[[1], [2]], [[3], [4]]]] * 5}).encode()
+    with pytest.raises(ProtocolError, match=re.escape("shape [2, 2, 1] (this looks like HWC")):
+        v1.decode_instances(hwc, (1, 2, 2), 5, max_rows=4)
+
+
+def test_a_v2_batch_over_the_limit_is_refused_before_its_json_data_is_read() -> None:
+    short = json_request([1, 2, 3], [5, 1, 2, 2])  # the data would be 400: 3 values, not 20
+    with pytest.raises(TooManyRows, match=f"^{TOO_MANY}$"):
+        v2.decode_request(short, None, "input", max_rows=4)
+    with pytest.raises(ProtocolError, match="holds 20 values but data has 3"):
+        v2.decode_request(short, None, "input", max_rows=5)
+    one_image = json_request(list(range(20)), [5, 2, 2])  # 3-D: one image of 5 channels
+    assert v2.decode_request(one_image, None, "input", max_rows=4).x.shape == (5, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "error", "message"),
+    [
+        (
+            [10**12, 1, 28, 28],
+            TooManyRows,
+            "request has 1000000000000 rows; this server takes at most 64 per request: split it",
+        ),
+        (
+            [1, 10**12, 28, 28],
+            ProtocolError,
+            "input shape [1, 1000000000000, 28, 28] is too large to be an image batch "
+            "(over 1,099,511,627,776 values): send [N, C, H, W]",
+        ),
+        (
+            [1] * 9,
+            ProtocolError,
+            "input shape [1, 1, 1, 1, 1, 1, 1, 1, 1] is not an image batch: send [N, C, H, W]",
+        ),
+    ],
+)
+def test_an_absurd_shape_is_said_to_be_what_it_is(
+    shape: list[int], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        v2.decode_request(json_request([0] * 784, shape), None, "input", max_rows=64)
 
 
 def encode(image: Image.Image, fmt: str) -> bytes:

@@ -7,6 +7,8 @@ numpy and Pillow only: the server imports this beside an ONNX model, without tor
 from __future__ import annotations
 
 import io
+import re
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -68,6 +70,17 @@ def _is_colour(im: Image.Image) -> bool:
     return im.mode not in GRAY_MODES
 
 
+def _too_large(exc: Exception, max_pixels: int | None) -> str:
+    """Pillow's refusal of an image past its limit, said as the caller's own limit says it."""
+    pixels = re.search(r"\((\d+) pixels\)", str(exc))
+    if max_pixels is None or pixels is None:
+        return str(exc).rstrip(".")
+    limit = max_pixels
+    if isinstance(exc, Image.DecompressionBombError) and Image.MAX_IMAGE_PIXELS:
+        limit = min(limit, 2 * Image.MAX_IMAGE_PIXELS)  # Pillow opens nothing larger
+    return f"{int(pixels.group(1)):,} pixels is too large (limit {limit:,})"
+
+
 def decode(
     source: bytes | Path,
     chw: tuple[int, int, int],
@@ -82,7 +95,14 @@ def decode(
     if (len(source) if isinstance(source, bytes) else source.stat().st_size) == 0:
         raise ImageError(name, "empty file (0 bytes): not a readable PNG or JPEG image")
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+        with warnings.catch_warnings():
+            if max_pixels is not None:
+                # Checked below: past Pillow's own limit (89 MP) its warning would say so
+                # again, in the server's log. (Threads decoding at once may leave this filter
+                # on, or let a warning through: neither changes an answer.)
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        with im:
             if im.format not in FORMATS:
                 raise ImageError(
                     name, f"{im.format} images are not accepted: use PNG or JPEG", "format"
@@ -115,7 +135,7 @@ def decode(
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # past Pillow's limit (a warning, unless the caller made it an error): a small file
         # can declare gigapixels
-        raise ImageError(name, str(exc).rstrip("."), "size") from None
+        raise ImageError(name, _too_large(exc, max_pixels), "size") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(name, f"not a readable PNG or JPEG image ({exc})") from None
     return (pixels[None] if c == 1 else pixels.transpose(2, 0, 1)), colour

@@ -37,11 +37,13 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightship import __version__
 from lightship.errors import ConfigError
 from lightship.quantize.isa import host_cpu
+from lightship.runs import variant_of
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
 from lightship.serve import openapi, v1, v2
@@ -366,7 +368,8 @@ class BodyLimit:
                 self.metrics.rejected("body_timeout")
                 raise BodyTimeout(
                     f"request body incomplete after {timeout_s:g} s ({seen} bytes arrived), "
-                    f"the request's deadline: send it at once, or allow more with {TIMEOUT_HEADER}",
+                    "the server's request deadline: send it at once, or serve with a longer "
+                    "--timeout-ms (LIGHTSHIP_TIMEOUT_MS)",
                     408,
                 ) from None
             finally:
@@ -462,6 +465,26 @@ def _compress(body: bytes, coding: str) -> bytes:
 # loop, and with it every other request, for 0.5-1.6 s. The thread hands the GIL back to the
 # loop every switch interval.
 LARGE_BODY_BYTES = 256 * 1024
+# Large JSON bodies parsed at once. orjson's parse of a body of small numbers peaks at ~14 times
+# its size (16 MiB of digits instances: 230 MB), before its rows can be counted; and orjson
+# and numpy hold the GIL as they parse, so a second parse beside it would run no sooner. Eight
+# such bodies at once peaked at 480-600 MB one at a time, 700-920 MB unbounded (2-core box).
+PARSE_SLOTS = 1
+
+
+_V2_INFER = re.compile(r"/v2/models/(?P<model_name>[^/]+)/(?:versions/(?P<version>[^/]+)/)?infer")
+
+
+def hot_route(path: str) -> tuple[str, dict[str, str]] | None:
+    """The `HotRoutes` handler of `path` and its path parameters; None for FastAPI's routes."""
+    if path == "/v1/predict":
+        return "v1_predict", {}
+    if path.startswith("/v2/models/") and (match := _V2_INFER.fullmatch(path)):
+        model_name, version = match.group("model_name", "version")
+        if version is None:
+            return "v2_infer", {"model_name": model_name}
+        return "v2_infer_version", {"model_name": model_name, "version": version}
+    return None
 
 
 @dataclass(slots=True)
@@ -496,7 +519,6 @@ class HotRoutes:
         "v2_infer_version": "/v2/models/{model_name}/versions/{version}/infer",
         "v1_predict": "/v1/predict",
     }
-    _V2 = re.compile(r"/v2/models/(?P<model_name>[^/]+)/(?:versions/(?P<version>[^/]+)/)?infer")
 
     def __init__(
         self,
@@ -517,15 +539,10 @@ class HotRoutes:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        params: dict[str, str] = {}
-        if path == "/v1/predict":
-            name = "v1_predict"
-        elif path.startswith("/v2/models/") and (match := self._V2.fullmatch(path)):
-            params = {k: v for k, v in match.groupdict().items() if v is not None}
-            name = "v2_infer_version" if "version" in params else "v2_infer"
-        else:
+        if (matched := hot_route(path)) is None:
             await self.app(scope, receive, send)
             return
+        name, params = matched
         scope["endpoint"] = name  # the metrics middleware labels the request with its route
         if scope["method"] != "POST":
             allow = {"allow": "POST"}
@@ -625,7 +642,20 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         timeout_s=settings.timeout_ms / 1000,
     )
     raw_routes: dict[Any, str] = {}  # filled below, read per request
-    app.add_middleware(MetricsMiddleware, metrics=service.metrics, paths=raw_routes)
+
+    def route_of(scope: Scope) -> str | None:
+        """The route template of a request answered before routing (a 413 from its
+        Content-Length): as HotRoutes and FastAPI's router would match it."""
+        if (hot := hot_route(scope["path"])) is not None:
+            return HotRoutes.PATHS[hot[0]]
+        for route in app.router.routes:
+            if route.matches(scope)[0] is not Match.NONE:  # PARTIAL: its 405
+                return getattr(route, "path", None)
+        return None
+
+    app.add_middleware(
+        MetricsMiddleware, metrics=service.metrics, paths=raw_routes, route_of=route_of
+    )
     _add_error_handlers(app, answers)
     openapi.add_docs(app)
 
@@ -637,21 +667,46 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     # -- the routes that carry tensors: KServe V2 infer and /v1/predict ---------------------
     # Plain ASGI handlers (`HotRoutes`), described in the OpenAPI schema by hand
     # (`openapi.raw_paths`) with the served model's names.
+    max_rows = settings.max_batch_rows  # refused before the body becomes an array
+    parse_slots = asyncio.Semaphore(PARSE_SLOTS)
+
+    async def parse_large(hot: HotRequest, parse: Callable[..., Any], *args: Any) -> Any:
+        """`parse(*args)` in a worker thread; with a large JSON part, in one of PARSE_SLOTS."""
+        json_bytes = len(hot.body)
+        if (n := hot.header_length) is not None and n.isascii() and n.isdigit() and len(n) < 16:
+            json_bytes = int(n)  # binary tensors after it: np.frombuffer, no copy
+        if json_bytes < LARGE_BODY_BYTES:
+            return await run_in_threadpool(parse, *args)
+        try:
+            async with asyncio.timeout(service.timeout_s(hot.scope)):
+                await parse_slots.acquire()
+        except TimeoutError:
+            service.metrics.rejected("deadline")
+            raise DeadlineExceeded(
+                "deadline passed waiting to parse the JSON body: the server is busy parsing "
+                "other large ones; retry, or send binary tensors to /v2/models/{name}/infer"
+            ) from None
+        try:
+            return await run_in_threadpool(parse, *args)
+        finally:
+            parse_slots.release()
+
     async def v2_infer(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
         service.check_model(hot.params["model_name"], hot.params.get("version"))
-        args = (hot.body, hot.header_length, service.input_name)
+        args = (hot.body, hot.header_length, service.input_name, v2.OUTPUTS, max_rows)
         big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
-        req = await run_in_threadpool(v2.decode_request, *args) if big else v2.decode_request(*args)
+        decode = v2.decode_request
+        req = await parse_large(hot, decode, *args) if big else decode(*args)
         logits = await service.predict(
             req.x, service.timeout_s(hot.scope, req.timeout_s), hot.receive
         )
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
-        args = (hot.body, service.chw, settings.top_k)
+        args = (hot.body, service.chw, settings.top_k, max_rows)
         big = len(hot.body) >= LARGE_BODY_BYTES
         decode = v1.decode_instances
-        x, top_k = await run_in_threadpool(decode, *args) if big else decode(*args)
+        x, top_k = await parse_large(hot, decode, *args) if big else decode(*args)
         logits = await service.predict(x, service.timeout_s(hot.scope), hot.receive)
         content = v1.encode_predictions(logits, service.labels, top_k, service.name)
         return content, {"content-type": "application/json"}
@@ -1123,6 +1178,8 @@ def serve(settings: ServeSettings) -> None:
     cores = physical_cores()
     if warning := _oversubscribed(settings, cores):  # before the sessions open their threads
         log.warning("%s", warning)
+    if warning := _batch_dependent(served, settings):
+        log.warning("%s", warning)
     predictor = served.load(settings.device, settings.model_threads(), settings.split_batches)
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
@@ -1184,6 +1241,23 @@ def _oversubscribed(settings: ServeSettings, cores: int) -> str | None:
         f"{_count(settings.instances, 'instance')} x {_count(threads, 'thread')} = {total} "
         f"inference threads on {cores} cores: the threads beyond the cores take turns on them "
         f"and slow every batch; serve with {' and '.join(fixes)}"
+    )
+
+
+def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None:
+    """A warning when the answers depend on the batch: dynamic int8 quantizes activations with
+    a scale computed from each batch, and the batcher puts requests of different clients in
+    one (digits: logits moved by up to 0.1 beside other clients' rows; no label changed)."""
+    variant = variant_of(served.path) if served.variant == "file" else served.variant
+    entry = served.entry or {}
+    dynamic = variant == "onnx-int8-dynamic" or entry.get("quantization") == "dynamic"
+    if not dynamic or settings.max_batch_rows == 1:
+        return None
+    return (
+        f"{served.variant if served.variant != 'file' else served.path.name} is dynamic int8: "
+        "it scales activations per batch, so a request's logits shift slightly with the other "
+        f"requests batched with it (--max-batch-rows {settings.max_batch_rows}); for answers "
+        "independent of traffic serve --variant onnx-int8-static, onnx-int8-qat or onnx-fp32"
     )
 
 

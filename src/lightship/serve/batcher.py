@@ -67,6 +67,12 @@ class WorkerDied(Closed):
 class TooManyRows(ValueError):
     """One request holds more rows than a batch may."""
 
+    @classmethod
+    def of(cls, rows: int, max_rows: int) -> TooManyRows:
+        return cls(
+            f"request has {rows} rows; this server takes at most {max_rows} per request: split it"
+        )
+
 
 class InferenceFailed(RuntimeError):
     """The model raised while running a batch this request was in."""
@@ -197,10 +203,7 @@ class Batcher:
             raise RuntimeError("batcher not started")
         rows = len(x)
         if rows > self.max_batch_rows:
-            raise TooManyRows(
-                f"request has {rows} rows; this server takes at most {self.max_batch_rows} "
-                "per request: split it"
-            )
+            raise TooManyRows.of(rows, self.max_batch_rows)
         now = time.monotonic()
         due = now + self.max_wait_s if wait else now
         item = _Item(x, rows, now, due, now + timeout_s, loop.create_future())

@@ -10,7 +10,7 @@ batcher's `Observer`, attached after the warm-up batch so that only served traff
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -142,13 +142,22 @@ class MetricsMiddleware:
 
     Plain ASGI, not Starlette's BaseHTTPMiddleware, which costs a task per request. FastAPI
     puts its routes in `scope["route"]`; the server's `HotRoutes` puts its handler's name in
-    `scope["endpoint"]`, which `paths` maps to the route template.
+    `scope["endpoint"]`, which `paths` maps to the route template. A request answered before
+    either (a body too large by its Content-Length) or by no route is labelled by `route_of`
+    (the template of the route its path matches; None: "unmatched").
     """
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: dict[Any, str] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        paths: dict[Any, str] | None = None,
+        route_of: Callable[[Scope], str | None] | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.paths = paths if paths is not None else {}
+        self.route_of = route_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,6 +187,10 @@ class MetricsMiddleware:
                 getattr(scope.get("route"), "path", None)
                 or self.paths.get(endpoint)
                 # FastAPI's own /docs, /redoc, /openapi.json: plain routes, fixed paths
-                or (scope["path"] if endpoint is not None else "unmatched")
+                or (scope["path"] if endpoint is not None else self._unrouted(scope))
             )
             self.metrics.request(path, status, time.perf_counter() - start)
+
+    def _unrouted(self, scope: Scope) -> str:
+        """The label of a request that reached no route: answered on the way in, or a 404."""
+        return (self.route_of(scope) if self.route_of is not None else None) or "unmatched"

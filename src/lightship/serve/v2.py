@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from lightship.runtime.base import softmax
+from lightship.serve.batcher import TooManyRows
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OUTPUTS = ("logits", "probabilities")
@@ -96,7 +97,7 @@ MAX_RANK = 8
 MAX_ELEMENTS = 2**40  # counting a 0 dimension as 1: numpy sizes the other dimensions anyway
 
 
-def _shape(tensor: dict[str, Any]) -> list[int]:
+def _shape(tensor: dict[str, Any], max_rows: int | None = None) -> list[int]:
     shape = tensor.get("shape")
     if (
         not isinstance(shape, list)
@@ -104,10 +105,18 @@ def _shape(tensor: dict[str, Any]) -> list[int]:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise ProtocolError(f"input shape must be a list of non-negative integers, got {shape!r}")
-    if len(shape) > MAX_RANK or math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+    if len(shape) > MAX_RANK:
         raise ProtocolError(
             f"input shape {shape if len(shape) <= 16 else f'of {len(shape)} dimensions'} is "
             "not an image batch: send [N, C, H, W]"
+        )
+    # [N, C, H, W] (a 3-D shape is one image): N is refused here, before its data is decoded
+    if max_rows is not None and len(shape) == 4 and shape[0] > max_rows:
+        raise TooManyRows.of(shape[0], max_rows)
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise ProtocolError(
+            f"input shape {shape} is too large to be an image batch (over {MAX_ELEMENTS:,} "
+            "values): send [N, C, H, W]"
         )
     return shape
 
@@ -228,9 +237,14 @@ def _no_inputs(doc: dict[str, Any], input_name: str) -> str:
 
 
 def decode_request(
-    body: bytes, header_length: str | None, input_name: str, outputs: tuple[str, ...] = OUTPUTS
+    body: bytes,
+    header_length: str | None,
+    input_name: str,
+    outputs: tuple[str, ...] = OUTPUTS,
+    max_rows: int | None = None,
 ) -> InferRequest:
-    """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model."""
+    """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model;
+    a batch over `max_rows` is refused (`TooManyRows`) before its JSON data becomes an array."""
     json_end = len(body)
     if header_length is not None:
         if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
@@ -259,7 +273,7 @@ def decode_request(
         raise ProtocolError(
             f"unknown input {tensor.get('name')!r}: this model's input is '{input_name}'"
         )
-    shape = _shape(tensor)
+    shape = _shape(tensor, max_rows)
     dtype = _datatype(tensor)
     tparams = _parameters(tensor.get("parameters"), "input parameters")
     if "shared_memory_region" in tparams:

@@ -1,0 +1,75 @@
+"""`lightship.data.images.decode` on images past a caller's pixel limit and past Pillow's.
+
+Pillow warns past `Image.MAX_IMAGE_PIXELS` (~89 MP) and refuses past twice that; a small
+limit stands for it here, as in test_data, without the slow huge files.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+from PIL import Image
+
+from lightship.data import images
+
+PILLOWS_LIMIT = 1000  # warns past 1,000 pixels, refuses past 2,000
+
+
+def png(side: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("side", "message"),
+    [
+        (30, "big.png: 30x30 pixels is too large (limit 800)"),  # under Pillow's: its own check
+        (40, "big.png: 40x40 pixels is too large (limit 800)"),  # Pillow warns: said once
+        (50, "big.png: 2,500 pixels is too large (limit 800)"),  # Pillow refuses to open it
+    ],
+)
+def test_a_callers_limit_is_the_one_said_and_pillow_warns_nothing(
+    monkeypatch: pytest.MonkeyPatch, side: int, message: str
+) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOWS_LIMIT)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(images.ImageError) as refused:
+            images.decode(png(side), (1, 8, 8), "big.png", max_pixels=800)
+    assert str(refused.value) == message and refused.value.problem == "size"
+    assert [w.message for w in seen] == []  # the server's log gets no DecompressionBombWarning
+
+
+def test_past_pillows_limit_the_lower_limit_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOWS_LIMIT)
+    with pytest.raises(images.ImageError) as refused:
+        images.decode(png(50), (1, 8, 8), "big.png", max_pixels=10**6)
+    # Pillow opens nothing larger than twice its limit: that is the limit said
+    assert str(refused.value) == "big.png: 2,500 pixels is too large (limit 2,000)"
+    # between Pillow's two limits, under the caller's: decoded, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pixels, _ = images.decode(png(40), (1, 8, 8), "big.png", max_pixels=10**6)
+    assert pixels.shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("side", [40, 50])  # over Pillow's warning size, and over twice it
+def test_without_a_limit_of_its_own_pillows_stands(
+    monkeypatch: pytest.MonkeyPatch, side: int
+) -> None:
+    """Training passes no limit and makes Pillow's warning an error (data/sources.py): its
+    images past Pillow's limit are refused in Pillow's words."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOWS_LIMIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with pytest.raises(images.ImageError) as refused:
+            images.decode(png(side), (1, 8, 8), "cat/huge.png")
+    limit = PILLOWS_LIMIT if side == 40 else 2 * PILLOWS_LIMIT
+    assert str(refused.value) == (
+        f"cat/huge.png: Image size ({side * side} pixels) exceeds limit of {limit} pixels, "
+        "could be decompression bomb DOS attack"
+    )
+    assert refused.value.problem == "size"
