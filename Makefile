@@ -55,8 +55,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install lightship with all extras
 
-# ARGS goes to training only: a stage's own flags go in its *_ARGS. Said, not silently dropped.
-args_note = $(if $(ARGS),$(warning note: ARGS is passed to training only (train, bench-train, or \
+# ARGS goes to training only: a stage's own flags go in its *_ARGS. Said, not silently dropped,
+# unless `train` is among the goals (`make train export quantize ARGS=...`): then it plainly is.
+args_note = $(if $(and $(ARGS),$(if $(filter train,$(MAKECMDGOALS)),,1)),$(warning note: ARGS is passed to training only (train, bench-train, or \
 	the training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
 # Training's flags: anew with CONFIG, or, when $(1) is not empty, resumed with the run's own

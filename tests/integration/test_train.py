@@ -159,6 +159,12 @@ def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> N
     assert "lightship quantize --run runs/x --methods dynamic" in proc.stdout
     assert "ARGS is passed to training only" in proc.stderr
     assert "quantize takes QUANTIZE_ARGS" in proc.stderr
+    proc = subprocess.run(  # with train among the goals, where ARGS goes is plain: no note
+        ["make", "-n", "train", "export", "quantize", "RUN=runs/x", "ARGS=--set seed=1"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, "MAKEFLAGS": ""},
+    )  # fmt: skip
+    assert "lightship train --run runs/x --config configs/digits.yaml --set seed=1" in proc.stdout
+    assert "note:" not in proc.stderr, proc.stderr
 
 
 def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) -> None:
