@@ -125,7 +125,8 @@ def train(
         if recovered:
             print(f"{run}: {recovered}", flush=True)
         unusable_fix = None
-        if resume and config is None and RunDir(run).config.is_file():
+        recorded = resume and config is None and RunDir(run).config.is_file()
+        if recorded:
             config = RunDir(run).config
             resume_with = stage_command(
                 f"make train RESUME=1 RUN={_q(run)} CONFIG=...",
@@ -139,7 +140,7 @@ def train(
                 f"restore it, resume with the config the run was trained with (`{resume_with}`), "
                 f"or train afresh (`{afresh}`)"
             )
-        cfg = load_config(config, overrides, unusable_fix)
+        cfg = load_config(config, overrides, unusable_fix, recorded=recorded)
         from lightship.train import fit
 
         fit(cfg, RunDir(run), resume=resume)

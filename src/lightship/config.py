@@ -153,6 +153,8 @@ class Sources:
     file: str | None = None
     tree: dict[str, Any] = field(default_factory=dict)
     overrides: tuple[tuple[str, ...], ...] = ()
+    # what was read other than as written (a run's older config.yaml), a line each to print
+    notes: tuple[str, ...] = ()
 
     # Configs compare their private attributes too: two with the same values are equal,
     # wherever the values came from.
@@ -307,14 +309,31 @@ def _explain(err: ValidationError, sources: Sources) -> str:
     )
 
 
+def _drop_digits_path(tree: dict[str, Any], file: str) -> tuple[str, ...]:
+    """A run's config.yaml from before data.path needed its source may hold a path beside
+    digits, which reads none: left out (what the run trained on is digits), said in a note."""
+    data = tree.get("data")
+    if not isinstance(data, dict) or data.get("source", "digits") != "digits":
+        return ()
+    path = data.pop("path", None)
+    if path is None:
+        return ()
+    return (
+        f"note: {file} records data.path={path} beside data.source digits, as older lightship "
+        "versions allowed; digits reads no path, so it is left out",
+    )
+
+
 def load_config(
     path: Path | str | None = None,
     overrides: list[str] | None = None,
     unusable_fix: str | None = None,
+    recorded: bool = False,
 ) -> Config:
     """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated.
     `unusable_fix` says what to do about an empty file or one that is no YAML (a run's own
-    config.yaml is no --config to edit)."""
+    config.yaml is no --config to edit). `recorded`: the file is a run's own config.yaml, maybe
+    written by an older lightship; what is read differently is in `cfg.sources.notes`."""
     tree: dict[str, Any] = {}
     file = None
     if path is not None:
@@ -345,9 +364,10 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
         tree = loaded
+    notes = _drop_digits_path(tree, str(file)) if recorded and file is not None else ()
     written = copy.deepcopy(tree)
     keys = tuple(_set_dotted(tree, item) for item in overrides or [])
-    sources = Sources(file, written, keys)
+    sources = Sources(file, written, keys, notes)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as err:

@@ -262,13 +262,25 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     proc = run_cli(
         "train", "--run", str(run), "--config", TINY,
         "--set", "trainer.devices=2", "--set", "trainer.strategy=ddp",
+        "--set", "trainer.log_every_n_steps=10",
         check=True,
     )  # fmt: skip
     entry = manifest(run)["checkpoint"]
     # ~1,260 training images, batch 128: 10 batches an epoch on one process, 5 on each of two.
     assert entry["global_step"] == 4 * 5, proc.stdout
+    # logging every 10 steps was cut to an epoch of one process's batches, not of all of them
+    assert "log_every_n_steps" not in proc.stderr
     assert entry["test_acc"] > 0.3  # learned something, far above chance (0.1)
     assert (run / "best.ckpt").is_file()
+
+
+def test_the_logging_interval_is_cut_to_an_epoch_of_each_ddp_process() -> None:
+    from lightship.train.fit import _train_batches
+
+    cfg = load_config(TINY)  # batch 128
+    assert _train_batches(cfg, 1260) == 10
+    assert _train_batches(cfg, 1260, processes=2) == 5  # DistributedSampler: 630 images each
+    assert _train_batches(cfg, 1281, processes=2) == 6  # 641 each, one of them padded
 
 
 def fake_downstream(run: Path) -> list[Path]:
@@ -565,6 +577,34 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     assert saved["hyper_parameters"]["model_spec"]["name"].endswith("FailsWhileFitting")
     assert "FailsWhileFitting" in (run / "config.yaml").read_text()
     assert manifest(run)["checkpoint"] == manifest(tiny_run)["checkpoint"]  # best.ckpt: the old
+
+
+def test_resuming_an_older_run_that_recorded_a_path_beside_digits(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    # before data.path needed its source, `--set data.path=...` alone trained digits and
+    # recorded the path in config.yaml and the checkpoints: resuming refused such runs
+    run = tmp_path / "older"
+    shutil.copytree(tiny_run, run)
+    path = "/home/u/mydata.npz"
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("path: null", f"path: {path}", 1))
+    assert load_config(config, recorded=True).sources.notes  # the path is in its data section
+    for file in (run / "checkpoints").glob("*.ckpt"):
+        ckpt = torch.load(file, weights_only=True)
+        ckpt["hyper_parameters"]["data_spec"]["path"] = path
+        torch.save(ckpt, file)
+    entry = manifest(run)["checkpoint"]
+    shutil.copyfile(run / entry["source_checkpoint"], run / "best.ckpt")
+    entry["data_spec"]["path"] = path
+    RunDir(run).record("checkpoint", {**entry, "sha256": sha256_file(run / "best.ckpt")})
+
+    proc = run_cli("train", "--run", str(run), "--config", TINY, "--resume", check=True)
+    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout
+    # resumed with its own config.yaml (no --config): the path is left out with a note
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert f"records data.path={path} beside data.source digits" in proc.stdout + proc.stderr
+    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout
 
 
 def test_resume_without_a_config_continues_with_the_runs_own(tmp_path: Path) -> None:

@@ -241,6 +241,25 @@ def test_a_data_path_without_its_source_is_refused(path: str, source: str) -> No
     assert load_config(None, [f"data.path={path}", f"data.source={source}"]).data.source == source
 
 
+def test_a_runs_older_config_with_a_path_beside_digits_reads_as_digits(tmp_path: Path) -> None:
+    # before data.path needed its source, runs recorded it beside digits in config.yaml;
+    # `train --resume` read it with the new check and refused the run
+    written = tmp_path / "config.yaml"
+    written.write_text("data:\n  source: digits\n  path: /home/u/mydata.npz\n")
+    cfg = load_config(written, recorded=True)
+    assert (cfg.data.source, cfg.data.path) == ("digits", None)
+    assert cfg.sources.notes == (
+        f"note: {written} records data.path=/home/u/mydata.npz beside data.source digits, as "
+        "older lightship versions allowed; digits reads no path, so it is left out",
+    )
+    # what a user gives is checked as before: the file as a --config, or a path on --set
+    with pytest.raises(ConfigError, match="data.path=/home/u/mydata.npz is set but data.source"):
+        load_config(written)
+    with pytest.raises(ConfigError, match="data.path=/x.npz is set but data.source is digits"):
+        load_config(written, ["data.path=/x.npz"], recorded=True)
+    assert load_config(CONFIGS / "digits.yaml", recorded=True).sources.notes == ()
+
+
 def test_mean_and_std_in_0_to_1_are_refused_with_them_in_pixel_units() -> None:
     # ImageNet's [0.485, ...] / [0.229, ...] were taken as they are for 0..255 pixels
     imagenet = ["model.mean=[0.485, 0.456, 0.406]", "model.std=[0.229, 0.224, 0.225]"]

@@ -164,6 +164,9 @@ def test_a_training_killed_before_its_first_checkpoint_is_undone_by_the_next_tra
     proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGKILL"))
     assert proc.returncode == -signal.SIGKILL
     assert list(run.glob(".previous.*"))  # what kill -9 leaves: nothing runs after it
+    # config.yaml still describes best.ckpt and its exports: the killed training's was written
+    # at once, and stayed until a train put back the old one
+    assert (run / "config.yaml").read_text() == config
 
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
     assert proc.stdout.startswith(
@@ -185,6 +188,7 @@ def test_a_training_killed_after_its_first_checkpoint_resumes_and_drops_the_old_
     proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(steps, "SIGKILL"))
     assert proc.returncode == -signal.SIGKILL
     new_last = sha256_file(run / "checkpoints" / "last.ckpt")
+    assert MODEL in (run / "config.yaml").read_text()  # what --resume continues: the new one
 
     # the resumed epochs take 20 forward passes, fewer than `steps`: no kill this time
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
@@ -210,4 +214,33 @@ def test_sigterm_while_fitting_a_new_run_says_to_train_it_again(tmp_path: Path) 
         f"`make train RUN={run} CONFIG={run / 'config.yaml'}`"
     )
     assert list((run / "checkpoints").iterdir()) == []
+    assert not list(run.glob(".previous.*"))
+
+
+def test_a_first_checkpoint_that_cannot_be_written_leaves_the_old_config(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # config.yaml changes as the first checkpoint is saved, just before its file is written:
+    # a full disk then puts back the old one with the old checkpoints
+    from lightship.callbacks import AtomicCheckpointIO
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    config = (run / "config.yaml").read_text()
+    written: list[str] = []
+
+    def full(
+        self: object, checkpoint: object, path: object, storage_options: object = None
+    ) -> None:
+        written.append((run / "config.yaml").read_text())
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", full)
+    argv = ["train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1"]
+    with pytest.raises(OSError, match="No space left"):  # main() says it in one line
+        cli._invoke([*argv, "--set", "optim.lr=0.001"])
+    assert "lr: 0.001" in written[0] and "lr: 0.001" not in config  # the new one, for a moment
+    assert (run / "config.yaml").read_text() == config
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert not list(run.glob(".previous.*"))

@@ -133,6 +133,8 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
             old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
         if key == "data_spec":  # the images themselves, when the run recorded them
             old, new = dict(old), dict(new)
+            if old.get("source") == "digits":  # older runs recorded a path beside it: unread
+                old["path"] = None
             was, now = old.pop("fingerprint", None), new.pop("fingerprint", None)
             # (read at another size or channel count, the same files give other pixels)
             data_changed = was is not None and was != now and old == new
@@ -157,8 +159,8 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
 
 def _check_resume_epochs(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
     """A max_epochs below the epochs the checkpoint finished: Lightning refuses it only as
-    fitting starts, with no fix, after config.yaml took the new value (or, one epoch below,
-    trains nothing). Said here, before anything is written; equal, nothing is trained."""
+    fitting starts, with no fix (or, one epoch below, trains nothing). Said here, before
+    anything is written; equal, nothing is trained."""
     try:  # what Lightning counts against max_epochs
         done = int(ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
     except (KeyError, TypeError, ValueError):
@@ -192,7 +194,7 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> No
     ):
         return
     try:
-        prev = load_config(run.config)
+        prev = load_config(run.config, recorded=True)
     except ConfigError:
         raise ConfigError(
             f"cannot resume {run.root}: its {run.config.name} is missing or invalid, so the "
@@ -271,9 +273,10 @@ def _unknown_kwargs(cfg: Config, exc: models.UnknownModelArguments) -> ConfigErr
     )
 
 
-def _train_batches(cfg: Config, images: int) -> int:
-    """Training batches an epoch (Lightning's count, before DDP shares them out)."""
-    batches = math.ceil(images / cfg.data.batch_size)
+def _train_batches(cfg: Config, images: int, processes: int = 1) -> int:
+    """Training batches an epoch in each of `processes` (Lightning's count): under DDP each
+    reads its share of the images, ceil(images / processes) as DistributedSampler pads them."""
+    batches = math.ceil(math.ceil(images / processes) / cfg.data.batch_size)
     limit = cfg.trainer.limit_train_batches
     if isinstance(limit, float):
         batches = int(batches * limit)
@@ -313,17 +316,42 @@ def _best_state(run: RunDir, best_sha256: str) -> tuple[bool, bool]:
     return True, run.best_ckpt.is_file() and sha256_file(run.best_ckpt) == recorded
 
 
+class _ConfigAtFirstCheckpoint(Callback):
+    """Writes the run's config.yaml as the training saves its first checkpoint, just before
+    the file. Until then config.yaml still describes the run's best.ckpt and what was made from
+    it, also after a training killed outright (kill -9); from then on it describes the
+    checkpoints that `--resume` continues."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path, self.text, self.written = path, text, False
+
+    def write(self) -> None:
+        if not self.written:
+            atomic_write_text(self.path, self.text)
+            self.written = True
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if trainer.is_global_zero:
+            self.write()
+
+
 @contextlib.contextmanager
-def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
+def _replacing_previous(run: RunDir, keep: bool) -> Iterator[bool]:
     """A new training replaces the run's checkpoints and config.yaml, but only once it has a
-    checkpoint of its own: until then the old ones wait in a hidden folder, and a failure (a
-    setting Lightning refuses as fitting starts, Ctrl-C, a full disk) puts them back. A failure
-    after the first checkpoint keeps the new ones, so `--resume` continues the new training.
-    `keep` (resuming): nothing is replaced. DDP workers leave the files to rank 0. What the
-    user can do next is said on stderr, or, after Ctrl-C, in the CLI's last line.
+    checkpoint of its own (`_ConfigAtFirstCheckpoint` writes config.yaml then): until then the
+    old ones wait in a hidden folder, config.yaml's copy in its place, and a failure (a setting
+    Lightning refuses as fitting starts, Ctrl-C, a full disk) puts them back. A failure after
+    the first checkpoint keeps the new ones, so `--resume` continues the new training. `keep`
+    (resuming): nothing is replaced. DDP workers leave the files to rank 0. What the user can
+    do next is said on stderr, or, after Ctrl-C, in the CLI's last line.
+
+    Yields whether the run is new (nothing was set aside): its config.yaml is written at once,
+    for the command that trains it again to name.
     """
     if getattr(rank_zero_only, "rank", 0) != 0:
-        yield
+        yield False
         return
     stash = None
     if not keep:
@@ -331,14 +359,18 @@ def _replacing_previous(run: RunDir, keep: bool) -> Iterator[None]:
         stash = run.set_aside()
     try:
         new_run = False
-        if stash is not None:
-            # last.ckpt first: what `RunDir.recover_set_aside` tells a finished stash by
-            for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
-                if old.is_file():
-                    os.replace(old, stash / old.name)
-            new_run = not any(stash.iterdir())
         try:
-            yield
+            if stash is not None:
+                # last.ckpt first: what `RunDir.recover_set_aside` tells a finished stash by
+                for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
+                    if old.is_file():
+                        os.replace(old, stash / old.name)
+                kept = stash / run.config.name
+                if kept.is_file():  # and config.yaml back in its place until then (a copy)
+                    with atomic_path(run.config) as tmp:
+                        tmp.write_bytes(kept.read_bytes())
+                new_run = not any(stash.iterdir())
+            yield new_run
         except BaseException as exc:
             if stash is not None and not run.last_ckpt.is_file():
                 run.put_back(stash)
@@ -377,6 +409,8 @@ def _own_best(run: RunDir, best_model_path: str) -> Path:
 
 
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
+    for note in cfg.sources.notes:
+        print(note, flush=True)
     _check_runtime_config(cfg)
     resumed = _resume_checkpoint(run) if resume else None
     if resumed is not None:
@@ -442,7 +476,8 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         save_top_k=cfg.checkpoint.save_top_k,
         save_last=True,
     )
-    callbacks: list[Callback] = [checkpoint]
+    config_file = _ConfigAtFirstCheckpoint(run.config, dump_config(cfg))
+    callbacks: list[Callback] = [checkpoint, config_file]
     if cfg.optim.ema_decay is not None:
         # Validation, checkpoints and best.ckpt see the averaged weights: a smoother trajectory,
         # so the val_acc-selected checkpoint is not a lucky noisy step. Warmed up: a short or
@@ -480,11 +515,16 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         callbacks=callbacks,
         enable_progress_bar=show_bar,
         enable_model_summary=show_bar,
-        # at most one epoch: Lightning warns of a longer interval on every small data set
-        log_every_n_steps=min(t.log_every_n_steps, _train_batches(cfg, len(splits.train_y))),
+        log_every_n_steps=t.log_every_n_steps,
         limit_train_batches=t.limit_train_batches,
         limit_val_batches=t.limit_val_batches,
         plugins=[AtomicCheckpointIO()],
+    )
+    # At most one epoch of a process's batches, known once the trainer counts its processes:
+    # Lightning warns of a longer interval on every small data set. (A plain attribute that
+    # Lightning sets from its argument and reads as it logs, untyped.)
+    trainer.log_every_n_steps = min(  # type: ignore[attr-defined]
+        t.log_every_n_steps, _train_batches(cfg, len(splits.train_y), trainer.world_size)
     )
     resumed_from_step = 0
     ckpt_path = None
@@ -494,8 +534,9 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
         print(f"resuming {run.root} from {ckpt_path} (global step {resumed_from_step})", flush=True)
     started = time.perf_counter()
     # Only now, with the settings accepted, does the run directory change.
-    with _replacing_previous(run, keep=resume):
-        atomic_write_text(run.config, dump_config(cfg))
+    with _replacing_previous(run, keep=resume) as new_run:
+        if new_run:
+            config_file.write()
         fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
     train_seconds = time.perf_counter() - started
     if not trainer.is_global_zero:
