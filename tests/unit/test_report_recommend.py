@@ -203,3 +203,44 @@ def test_report_md_says_how_busy_other_processes_kept_the_machine() -> None:
     md = render.markdown(report_dict(machine_busy_share=0.003))
     assert "- other processes used 0.3% of the CPU while variants were timed\n" in md
     assert "other processes" not in render.markdown(report_dict(machine_busy_share=None))
+
+
+def test_report_md_says_why_qat_is_far_from_fp32_in_sqnr() -> None:
+    # QAT fine-tunes the weights: its SQNR against fp32's logits read as a broken model
+    r = report_dict()
+    r["variants"][1]["sqnr_db"] = -3.2
+    md = render.markdown(r)
+    assert "| onnx-int8-qat | 166 kB | 0.9900 | +0.00 pt | -3.2 | 80% |" in md
+    assert (
+        "\n\nSQNR dB: how close a variant's logits are to eager fp32's on the test images "
+        "(signal over difference; higher is closer). onnx-int8-qat is fine-tuned "
+        "(quantization-aware training), so its logits differ from fp32's by design: a low or "
+        "negative SQNR there is expected, and its accuracy is what to judge it by.\n\n"
+    ) in md
+    r["variants"] = r["variants"][:1]
+    r["recommended_by"] = {**r["recommended_by"], "tied": [], "tie_break": None}
+    assert "SQNR dB:" not in render.markdown(r)
+
+
+def test_a_gate_decided_by_one_image_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 4 test images: one image is 25 points, where the 0.99 gate allows 1 below fp32's
+    from lightship.quantize import fallback
+
+    monkeypatch.setattr(fallback, "_noted", set())
+    warning = (
+        "the accuracy gate is decided on 4 images: one image is 25 points of accuracy and the "
+        "gate allows 1 below fp32's, so a single image decides pass or FAIL"
+    )
+    with caplog.at_level("WARNING", logger=fallback.__name__):
+        assert not passes_gate(3 / 4, 4 / 4, 0.99, 4)
+        assert passes_gate(4 / 4, 4 / 4, 0.99, 4)
+        assert passes_gate(268 / 269, 268 / 269, 0.99, 269)  # 2.7 images allowed: no word
+    assert caplog.messages == [warning]
+    assert f"\n- **warning:** {warning}\n" in render.markdown(
+        report_dict(test_images=4, fp32_accuracy=1.0)
+    )
+    assert "**warning:**" not in render.markdown(report_dict())  # 269 images
+    # a gate of 1 or above allows no image on purpose (it forces the fallback)
+    assert fallback.few_images_warning(1.0, 1.0, 4) is None

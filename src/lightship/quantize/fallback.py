@@ -7,6 +7,7 @@ depth, so a node is ranked by the SQNR it *loses*: SQNR of its input minus SQNR 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -19,7 +20,13 @@ import onnxruntime as ort
 from lightship.errors import ConfigError
 from lightship.quantize.ptq import COMPUTE_OPS
 
+log = logging.getLogger(__name__)
+
 GATE_MAX = 1.1  # above 1 forces the fallback (tests use 1.01); far above is a typo
+
+# Warnings already logged by this process: quantize gates every round and variant, report
+# every variant, on the same split.
+_noted: set[str] = set()
 
 
 def check_gate(gate: float, command: str) -> None:
@@ -40,7 +47,26 @@ def passes_gate(accuracy: float, fp32_accuracy: float, gate: float, images: int)
     (0.99 is 99/100). In floats, 99 right of 104 against fp32's 100 at gate 0.99 failed:
     99/104 = 0.95192307692307687 < 0.99 * (100/104) = 0.95192307692307698."""
     right, fp32_right = round(accuracy * images), round(fp32_accuracy * images)
+    warning = few_images_warning(fp32_accuracy, gate, images)
+    if warning is not None and warning not in _noted:
+        _noted.add(warning)
+        log.warning(warning)
     return right >= Fraction(str(float(gate))) * fp32_right
+
+
+def few_images_warning(fp32_accuracy: float, gate: float, images: int) -> str | None:
+    """Where one image is more accuracy than the gate lets a variant lose below fp32 (a tiny
+    split, or a gate close to 1), a single image decides pass or FAIL: said so, on one line.
+    None where the gate allows an image or more, or allows nothing on purpose (gate >= 1)."""
+    fp32_right = round(fp32_accuracy * images)
+    allowed = (1 - Fraction(str(float(gate)))) * fp32_right  # images a variant may lose
+    if images <= 0 or not 0 < allowed < 1:
+        return None
+    return (
+        f"the accuracy gate is decided on {images} images: one image is {100 / images:.2g} "
+        f"points of accuracy and the gate allows {float(100 * allowed / images):.2g} below "
+        "fp32's, so a single image decides pass or FAIL"
+    )
 
 
 SQNR_CAP_DB = 120.0  # an exact tensor has infinite SQNR; cap it so differences stay finite

@@ -6,7 +6,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from lightship.quantize.fallback import SQNR_CAP_DB
+from lightship.quantize.fallback import SQNR_CAP_DB, few_images_warning
 
 
 def _fmt_bytes(n: int) -> str:
@@ -93,6 +93,21 @@ def _split_line(variants: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _sqnr_note(variants: list[dict[str, Any]]) -> list[str]:
+    """Below the table where it lists QAT, whose SQNR reads as a broken model: fine-tuned, its
+    logits differ from fp32's by design."""
+    qat = [v["name"] for v in variants if v["name"].endswith("-qat")]
+    if not qat:
+        return []
+    return [
+        f"SQNR dB: how close a variant's logits are to eager fp32's on the test images (signal "
+        f"over difference; higher is closer). {', '.join(qat)} is fine-tuned (quantization-aware "
+        "training), so its logits differ from fp32's by design: a low or negative SQNR there is "
+        "expected, and its accuracy is what to judge it by.",
+        "",
+    ]
+
+
 def markdown(r: dict[str, Any]) -> str:
     cpu = r["cpu"]
     lines = [
@@ -115,6 +130,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"- accuracy gate: a variant keeps >= {gate_percent(r['gate'])} of fp32 accuracy "
         f"({r['fp32_accuracy']:.4f}), compared as counts of test images right",
     ]
+    few = few_images_warning(r["fp32_accuracy"], r["gate"], r["test_images"])
+    if few is not None:
+        lines.append(f"- **warning:** {few}")
     busy = r.get("machine_busy_share")  # absent from reports before it, None off Linux
     if busy is not None:
         lines.append(f"- other processes used {busy:.1%} of the CPU while variants were timed")
@@ -146,6 +164,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"{'' if v['recommendable'] else ' (not recommended)'} |"
         )
     lines.append("")
+    lines += _sqnr_note(r["variants"])
     if r.get("timing_warning"):  # absent from reports before it
         lines += [f"**Warning:** {r['timing_warning']}.", ""]
     by = r.get("recommended_by")  # absent from reports before it
