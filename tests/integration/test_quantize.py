@@ -19,12 +19,13 @@ import pytest
 
 from lightship.data import DataSpec, load_splits
 from lightship.errors import RunError
-from lightship.quantize.core import QuantizeSettings, int8_share, quantize
+from lightship.quantize.core import Quantizer, QuantizeSettings, int8_share, quantize
 from lightship.quantize.fallback import passes_gate
 from lightship.report import ReportSettings, report
 from lightship.report.evaluate import logits
 from lightship.runs import RunDir
 from lightship.runtime import load_predictor
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, file_metadata
 from tests.conftest import ROOT, last_line, run_cli
 
 FAST = ReportSettings(rounds=2, seconds=0.05, batch=16)
@@ -140,12 +141,24 @@ def test_calibration_method_changes_the_scales(exported_run: Path, tmp_path: Pat
     assert len(set(digests.values())) == 3, digests
 
 
-def test_failed_gate_keeps_the_worst_nodes_in_fp32(exported_run: Path, tmp_path: Path) -> None:
+def test_failed_gate_keeps_the_worst_nodes_in_fp32(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = tmp_path / "strict"
     shutil.copytree(exported_run, run)
+    measured = []  # the ORT setting each scheme_check model ran under
+    scheme_error = Quantizer._scheme_error
+
+    def recording(self: Quantizer, path: Path) -> dict[str, float]:
+        measured.append(file_metadata(path).get(DISABLED_OPTIMIZERS))
+        return scheme_error(self, path)
+
+    monkeypatch.setattr(Quantizer, "_scheme_error", recording)
     # A gate no int8 model can pass (> 100 % of fp32) forces every fallback round.
     s = QuantizeSettings(gate=1.01, fallback_budget=2)
     (v,) = quantize(RunDir(run), "static", settings=s)
+    # the other scheme's error is measured as the chosen model runs (fp32 islands kept so)
+    assert measured == ["QDQPropagationTransformer"] * 2
     kept = v.entry["nodes_fp32_by_fallback"]
     assert len(kept) == 2 and not v.gate_passed
     assert all(k["op_type"] in ("Conv", "Gemm", "MatMul") for k in kept)

@@ -453,6 +453,10 @@ class Quantizer:
             with tempfile.TemporaryDirectory(dir=self.work) as tmpdir:
                 alt_path = Path(tmpdir) / "alt.onnx"
                 self._static(alt_path, isa.SCHEMES[alt], exclude)
+                if exclude:  # run as the chosen model runs, so that only the scheme differs
+                    ptq.copy_metadata(
+                        self.fp32, alt_path, {DISABLED_OPTIMIZERS: meta[DISABLED_OPTIMIZERS]}
+                    )
                 entry["scheme_check"]["alternative"] = {
                     "target": alt,
                     **self._scheme_error(alt_path),
