@@ -148,11 +148,17 @@ docker-gpu: ## build the GPU serving image IMAGE:VERSION-gpu (CUDA 13, onnxrunti
 
 # The run is baked in with its ONNX models, manifest.json and report.json (.dockerignore), so the
 # image needs no volume; RUN must have been exported (and quantized, for the int8 variants) here.
+# Checked as the Makefile is read, before the prerequisite trains or exports anything.
+model_run = $(patsubst ./%,%,$(patsubst %/,%,$(RUN)))
+ifneq ($(filter docker-model,$(MAKECMDGOALS)),)
+ifeq ($(filter runs/%,$(model_run)),)
+$(error docker-model bakes in a run under runs/ (the build context lets in only runs/): copy it \
+	there, e.g. `cp -r $(RUN) runs/NAME`, and give RUN=runs/NAME)
+endif
+endif
 docker-model: | $(RUN)/export/model.onnx ## build the CPU serving image with RUN baked in: IMAGE:RUN's name
-	$(if $(filter runs/%,$(RUN)),,$(error docker-model bakes in a run under runs/ (the build context \
-	lets in only runs/): copy it there, e.g. `cp -r $(RUN) runs/NAME`, and give RUN=runs/NAME))
 	$(docker_check)
-	docker build --target model --build-arg RUN=$(patsubst %/,%,$(RUN)) -t $(IMAGE):$(notdir $(patsubst %/,%,$(RUN))) .
+	docker build --target model --build-arg RUN=$(model_run) -t $(IMAGE):$(notdir $(model_run)) .
 
 # RUN only when given (command line or environment): by default a handmade model whose logits
 # are known, so the predictions are checked exactly; a real run's are checked for agreement.

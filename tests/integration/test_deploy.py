@@ -271,6 +271,17 @@ def test_make_docker_without_a_daemon_says_what_to_do(target: str, tmp_path: Pat
         assert "docker build" not in proc.stdout, out  # nothing run after the check
 
 
+def test_make_docker_model_bakes_in_a_run_under_runs_or_says_how(tmp_path: Path) -> None:
+    lines = make("-n", "docker-model", "RUN=./runs/default/").stdout.splitlines()
+    assert lines[-1] == "docker build --target model --build-arg RUN=runs/default -t " + (
+        "lightship-serve:default ."
+    )
+    # outside the build context: refused before the prerequisite trains or exports a thing
+    proc = make("-n", "docker-model", f"RUN={tmp_path / 'new'}", "CONFIG=configs/digits.yaml")
+    assert proc.returncode != 0 and "lightship" not in proc.stdout, proc.stdout
+    assert f"copy it there, e.g. `cp -r {tmp_path / 'new'} runs/NAME`" in proc.stderr
+
+
 def test_make_docker_smoke_serves_run_when_one_is_given() -> None:
     default = make("-n", "docker-smoke").stdout.splitlines()[-1]
     assert default.endswith("deploy/smoke.py"), default  # the handmade model, checked exactly
