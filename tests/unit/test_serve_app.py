@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import onnx
 import pytest
 from fastapi import FastAPI
 from PIL import Image
@@ -1473,7 +1474,9 @@ def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_de
 
     async def main() -> tuple[list[httpx.Response], httpx.Response, str]:
         async with serving(app) as client:
-            busy = [client.post("/v1/predict", content=large) for _ in range(3)]
+            # a V2 header on /v1 (which reads none) must not pass a body off as small
+            sly = {"inference-header-content-length": "0"}
+            busy = [client.post("/v1/predict", content=large, headers=sly) for _ in range(3)]
             late = client.post("/v1/predict", content=large, headers={"x-request-timeout-ms": "50"})
             *answers, hurried = await asyncio.gather(*busy, late)
             return answers, hurried, (await client.get("/metrics")).text
@@ -1484,6 +1487,24 @@ def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_de
     assert hurried.status_code == 504
     assert "deadline passed waiting to parse the JSON body" in hurried.json()["error"]
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
+
+
+def test_a_v2_batch_of_the_wrong_layout_is_told_its_layout_not_to_split(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path, max_batch_rows=4)
+
+    def nhwc(n: int) -> bytes:  # the model takes [N, 1, 2, 2]
+        inputs = [
+            {"name": "input", "shape": [n, 2, 2, 1], "datatype": "UINT8", "data": [0] * 4 * n}
+        ]
+        return json.dumps({"inputs": inputs}).encode()
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app) as client:
+            return [await client.post(INFER, content=nhwc(n)) for n in (3, 5)]
+
+    for answer in run(main()):  # 5 rows: splitting it would only bring the layout's 400
+        assert answer.status_code == 400, answer.text
+        assert "NHWC" in answer.json()["error"]
 
 
 def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
@@ -1890,15 +1911,15 @@ def test_more_inference_threads_than_cores_are_warned_about(
 
 
 @pytest.mark.parametrize(
-    ("name", "max_batch_rows", "warned"),
+    ("quantization", "max_batch_rows", "warned"),
     [
-        ("model.int8-dynamic.onnx", 64, True),
-        ("model.int8-dynamic.onnx", 1, False),  # no other client's rows in its batch
-        ("model.int8-static.onnx", 64, False),  # scales fixed at calibration
+        ("dynamic", 64, True),
+        ("dynamic", 1, False),  # no other client's rows in its batch
+        ("static", 64, False),  # scales fixed at calibration
     ],
 )
 def test_dynamic_int8_with_batching_is_warned_about(
-    name: str,
+    quantization: str,
     max_batch_rows: int,
     warned: bool,
     tmp_path: Path,
@@ -1908,16 +1929,20 @@ def test_dynamic_int8_with_batching_is_warned_about(
     """Dynamic int8 computes its activation scales from each batch, and a batch holds several
     clients' rows: one client's logits move with the others' (digits: by up to 0.1)."""
     monkeypatch.setattr(serve_app, "physical_cores", lambda: 2)
-    path = handmade_onnx(tmp_path / name)
+    # a lone file copied out of its run under a name that says nothing: its metadata does
+    path = handmade_onnx(tmp_path / "digits-int8.onnx")
+    model = onnx.load(str(path))
+    model.metadata_props.add(key="lightship.quantization", value=quantization)
+    onnx.save(model, str(path))
     settings = ServeSettings(run=path, port=0, threads=1, max_batch_rows=max_batch_rows)
     start_up_log(settings, monkeypatch, caplog)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == (
         [
-            "model.int8-dynamic.onnx is dynamic int8: it scales activations per batch, so a "
+            "digits-int8.onnx is dynamic int8: it scales activations per batch, so a "
             "request's logits shift slightly with the other requests batched with it "
-            "(--max-batch-rows 64); for answers independent of traffic serve --variant "
-            "onnx-int8-static, onnx-int8-qat or onnx-fp32"
+            "(--max-batch-rows 64); for answers independent of traffic serve a static, QAT or "
+            "fp32 model file"
         ]
         if warned
         else []

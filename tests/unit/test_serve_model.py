@@ -162,14 +162,17 @@ def test_a_lone_file_of_a_run_that_changed_names_the_stage_that_remakes_it(
         "onnx-int8-static", {"file": "quantize/model.int8-static.onnx", "sha256": "0" * 64}
     )
     (run / "best.ckpt").write_bytes(b"weights")
-    model = choose(ServeSettings(run=path))
-    assert (model.variant, model.entry) == ("file", RunDir(run).artifact("onnx-int8-static"))
-    with pytest.raises(RunError) as err:
-        verify(model)
-    assert str(err.value).endswith(
-        f"it changed after it was recorded; re-run `lightship quantize --run {run} --methods "
-        "static`"
-    )
+    link = run / "current.onnx"  # a link's name says nothing: the file it points at does
+    link.symlink_to(path)
+    for served in (path, link):
+        model = choose(ServeSettings(run=served))
+        assert (model.variant, model.entry) == ("file", RunDir(run).artifact("onnx-int8-static"))
+        with pytest.raises(RunError) as err:
+            verify(model)
+        assert str(err.value).endswith(
+            f"it changed after it was recorded; re-run `lightship quantize --run {run} "
+            "--methods static`"
+        )
 
 
 def int8_file(path: Path, target: str) -> Path:

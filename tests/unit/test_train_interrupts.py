@@ -164,8 +164,9 @@ def test_a_training_killed_before_its_first_checkpoint_is_undone_by_the_next_tra
     proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGKILL"))
     assert proc.returncode == -signal.SIGKILL
     assert list(run.glob(".previous.*"))  # what kill -9 leaves: nothing runs after it
-    # config.yaml still describes best.ckpt and its exports: the killed training's was written
-    # at once, and stayed until a train put back the old one
+    # config.yaml still describes best.ckpt and its exports: the killed training's is written
+    # only with its first checkpoint (it used to be written at once and stay until a train put
+    # back the old one)
     assert (run / "config.yaml").read_text() == config
 
     proc = run_cli("train", "--run", str(run), "--resume", check=True)

@@ -43,9 +43,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lightship import __version__
 from lightship.errors import ConfigError
 from lightship.quantize.isa import host_cpu
-from lightship.runs import variant_of
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
+from lightship.runtime.ort import file_metadata
 from lightship.serve import openapi, v1, v2
 from lightship.serve.batcher import (
     Batcher,
@@ -667,14 +667,14 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     # -- the routes that carry tensors: KServe V2 infer and /v1/predict ---------------------
     # Plain ASGI handlers (`HotRoutes`), described in the OpenAPI schema by hand
     # (`openapi.raw_paths`) with the served model's names.
-    max_rows = settings.max_batch_rows  # refused before the body becomes an array
+    max_rows, chw = settings.max_batch_rows, service.chw  # rows refused before decoding
     parse_slots = asyncio.Semaphore(PARSE_SLOTS)
 
-    async def parse_large(hot: HotRequest, parse: Callable[..., Any], *args: Any) -> Any:
-        """`parse(*args)` in a worker thread; with a large JSON part, in one of PARSE_SLOTS."""
-        json_bytes = len(hot.body)
-        if (n := hot.header_length) is not None and n.isascii() and n.isdigit() and len(n) < 16:
-            json_bytes = int(n)  # binary tensors after it: np.frombuffer, no copy
+    async def parse_large(
+        hot: HotRequest, json_bytes: int, parse: Callable[..., Any], *args: Any
+    ) -> Any:
+        """`parse(*args)` in a worker thread; with `json_bytes` of JSON to parse or more than
+        LARGE_BODY_BYTES, in one of PARSE_SLOTS."""
         if json_bytes < LARGE_BODY_BYTES:
             return await run_in_threadpool(parse, *args)
         try:
@@ -693,10 +693,14 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
 
     async def v2_infer(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
         service.check_model(hot.params["model_name"], hot.params.get("version"))
-        args = (hot.body, hot.header_length, service.input_name, v2.OUTPUTS, max_rows)
+        args = (hot.body, hot.header_length, service.input_name, v2.OUTPUTS, max_rows, chw)
         big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
         decode = v2.decode_request
-        req = await parse_large(hot, decode, *args) if big else decode(*args)
+        if big:  # V2 only: binary tensors after the JSON header are read with no parse
+            n, json_bytes = hot.header_length, len(hot.body)
+            if n is not None and n.isascii() and n.isdigit() and len(n) < 16:
+                json_bytes = int(n)
+        req = await parse_large(hot, json_bytes, decode, *args) if big else decode(*args)
         logits = await service.predict(
             req.x, service.timeout_s(hot.scope, req.timeout_s), hot.receive
         )
@@ -706,7 +710,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         args = (hot.body, service.chw, settings.top_k, max_rows)
         big = len(hot.body) >= LARGE_BODY_BYTES
         decode = v1.decode_instances
-        x, top_k = await parse_large(hot, decode, *args) if big else decode(*args)
+        x, top_k = await parse_large(hot, len(hot.body), decode, *args) if big else decode(*args)
         logits = await service.predict(x, service.timeout_s(hot.scope), hot.receive)
         content = v1.encode_predictions(logits, service.labels, top_k, service.name)
         return content, {"content-type": "application/json"}
@@ -1248,16 +1252,27 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
     """A warning when the answers depend on the batch: dynamic int8 quantizes activations with
     a scale computed from each batch, and the batcher puts requests of different clients in
     one (digits: logits moved by up to 0.1 beside other clients' rows; no label changed)."""
-    variant = variant_of(served.path) if served.variant == "file" else served.variant
-    entry = served.entry or {}
-    dynamic = variant == "onnx-int8-dynamic" or entry.get("quantization") == "dynamic"
+    if served.entry is not None:
+        dynamic = (
+            served.entry.get("quantization") == "dynamic" or served.variant == "onnx-int8-dynamic"
+        )
+    else:  # a lone file, by any name: an ONNX file's own metadata says
+        dynamic = (
+            served.path.suffix == ".onnx"
+            and file_metadata(served.path).get("lightship.quantization") == "dynamic"
+        )
     if not dynamic or settings.max_batch_rows == 1:
         return None
+    lone = served.variant == "file"  # --variant is ignored then
     return (
-        f"{served.variant if served.variant != 'file' else served.path.name} is dynamic int8: "
-        "it scales activations per batch, so a request's logits shift slightly with the other "
-        f"requests batched with it (--max-batch-rows {settings.max_batch_rows}); for answers "
-        "independent of traffic serve --variant onnx-int8-static, onnx-int8-qat or onnx-fp32"
+        f"{served.path.name if lone else served.variant} is dynamic int8: it scales activations "
+        "per batch, so a request's logits shift slightly with the other requests batched with "
+        f"it (--max-batch-rows {settings.max_batch_rows}); for answers independent of traffic "
+        + (
+            "serve a static, QAT or fp32 model file"
+            if lone
+            else "serve --variant onnx-int8-static, onnx-int8-qat or onnx-fp32"
+        )
     )
 
 

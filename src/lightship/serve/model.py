@@ -274,8 +274,9 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     else:
         what = model.variant
         root = enclosing_run(model.path)
-        # a lone file's variant ("file") is no stage's: its name says which it is
-        variant = variant_of(model.path) if model.variant == "file" else model.variant
+        # a lone file's variant ("file") is no stage's: the name of the file its manifest entry
+        # lists says which it is (a link's own name may say nothing)
+        variant = variant_of(model.path.resolve()) if model.variant == "file" else model.variant
         remake = RunDir(root).remake_hint(variant) if root else "re-run the stage that wrote it"
         check_recorded(model.path, entry, f"it changed after it was recorded; {remake}")
         made_for = entry.get("target")

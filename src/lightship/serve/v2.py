@@ -97,7 +97,9 @@ MAX_RANK = 8
 MAX_ELEMENTS = 2**40  # counting a 0 dimension as 1: numpy sizes the other dimensions anyway
 
 
-def _shape(tensor: dict[str, Any], max_rows: int | None = None) -> list[int]:
+def _shape(
+    tensor: dict[str, Any], max_rows: int | None = None, chw: tuple[int, ...] | None = None
+) -> list[int]:
     shape = tensor.get("shape")
     if (
         not isinstance(shape, list)
@@ -110,9 +112,11 @@ def _shape(tensor: dict[str, Any], max_rows: int | None = None) -> list[int]:
             f"input shape {shape if len(shape) <= 16 else f'of {len(shape)} dimensions'} is "
             "not an image batch: send [N, C, H, W]"
         )
-    # [N, C, H, W] (a 3-D shape is one image): N is refused here, before its data is decoded
-    if max_rows is not None and len(shape) == 4 and shape[0] > max_rows:
-        raise TooManyRows.of(shape[0], max_rows)
+    # [N, C, H, W] (a 3-D shape is one image): N is refused here, before its data is decoded;
+    # images of another layout are refused for that (`Predictor.check`), not told to split
+    rows = shape[0] if len(shape) == 4 and (chw is None or tuple(shape[1:]) == chw) else 0
+    if max_rows is not None and rows > max_rows:
+        raise TooManyRows.of(rows, max_rows)
     if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
         raise ProtocolError(
             f"input shape {shape} is too large to be an image batch (over {MAX_ELEMENTS:,} "
@@ -242,9 +246,11 @@ def decode_request(
     input_name: str,
     outputs: tuple[str, ...] = OUTPUTS,
     max_rows: int | None = None,
+    chw: tuple[int, ...] | None = None,
 ) -> InferRequest:
     """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model;
-    a batch over `max_rows` is refused (`TooManyRows`) before its JSON data becomes an array."""
+    a batch over `max_rows` of images of the model's `chw` is refused (`TooManyRows`) before
+    its JSON data becomes an array."""
     json_end = len(body)
     if header_length is not None:
         if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
@@ -273,7 +279,7 @@ def decode_request(
         raise ProtocolError(
             f"unknown input {tensor.get('name')!r}: this model's input is '{input_name}'"
         )
-    shape = _shape(tensor, max_rows)
+    shape = _shape(tensor, max_rows, chw)
     dtype = _datatype(tensor)
     tparams = _parameters(tensor.get("parameters"), "input parameters")
     if "shared_memory_region" in tparams:
