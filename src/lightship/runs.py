@@ -180,33 +180,62 @@ def _temporary_beside(final: Path) -> Path:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _replace_all(pairs: list[tuple[Path, Path]], done: str = "") -> None:
-    """Rename each (temporary, final) pair into place, in order, and sync their folders, with
-    SIGINT and SIGTERM held back until the last is in place, and `done` noted for the CLI."""
+@contextlib.contextmanager
+def _held_stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends, then the last one raised: each stop
+    signal's handler records its own outside (`interrupt_exit_code`), so SIGINT, then SIGTERM,
+    exits 143 here too. Nested, the inner block's signal is raised into the outer's hold.
+
+    Held by a handler of our own, not by a blocked signal mask: a signal blocked in this thread
+    still goes to another (onnxruntime's, torch's), and Python then runs the handler here all
+    the same. Python runs handlers in the main thread only: elsewhere, none can land in between.
+    """
     held: list[int] = []  # the stop signals that came meanwhile
     handlers: dict[signal.Signals, Any] = {}
     try:
-        # Held by a handler of our own, not by a blocked signal mask: a signal blocked in this
-        # thread still goes to another (onnxruntime's, torch's), and Python then runs the
-        # handler here all the same. Python runs handlers in the main thread only: elsewhere,
-        # none can land in between.
         if threading.current_thread() is threading.main_thread():
             for signum in _STOP_SIGNALS:
                 if signal.getsignal(signum) is not None:  # None: not Python's to restore
                     handlers[signum] = signal.signal(signum, lambda n, _: held.append(n))
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if held:  # now that the block is done: Ctrl-C's KeyboardInterrupt comes from here
+            signal.raise_signal(held[-1])
+
+
+def _replace_all(pairs: list[tuple[Path, Path]], done: str = "") -> None:
+    """Rename each (temporary, final) pair into place, in order, and sync their folders, with
+    SIGINT and SIGTERM held back until the last is in place, and `done` noted for the CLI."""
+    with _held_stop_signals():
         for tmp, final in pairs:
             os.replace(tmp, final)
         if done:  # before the sync, which may fail: the files are in place all the same
             note_interrupt(done)
         for folder in dict.fromkeys(final.parent for _, final in pairs):
             _sync_folder(folder)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        if held:  # now that every file is in place: Ctrl-C's KeyboardInterrupt comes from here
-            # the last one, as outside the renames, where each stop signal's handler records
-            # its own (`interrupt_exit_code`): SIGINT, then SIGTERM, exits 143
-            signal.raise_signal(held[-1])
+
+
+@contextlib.contextmanager
+def then_held() -> Iterator[Callable[..., None]]:
+    """For files renamed into place (`atomic_path`, entered after this in the same `with`) and
+    their manifest entry, which must land together: `then(run.record, key, entry)`, as the last
+    line of the rename's block, calls it once the rename is done, with SIGINT and SIGTERM held
+    back from that line on; they take effect after. Recorded after the block instead, a stop
+    held during the rename would be raised right after it, before `record`: a new file beside
+    the entry of the old one. A failure before the rename calls nothing."""
+    calls: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+    with contextlib.ExitStack() as stack:
+
+        def then(call: Callable[..., None], *args: Any) -> None:
+            if not calls:
+                stack.enter_context(_held_stop_signals())
+            calls.append((call, args))
+
+        yield then
+        for call, args in calls:  # only once the block, and so the renames, succeeded
+            call(*args)
 
 
 def _sync_folder(folder: Path) -> None:

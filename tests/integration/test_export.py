@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,12 +17,13 @@ import onnx.defs
 import pytest
 import torch
 
+from lightship import runs
 from lightship.errors import ConfigError, ParityError
 from lightship.export import core
 from lightship.export import onnx as onnx_export
 from lightship.export.core import export
 from lightship.export.parity import check_parity
-from lightship.runs import RunDir
+from lightship.runs import RunDir, interrupt_message, sha256_file
 from lightship.runtime import load_predictor
 from tests.conftest import (
     CONFIGS,
@@ -340,6 +343,34 @@ def test_a_new_model_onnx_deletes_the_int8_models_made_from_the_old(
     assert set(artifacts(run)) == {"checkpoint", "onnx-fp32", "torchscript", "foreign"}
     # the disk matches the manifest: the listed files go, the user's file stays
     assert [p.name for p in (run / "quantize").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_stop_during_the_rename_lands_after_the_manifest_records_the_new_file(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "stopped"
+    shutil.copytree(exported_run, run)
+    onnx = run / "export" / "model.onnx"
+    onnx.write_bytes(b"old")  # an older model.onnx, as its entry and an int8 model made from it
+    old_sha = sha256_file(onnx)
+    RunDir(run).record("onnx-fp32", {**artifacts(run)["onnx-fp32"], "sha256": old_sha})
+    RunDir(run).record("onnx-int8-static", {"file": "static.onnx", "source_sha256": old_sha})
+    real_replace = os.replace
+
+    def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
+        real_replace(src, dst)
+        if Path(dst) == onnx:  # `docker stop` just as model.onnx is renamed into place
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runs.os, "replace", replace_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        export(RunDir(run), "onnx,torchscript")
+    # the new file, the entry that describes it, and no int8 model of the old one
+    entries = artifacts(run)
+    assert onnx.read_bytes() != b"old" and entries["onnx-fp32"]["sha256"] == sha256_file(onnx)
+    assert "onnx-int8-static" not in entries
+    assert interrupt_message().startswith("interrupted: onnx exported and kept; export the rest")
 
 
 def test_a_new_model_onnx_takes_the_report_with_it(exported_run: Path, tmp_path: Path) -> None:

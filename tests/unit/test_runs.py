@@ -204,8 +204,6 @@ def test_a_commit_that_fails_before_its_renames_keeps_the_note_that_nothing_is_w
 def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes(
     exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch
-
     from lightship.quantize import isa, qat
 
     run = tmp_path / "run"
@@ -215,18 +213,7 @@ def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes
     onnx.write_bytes(b"old")
     ckpt.write_bytes(b"old")
     before = _tree(run)
-
-    # fine-tuning, the int8 conversion and their checks are test_qat's: here, in the scratch
-    # folder, a checkpoint of the model as it is, and a stand-in int8 model are committed
-    def fine_tune(lit: Any, dm: object, workdir: Path, epochs: int) -> tuple[Any, Path]:
-        torch.save({"state_dict": lit.state_dict()}, workdir / "best.ckpt")
-        return SimpleNamespace(current_epoch=epochs), workdir / "best.ckpt"
-
-    monkeypatch.setattr(qat, "fine_tune", fine_tune)
-    monkeypatch.setattr(qat, "convert_pt2e", lambda prepared: prepared)
-    monkeypatch.setattr(qat, "export_onnx", lambda model, x, path: handmade_onnx(path) and {})
-    monkeypatch.setattr(qat, "int8_share", lambda path: {"int8_nodes": 1, "float_nodes": 0})
-    monkeypatch.setattr(qat, "_parity", lambda *args: {})
+    _qat_stand_ins(monkeypatch)  # committed from QAT's scratch folder
     killed = tmp_path / "killed"  # the run as a kill -9 at the first rename would leave it
     real_replace = os.replace
 
@@ -244,6 +231,80 @@ def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes
     assert onnx.read_bytes() != b"old" and ckpt.read_bytes() != b"old"  # both new
     # QAT's scratch folder and temporary files are all named as the sweep knows them
     assert runs.sweep_temporaries(killed) and _tree(killed) == before
+
+
+def _qat_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fine-tuning, the int8 conversion and their checks are test_qat's: here a checkpoint of
+    the model as it is, and a stand-in int8 model, are what QAT writes."""
+    import torch
+
+    from lightship.quantize import qat
+
+    def fine_tune(lit: Any, dm: object, workdir: Path, epochs: int) -> tuple[Any, Path]:
+        torch.save({"state_dict": lit.state_dict()}, workdir / "best.ckpt")
+        return SimpleNamespace(current_epoch=epochs), workdir / "best.ckpt"
+
+    monkeypatch.setattr(qat, "fine_tune", fine_tune)
+    monkeypatch.setattr(qat, "convert_pt2e", lambda prepared: prepared)
+    monkeypatch.setattr(qat, "export_onnx", lambda model, x, path: handmade_onnx(path) and {})
+    monkeypatch.setattr(qat, "int8_share", lambda path: {"int8_nodes": 1, "float_nodes": 0})
+    monkeypatch.setattr(qat, "_parity", lambda *args: {})
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_stop_while_quantize_measures_the_qat_model_keeps_the_old_qat_ckpt_too(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship.quantize.core import Quantizer, quantize
+
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    onnx, ckpt = run / "quantize" / "model.int8-qat.onnx", run / "quantize" / "qat.ckpt"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"old")
+    ckpt.write_bytes(b"old")
+    _qat_stand_ins(monkeypatch)
+
+    def stopped(self: Quantizer, model: Path) -> float:  # `docker stop` as it measures it
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 1.0
+
+    monkeypatch.setattr(Quantizer, "_val_accuracy", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(RunDir(run), "qat", target="avx2")
+    # the checkpoint goes with the int8 model it was converted from: both as they were
+    assert onnx.read_bytes() == b"old" and ckpt.read_bytes() == b"old"
+    assert sorted(p.name for p in onnx.parent.iterdir()) == ["model.int8-qat.onnx", "qat.ckpt"]
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_stop_during_quantizes_rename_lands_after_the_manifest_records_the_new_model(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship.quantize.core import quantize
+
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    model = run / "quantize" / "model.int8-dynamic.onnx"
+    model.parent.mkdir()
+    model.write_bytes(b"old")
+    old = {"file": "quantize/model.int8-dynamic.onnx", "sha256": sha256_file(model)}
+    RunDir(run).record("onnx-int8-dynamic", old)
+    real_replace = os.replace
+
+    def replace_then_stopped(src: str | Path, dst: str | Path) -> None:
+        real_replace(src, dst)
+        if Path(dst) == model:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runs.os, "replace", replace_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(RunDir(run), "dynamic", target="avx2")
+    entry = RunDir(run).artifact("onnx-int8-dynamic")
+    # the new model, and the entry that describes it
+    assert entry is not None and model.read_bytes() != b"old"
+    assert entry["sha256"] == sha256_file(model) and entry["bytes"] == model.stat().st_size
+    assert interrupt_exit_code() == 143
 
 
 def _tree(root: Path) -> list[str]:

@@ -31,9 +31,11 @@ from lightship.runs import (
     check_space,
     check_writable,
     interrupted,
+    lock_run,
     note_interrupt,
     sha256_file,
     stage_command,
+    then_held,
 )
 from lightship.runtime import load_predictor
 from lightship.runtime.base import META_INPUT_SPEC, META_LABELS, LoadError
@@ -184,6 +186,20 @@ def export(
     min_agreement: float = 1.0,
     parity_batch: int = 64,
 ) -> list[Artifact]:
+    # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize and
+    # report take it: no other stage may replace the checkpoint or read the run meanwhile
+    with lock_run(run.root, "lightship export"):
+        return _export(run, formats, opset, atol, min_agreement, parity_batch)
+
+
+def _export(
+    run: RunDir,
+    formats: Sequence[str] | str | None,
+    opset: int,
+    atol: float,
+    min_agreement: float,
+    parity_batch: int,
+) -> list[Artifact]:
     chosen = parse_formats(formats)
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"export --atol must be a finite number >= 0 (e.g. 1e-4), got {atol}")
@@ -220,7 +236,7 @@ def export(
         for fmt in chosen:
             final = run.export_dir / FILENAMES[fmt]
             fix = _fix(run, loaded, fmt, chosen)
-            with atomic_path(final) as tmp:
+            with then_held() as then, atomic_path(final) as tmp:
                 with _failure(f"torch cannot export this model to {fmt}", fix):
                     info = writers[fmt](loaded.model, example, tmp, meta)
                 # outside `_failure`: a bug of our own keeps its traceback
@@ -242,25 +258,26 @@ def export(
                         what=f"{fmt} ({final.name})",
                         fix=fix,
                     )
-                # measured before the rename, recorded right after it: an interrupt between the
-                # two would leave a file that its manifest entry does not describe
-                written = {"sha256": sha256_file(tmp), "bytes": tmp.stat().st_size}
-            entry = {
-                "file": run.relative(final),
-                "format": fmt,
-                **written,
-                "input_spec": loaded.input_spec,
-                "labels": loaded.labels,
-                "source_checkpoint_sha256": source_sha,
-                "parity": parity.as_dict(),
-                **info,
-                "versions": {"lightship": __version__, "torch": torch.__version__},
-            }
-            run.record(VARIANT_OF[fmt], entry)
-            if fmt == "onnx":
-                _discard_quantized_from_another(run, entry["sha256"])
-            # the caller prints the artifacts with their parity, once (`lightship export`)
-            artifacts.append(Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
+                # measured before the rename, recorded right after it with stop signals held
+                # (`then_held`): an interrupt between the two would leave a file that its
+                # manifest entry does not describe
+                entry = {
+                    "file": run.relative(final),
+                    "format": fmt,
+                    "sha256": sha256_file(tmp),
+                    "bytes": tmp.stat().st_size,
+                    "input_spec": loaded.input_spec,
+                    "labels": loaded.labels,
+                    "source_checkpoint_sha256": source_sha,
+                    "parity": parity.as_dict(),
+                    **info,
+                    "versions": {"lightship": __version__, "torch": torch.__version__},
+                }
+                then(run.record, VARIANT_OF[fmt], entry)
+                if fmt == "onnx":
+                    then(_discard_quantized_from_another, run, entry["sha256"])
+                # the caller prints the artifacts with their parity, once (`lightship export`)
+                then(artifacts.append, Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
     except KeyboardInterrupt:  # the last line says what is kept and how to go on
         done = [a.format for a in artifacts]
         rest = [f for f in chosen if f not in done]

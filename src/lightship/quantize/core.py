@@ -37,11 +37,13 @@ from lightship.runs import (
     SCRATCH_PREFIXES,
     RunDir,
     atomic_path,
+    atomic_paths,
     check_recorded,
     check_space,
     check_writable,
     lock_run,
     sha256_file,
+    then_held,
 )
 from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.base import LoadError
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("static", "dynamic", "qat")
 FILENAMES = {m: f"model.int8-{m}.onnx" for m in METHODS}
+QAT_CKPT = "qat.ckpt"  # in RUN/quantize/, beside its int8 model
 INT8_OPS = {
     "QLinearConv",
     "QLinearMatMul",
@@ -388,9 +391,10 @@ class Quantizer:
         fallback_nodes: list[dict[str, Any]] = []
         final = self.run.quantize_dir / FILENAMES["static"]
         # Everything the entry records, the other scheme's error included, is measured before
-        # the file is renamed into place and recorded at once after: an interrupt in between
-        # would leave a model its manifest entry does not describe, which the report refuses.
-        with atomic_path(final) as tmp, made_here("static", tmp, self.work):
+        # the file is renamed into place, and recorded with stop signals held from the rename
+        # (`then_held`): an interrupt in between would leave a model its manifest entry does not
+        # describe, which the report refuses.
+        with then_held() as then, atomic_path(final) as tmp, made_here("static", tmp, self.work):
             # Every choice below is made on the validation split; the test split only measures
             # the model they made.
             for round_ in range(s.fallback_budget + 1):
@@ -461,7 +465,7 @@ class Quantizer:
                     "target": alt,
                     **self._scheme_error(alt_path),
                 }
-        self.run.record("onnx-int8-static", entry)
+            then(self.run.record, "onnx-int8-static", entry)
         return Variant("static", final, acc, self._gate(acc), entry)
 
     def _first_conv_in_fp32(
@@ -618,28 +622,26 @@ class Quantizer:
         t0 = time.perf_counter()
         final = self.run.quantize_dir / FILENAMES["dynamic"]
         flops = ptq.flop_share(self.pre)
-        with atomic_path(final) as tmp, made_here("dynamic", tmp):
+        suits = flops["matmul"] >= 0.5
+        with then_held() as then, atomic_path(final) as tmp, made_here("dynamic", tmp):
             ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme, conv_heavy=flops["conv"] > 0.5)
             ptq.copy_metadata(self.fp32, tmp, self._meta("dynamic"))
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
-            share = int8_share(tmp)
-            entry = self._entry(tmp, final, "dynamic", acc)
-        suits = flops["matmul"] >= 0.5
-        entry = {
-            **entry,
-            "flop_share": flops,
-            "int8_ops": share,
-            "recommendable": suits,
-            "why": (
-                "most multiply-adds are in MatMul/Gemm: dynamic quantization suits it"
-                if suits
-                else f"{flops['conv']:.0%} of multiply-adds are in convolutions: dynamic "
-                "quantization (ConvInteger) was measured slower than fp32 on conv nets; "
-                "reported, not recommended"
-            ),
-            "quantize_seconds": round(time.perf_counter() - t0, 2),
-        }
-        self.run.record("onnx-int8-dynamic", entry)
+            entry = {
+                **self._entry(tmp, final, "dynamic", acc),
+                "flop_share": flops,
+                "int8_ops": int8_share(tmp),
+                "recommendable": suits,
+                "why": (
+                    "most multiply-adds are in MatMul/Gemm: dynamic quantization suits it"
+                    if suits
+                    else f"{flops['conv']:.0%} of multiply-adds are in convolutions: dynamic "
+                    "quantization (ConvInteger) was measured slower than fp32 on conv nets; "
+                    "reported, not recommended"
+                ),
+                "quantize_seconds": round(time.perf_counter() - t0, 2),
+            }
+            then(self.run.record, "onnx-int8-dynamic", entry)
         return Variant("dynamic", final, acc, self._gate(acc), entry)
 
     def qat(self) -> Variant:
@@ -655,13 +657,19 @@ class Quantizer:
                 f"{ckpt} is not the checkpoint {self.fp32} was exported from: re-run "
                 f"{self.run.command('export')}"
             )
-        # the model is measured before it is renamed into place (see `static`)
-        with atomic_path(final) as tmp, made_here("qat", tmp, self.work):
+        # the model is measured before it is renamed into place (see `static`), together with
+        # the checkpoint it was converted from: a new qat.ckpt never lands beside the old model
+        with (
+            then_held() as then,
+            atomic_paths(self.run.quantize_dir / QAT_CKPT, final) as (tmp_ckpt, tmp),
+            made_here("qat", tmp, self.work),
+        ):
             try:
                 info = quantize_aware_train(
                     self.run,
                     self.scheme,
                     tmp,
+                    tmp_ckpt,
                     epochs=s.qat_epochs,
                     lr=s.qat_lr,
                     seed=s.seed,
@@ -685,7 +693,7 @@ class Quantizer:
                 "gemm_convs": gemm,
                 "int8_ops": int8_share(tmp),
             }
-        self.run.record("onnx-int8-qat", entry)
+            then(self.run.record, "onnx-int8-qat", entry)
         return Variant("qat", final, acc, self._gate(acc), entry)
 
     def _meta(self, method: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ Imports no training code: the shared Lightning pieces live in `lightship.callbac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -50,7 +51,7 @@ from lightship.errors import QuantizeError
 from lightship.export import onnx as onnx_export
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
 from lightship.quantize import isa, ptq
-from lightship.quantize.core import MethodFailed, int8_share, made_here
+from lightship.quantize.core import QAT_CKPT, MethodFailed, int8_share, made_here
 from lightship.runs import SCRATCH_PREFIXES, RunDir, atomic_paths
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, TARGET
@@ -409,6 +410,7 @@ def quantize_aware_train(
     run: RunDir,
     scheme: isa.Scheme,
     out_path: Path,
+    ckpt_path: Path | None = None,
     *,
     epochs: int,
     lr: float,
@@ -416,6 +418,9 @@ def quantize_aware_train(
     per_channel: bool = True,
 ) -> dict[str, Any]:
     """Write `out_path` (int8 ONNX) and RUN/quantize/qat.ckpt; return their manifest fields.
+    The two are renamed into place together here; given `ckpt_path`, they are temporary files
+    that the caller renames into place together (`Quantizer.qat`, which measures the model
+    first), and are written as they are.
 
     Raises QuantizeError, leaving no file behind, when the model cannot be exported or
     quantized, when ORT would not run the result in int8, or when ORT and torch disagree.
@@ -442,7 +447,7 @@ def quantize_aware_train(
     }
     source = {k: loaded.hparams[k] for k in ("model_spec", "labels", "input_spec", "data_spec")}
     lit = LitQAT(net, source, settings)
-    ckpt_final = run.quantize_dir / "qat.ckpt"
+    ckpt_final = run.quantize_dir / QAT_CKPT
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIXES["qat"], dir=run.root) as tmpdir:
         t0 = time.perf_counter()
         trainer, best = fine_tune(lit, dm, Path(tmpdir), epochs)
@@ -458,7 +463,12 @@ def quantize_aware_train(
             raise MethodFailed("qat", f"convert_pt2e: {_one_line(exc)}", ADVICE) from None
         # committed together: a stop signal between two commits of their own would leave a
         # new qat.ckpt beside the old int8 model
-        with atomic_paths(ckpt_final, out_path) as (tmp_ckpt, tmp_onnx):
+        committed = (
+            atomic_paths(ckpt_final, out_path)
+            if ckpt_path is None
+            else contextlib.nullcontext((ckpt_path, out_path))
+        )
+        with committed as (tmp_ckpt, tmp_onnx):
             try:
                 exported = export_onnx(converted, example, tmp_onnx)
             except Exception as exc:
