@@ -42,6 +42,7 @@ from lightship.runs import (
     atomic_path,
     atomic_write_text,
     check_writable,
+    lock_run,
     next_command,
     note_interrupt,
     sha256_file,
@@ -409,6 +410,14 @@ def _own_best(run: RunDir, best_model_path: str) -> Path:
 
 
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
+    # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize and
+    # report take it: no other stage may read the checkpoints, or export best.ckpt, while they
+    # are replaced. Under DDP, rank 0 holds it for its workers (`runs.lock_run`).
+    with lock_run(run.root, "lightship train", create=True):
+        return _fit(cfg, run, resume)
+
+
+def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     for note in cfg.sources.notes:
         print(note, flush=True)
     _check_runtime_config(cfg)
