@@ -206,12 +206,7 @@ def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes
 ) -> None:
     from lightship.quantize import isa, qat
 
-    run = tmp_path / "run"
-    shutil.copytree(exported_run, run)
-    onnx, ckpt = run / "quantize" / "model.int8-qat.onnx", run / "quantize" / "qat.ckpt"
-    onnx.parent.mkdir()
-    onnx.write_bytes(b"old")
-    ckpt.write_bytes(b"old")
+    run, onnx, ckpt = _run_with_old_qat(exported_run, tmp_path)
     before = _tree(run)
     _qat_stand_ins(monkeypatch)  # committed from QAT's scratch folder
     killed = tmp_path / "killed"  # the run as a kill -9 at the first rename would leave it
@@ -231,6 +226,17 @@ def test_qat_commits_its_two_files_together_and_leaves_only_what_the_sweep_takes
     assert onnx.read_bytes() != b"old" and ckpt.read_bytes() != b"old"  # both new
     # QAT's scratch folder and temporary files are all named as the sweep knows them
     assert runs.sweep_temporaries(killed) and _tree(killed) == before
+
+
+def _run_with_old_qat(exported_run: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the exported run whose QAT model and checkpoint are b"old": (run, onnx, ckpt)."""
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    onnx, ckpt = run / "quantize" / "model.int8-qat.onnx", run / "quantize" / "qat.ckpt"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"old")
+    ckpt.write_bytes(b"old")
+    return run, onnx, ckpt
 
 
 def _qat_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,12 +263,7 @@ def test_a_stop_while_quantize_measures_the_qat_model_keeps_the_old_qat_ckpt_too
 ) -> None:
     from lightship.quantize.core import Quantizer, quantize
 
-    run = tmp_path / "run"
-    shutil.copytree(exported_run, run)
-    onnx, ckpt = run / "quantize" / "model.int8-qat.onnx", run / "quantize" / "qat.ckpt"
-    onnx.parent.mkdir()
-    onnx.write_bytes(b"old")
-    ckpt.write_bytes(b"old")
+    run, onnx, ckpt = _run_with_old_qat(exported_run, tmp_path)
     _qat_stand_ins(monkeypatch)
 
     def stopped(self: Quantizer, model: Path) -> float:  # `docker stop` as it measures it
