@@ -161,8 +161,7 @@ def export(
     from lightship.export import export as export_run
     from lightship.runs import RunDir
 
-    with lock_run(run, "lightship export"):
-        artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)
+    artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)  # takes the run lock
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
     print(f"next: {next_command('quantize', run, _pythonpath(run))}")
@@ -214,10 +213,9 @@ def quantize(
         qat_lr=qat_lr,
     )
     try:
-        with lock_run(run, "lightship quantize"):
-            variants = quantize_run(
-                RunDir(run), methods, target, settings, on_error=failed.__setitem__
-            )
+        variants = quantize_run(  # takes the run lock
+            RunDir(run), methods, target, settings, on_error=failed.__setitem__
+        )
     except BaseException:  # what stopped the run is the last line; what failed before it stays
         print_errors()
         raise
@@ -262,10 +260,9 @@ def report(
     from lightship.report.render import speedup, tie_note, why_none
     from lightship.runs import RunDir
 
-    with lock_run(run, "lightship report"):
-        r = report_run(
-            RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
-        )
+    r = report_run(  # takes the run lock
+        RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
+    )
     from rich.console import Console
     from rich.table import Table
 

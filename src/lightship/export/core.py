@@ -186,8 +186,8 @@ def export(
     min_agreement: float = 1.0,
     parity_batch: int = 64,
 ) -> list[Artifact]:
-    # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize and
-    # report take it: no other stage may replace the checkpoint or read the run meanwhile
+    # The run lock, for the CLI and a call from Python alike: no other stage may replace the
+    # checkpoint or read the run meanwhile
     with lock_run(run.root, "lightship export"):
         return _export(run, formats, opset, atol, min_agreement, parity_batch)
 

@@ -746,9 +746,9 @@ def quantize(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
     variants: list[Variant] = []
-    # Held already by the CLI (re-entrant); taken here for a call from Python, whose writes no
-    # other stage may see half done, and whose lock_run deletes the scratch folders a killed
-    # quantize left (`runs.sweep_temporaries`)
+    # The run lock, for the CLI and a call from Python alike: no other stage may see these
+    # writes half done, and lock_run deletes the scratch folders a killed quantize left
+    # (`runs.sweep_temporaries`)
     with lock_run(run.root, "lightship quantize"), _cut_short_by_a_full_disk(run, "qat" in chosen):
         q = Quantizer(run, target, settings, chosen)
         try:

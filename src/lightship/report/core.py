@@ -100,9 +100,8 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     """Measure every variant of `run`, write its report's files and return report.json's
     content; timings too noisy to trust are `timing_warning` in it (and in report.md), for the
     caller to show where its reader looks (the CLI: after its table)."""
-    # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize does:
-    # no other stage may replace a variant while it is measured, and the report's files would
-    # then describe the old one.
+    # The run lock, for the CLI and a call from Python alike: no other stage may replace a
+    # variant while it is measured, and the report's files would then describe the old one.
     with lock_run(run.root, "lightship report"):
         return _report(run, settings or ReportSettings())
 
