@@ -697,17 +697,17 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
         decode = v2.decode_request
         if big:  # V2 only: binary tensors after the JSON header are read with no parse
-            n, json_bytes = hot.header_length, len(hot.body)
-            if n is not None and n.isascii() and n.isdigit() and len(n) < 16:
-                json_bytes = int(n)
-        req = await parse_large(hot, json_bytes, decode, *args) if big else decode(*args)
+            json_bytes = v2.json_length(hot.body, hot.header_length)
+            req = await parse_large(hot, json_bytes, decode, *args)
+        else:
+            req = decode(*args)
         logits = await service.predict(
             req.x, service.timeout_s(hot.scope, req.timeout_s), hot.receive
         )
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
-        args = (hot.body, service.chw, settings.top_k, max_rows)
+        args = (hot.body, chw, settings.top_k, max_rows)
         big = len(hot.body) >= LARGE_BODY_BYTES
         decode = v1.decode_instances
         x, top_k = await parse_large(hot, len(hot.body), decode, *args) if big else decode(*args)

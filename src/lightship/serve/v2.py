@@ -240,6 +240,24 @@ def _no_inputs(doc: dict[str, Any], input_name: str) -> str:
     return f"{what} (V2 format: {example}){v1_hint}"
 
 
+def json_length(body: bytes, header_length: str | None) -> int:
+    """The bytes of JSON a request begins with: all of `body`, or as many as its
+    Inference-Header-Content-Length says (binary tensors follow); ProtocolError if that is no
+    count of bytes within the body."""
+    if header_length is None:
+        return len(body)
+    if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
+        raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
+    try:
+        json_end = int(header_length)
+    except ValueError:  # more digits than Python converts (4,300): more than any body
+        json_end = -1
+    if not 0 < json_end <= len(body):
+        said = header_length if len(header_length) <= 20 else header_length[:19] + "..."
+        raise ProtocolError(f"{HEADER_LENGTH} is {said} but the body has {len(body)} bytes")
+    return json_end
+
+
 def decode_request(
     body: bytes,
     header_length: str | None,
@@ -251,17 +269,7 @@ def decode_request(
     """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model;
     a batch over `max_rows` of images of the model's `chw` is refused (`TooManyRows`) before
     its JSON data becomes an array."""
-    json_end = len(body)
-    if header_length is not None:
-        if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
-            raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
-        try:
-            json_end = int(header_length)
-        except ValueError:  # more digits than Python converts (4,300): more than any body
-            json_end = -1
-        if not 0 < json_end <= len(body):
-            said = header_length if len(header_length) <= 20 else header_length[:19] + "..."
-            raise ProtocolError(f"{HEADER_LENGTH} is {said} but the body has {len(body)} bytes")
+    json_end = json_length(body, header_length)
     view = memoryview(body)
     doc = _parse_json(view[:json_end], header_length)
     request_id = doc.get("id")
