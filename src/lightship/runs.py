@@ -384,6 +384,13 @@ def variant_of(model: Path) -> str:
     return suffixes.get(model.suffix, "onnx-fp32")
 
 
+def _stage_of(variant: str) -> str:
+    """The stage that makes `variant` of a run (the report's and the manifest's names)."""
+    if variant in ("eager", "checkpoint"):
+        return "train"
+    return "quantize" if variant.startswith("onnx-int8") else "export"
+
+
 def export_hint(model: Path) -> str:
     """How to make a missing exported or quantized `model`: the stage that writes it, on the
     run it lies in (`RunDir.make_hint`)."""
@@ -594,16 +601,16 @@ class RunDir:
 
     def make_command(self, variant: str) -> str:
         """The stage that makes `variant` of this run, as a command quoted for a message."""
-        if variant in ("eager", "checkpoint"):  # the report's name, and the manifest's
-            return self.train_command()
-        return self.command("quantize" if variant.startswith("onnx-int8") else "export")
+        stage = _stage_of(variant)
+        return self.train_command() if stage == "train" else self.command(stage)
 
     def remake_command(self, variant: str) -> str:
         """The command that makes just `variant` of this run again, quoted for a message.
         Where no stage can run (`can_make`), `remake_hint` says what to do instead."""
-        if variant in ("eager", "checkpoint"):
+        stage = _stage_of(variant)
+        if stage == "train":
             return self.train_command()
-        if variant.startswith("onnx-int8-"):
+        if stage == "quantize":
             method = variant.removeprefix("onnx-int8-")
             return f"`lightship quantize --run {self.root} --methods {method}`"
         return f"`lightship export --run {self.root} --formats {variant.removesuffix('-fp32')}`"
@@ -622,7 +629,7 @@ class RunDir:
         return self._elsewhere(variant)
 
     def _elsewhere(self, variant: str) -> str:
-        made = "" if variant in ("eager", "checkpoint") else " to make it from"
+        made = "" if _stage_of(variant) == "train" else " to make it from"
         return f"{self.root} has no best.ckpt{made} ({IN_AN_IMAGE}): {self.rebuild_hint(variant)}"
 
     def rebuild_hint(self, variant: str, *then: str) -> str:
@@ -633,7 +640,7 @@ class RunDir:
                 "serve an ONNX variant, e.g. --variant onnx-fp32, or mount the whole run at "
                 "/model in an image with torch (Dockerfile.gpu, --build-arg TORCH_VERSION=...)"
             )
-        stages = " ".join(("quantize" if variant.startswith("onnx-int8") else "export", *then))
+        stages = " ".join((_stage_of(variant), *then))
         return (
             f"rebuild the image from a run that has it: `make {stages} docker-model RUN=runs/NAME`"
         )
