@@ -226,9 +226,10 @@ def test_a_gate_decided_by_one_image_is_said_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # 4 test images: one image is 25 points, where the 0.99 gate allows 1 below fp32's
+    from lightship.data import sources
     from lightship.quantize import fallback
 
-    monkeypatch.setattr(fallback, "_noted", set())
+    monkeypatch.setattr(sources, "_noted", set())
     warning = (
         "the accuracy gate is decided on 4 images: one image is 25 points of accuracy and the "
         "gate allows 1 below fp32's, so a single image decides pass or FAIL"

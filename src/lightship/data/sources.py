@@ -20,15 +20,16 @@ from lightship.errors import DataError
 
 log = logging.getLogger(__name__)
 
-# Notes about the data already logged by this process: export, quantize (twice: PTQ and QAT)
-# and report each rebuild the splits from the same data, and a note is news once.
+# Notes already logged by this process: export, quantize (twice: PTQ and QAT) and report each
+# rebuild the splits from the same data (and gate on them), and a note is news once.
 _noted: set[str] = set()
 
 
-def _note_once(level: int, message: str) -> None:
+def note_once(level: int, message: str, logger: logging.Logger = log) -> None:
+    """Log `message` on `logger`, the first time this process is told it only."""
     if message not in _noted:
         _noted.add(message)
-        log.log(level, message)
+        logger.log(level, message)
 
 
 def _some(items: list[str], most: int = 5, sep: str = ", ") -> str:
@@ -154,7 +155,7 @@ def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> 
 
 def _note_gray(colour: int) -> None:
     if colour:
-        _note_once(
+        note_once(
             logging.INFO,
             f"data.channels=1: {colour} colour images converted to grayscale; "
             "set data.channels=3 to keep colour",
@@ -198,7 +199,7 @@ def _folder(
         )
     classes, files, skipped, loose = _image_files(root)
     if loose and files:
-        _note_once(
+        note_once(
             logging.WARNING,
             f"image folder {root}: left out {len(loose)} images that lie directly in it, in no "
             f"class sub-folder ({_some([f.name for f in loose], 3)}): move them into class "
@@ -206,7 +207,7 @@ def _folder(
         )
     if skipped:
         kinds = sorted({f.suffix.lower() or f.name for f in skipped})
-        _note_once(
+        note_once(
             logging.WARNING,
             f"image folder {root}: skipped {len(skipped)} files that are not PNG/JPEG "
             f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}): "

@@ -17,16 +17,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from lightship.data.sources import note_once
 from lightship.errors import ConfigError
 from lightship.quantize.ptq import COMPUTE_OPS
 
 log = logging.getLogger(__name__)
 
 GATE_MAX = 1.1  # above 1 forces the fallback (tests use 1.01); far above is a typo
-
-# Warnings already logged by this process: quantize gates every round and variant, report
-# every variant, on the same split.
-_noted: set[str] = set()
 
 
 def check_gate(gate: float, command: str) -> None:
@@ -48,9 +45,8 @@ def passes_gate(accuracy: float, fp32_accuracy: float, gate: float, images: int)
     99/104 = 0.95192307692307687 < 0.99 * (100/104) = 0.95192307692307698."""
     right, fp32_right = round(accuracy * images), round(fp32_accuracy * images)
     warning = few_images_warning(fp32_accuracy, gate, images)
-    if warning is not None and warning not in _noted:
-        _noted.add(warning)
-        log.warning(warning)
+    if warning is not None:  # quantize gates every round and variant, report every variant
+        note_once(logging.WARNING, warning, log)
     return right >= Fraction(str(float(gate))) * fp32_right
 
 
