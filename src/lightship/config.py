@@ -309,15 +309,22 @@ def _explain(err: ValidationError, sources: Sources) -> str:
     )
 
 
+def without_unread_path(data: dict[str, Any]) -> dict[str, Any]:
+    """A data section or spec that a run trained before data.path needed its source recorded:
+    a path beside digits, which reads none, as None (what the run trained on is digits). The
+    same dict where there is none."""
+    if data.get("source", "digits") == "digits" and data.get("path") is not None:
+        return {**data, "path": None}
+    return data
+
+
 def _drop_digits_path(tree: dict[str, Any], file: str) -> tuple[str, ...]:
     """A run's config.yaml from before data.path needed its source may hold a path beside
-    digits, which reads none: left out (what the run trained on is digits), said in a note."""
+    digits (`without_unread_path`): left out, said in a note."""
     data = tree.get("data")
-    if not isinstance(data, dict) or data.get("source", "digits") != "digits":
+    if not isinstance(data, dict) or (read := without_unread_path(data)) is data:
         return ()
-    path = data.pop("path", None)
-    if path is None:
-        return ()
+    path, tree["data"] = data["path"], read
     return (
         f"note: {file} records data.path={path} beside data.source digits, as older lightship "
         "versions allowed; digits reads no path, so it is left out",

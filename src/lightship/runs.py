@@ -707,21 +707,15 @@ class RunDir:
         as the config checks its `data` section: the data module trusts it."""
         from pydantic import ValidationError
 
-        from lightship.config import DataConfig  # here: serving reads manifests, never this
+        # here: serving reads manifests, never this
+        from lightship.config import DataConfig, without_unread_path
 
         spec = (self.artifact("checkpoint") or {}).get("data_spec")
         if not isinstance(spec, dict):
             raise self._malformed("no data_spec in its checkpoint entry")
         try:
             DataConfig.model_validate(
-                {
-                    k: v
-                    for k, v in spec.items()
-                    if k in DataConfig.model_fields
-                    # runs trained before data.path needed its source recorded the path of
-                    # digits, which reads none: what they trained on is still digits
-                    and not (k == "path" and spec.get("source") == "digits")
-                }
+                {k: v for k, v in without_unread_path(spec).items() if k in DataConfig.model_fields}
             )
         except ValidationError as err:
             first = err.errors()[0]

@@ -33,7 +33,7 @@ from lightship.callbacks import (
     fit_trainer,
     progress,
 )
-from lightship.config import Config, ModelConfig, dump_config, load_config
+from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
 from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
@@ -133,9 +133,7 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
         if key == "model_spec":  # where the module lies is no part of the model
             old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
         if key == "data_spec":  # the images themselves, when the run recorded them
-            old, new = dict(old), dict(new)
-            if old.get("source") == "digits":  # older runs recorded a path beside it: unread
-                old["path"] = None
+            old, new = dict(without_unread_path(old)), dict(new)
             was, now = old.pop("fingerprint", None), new.pop("fingerprint", None)
             # (read at another size or channel count, the same files give other pixels)
             data_changed = was is not None and was != now and old == new
