@@ -3,6 +3,7 @@ next stage on the run cleans up (temporary files) or puts back (a training's set
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -245,3 +246,53 @@ def test_a_first_checkpoint_that_cannot_be_written_leaves_the_old_config(
     assert (run / "config.yaml").read_text() == config
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert not list(run.glob(".previous.*"))
+
+
+def test_a_stop_while_the_new_best_is_evaluated_keeps_best_ckpt_beside_its_entry(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signal_handlers: None
+) -> None:
+    # best.ckpt was renamed into place, then evaluated, then recorded: a stop in between left
+    # the new file beside the old file's manifest entry
+    fit = importlib.import_module("lightship.train.fit")  # the package exports fit()
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    old = (run / "best.ckpt").read_bytes()
+
+    def stopped(*_: object, **__: object) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fit, "evaluate", stopped)
+    argv = ["train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1"]
+    assert cli._invoke([*argv, "--set", "optim.lr=0.001"]) == 130  # other weights: a new best
+    assert (run / "best.ckpt").read_bytes() == old
+    entry = RunDir(run).artifact("checkpoint")
+    assert entry is not None and entry["sha256"] == sha256_file(run / "best.ckpt")
+
+
+def test_fit_called_from_python_puts_back_what_a_killed_training_set_aside(
+    tiny_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # only the CLI did: a training started from Python found the run without its checkpoints
+    from lightship.config import load_config
+
+    fit = importlib.import_module("lightship.train.fit")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
+    stash = run / f"{runs.SET_ASIDE_PREFIX}killed"  # as a training kill -9'd at once leaves it
+    stash.mkdir()
+    for ckpt in (run / "checkpoints").iterdir():
+        os.replace(ckpt, stash / ckpt.name)
+    seen: list[set[str]] = []
+    monkeypatch.setattr(
+        fit, "_fit", lambda cfg, rd, resume: seen.append({p.name for p in rd.checkpoints.iterdir()})
+    )
+    fit.fit(load_config(Path(TINY)), RunDir(run))
+    assert seen == [set(before)]
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+    assert not stash.exists()
+    assert "put back the checkpoints and config.yaml" in capsys.readouterr().out

@@ -46,6 +46,7 @@ from lightship.runs import (
     next_command,
     note_interrupt,
     sha256_file,
+    then_held,
 )
 from lightship.train.module import LitClassifier
 
@@ -412,6 +413,11 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
     # report take it: no other stage may read the checkpoints, or export best.ckpt, while they
     # are replaced. Under DDP, rank 0 holds it for its workers (`runs.lock_run`).
     with lock_run(run.root, "lightship train", create=True):
+        # What a training killed outright set aside goes back first. The CLI has done this
+        # already, before reading config.yaml; a call from Python has not.
+        recovered = run.recover_set_aside()
+        if recovered:
+            print(f"{run.root}: {recovered}", flush=True)
         return _fit(cfg, run, resume)
 
 
@@ -560,27 +566,29 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
         _discard_derived(run)
-    if not in_place:
-        with atomic_path(run.best_ckpt) as tmp:
-            tmp.write_bytes(best.read_bytes())
-        if unchanged:
-            print(f"best.ckpt restored from {run.relative(best)}", flush=True)
+    restored = f"best.ckpt restored from {run.relative(best)}"
     trained_nothing = resumed is not None and trainer.global_step == resumed_from_step
     finished = (
         f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
         f"(step {trainer.global_step})"
     )
-    if unchanged and trained_nothing:
+    if unchanged and trained_nothing:  # its manifest entry stands: only the file comes back
+        if not in_place:
+            with atomic_path(run.best_ckpt) as tmp:
+                tmp.write_bytes(best.read_bytes())
+            print(restored, flush=True)
         print(f"{finished}; best.ckpt, exports, quantized models and report kept", flush=True)
         return run
-    loaded = load_checkpoint(run.best_ckpt)
+    # Evaluated from its source in checkpoints/, before RUN/best.ckpt is replaced, so that
+    # the copy and its manifest entry land together below.
+    loaded = load_checkpoint(best)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
     entry = {
         "file": "best.ckpt",
         "format": "lightning-checkpoint",
         "sha256": best_sha256,
-        "bytes": run.best_ckpt.stat().st_size,
+        "bytes": best.stat().st_size,
         "source_checkpoint": run.relative(best),
         "model": {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs), **model_source},
         "parameters": models.count_parameters(loaded.model),
@@ -605,7 +613,17 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             "pytorch_lightning": pl.__version__,
         },
     }
-    run.record("checkpoint", entry)
+    # Renamed into place and recorded with stop signals held (`then_held`): never a new
+    # best.ckpt beside the old one's entry.
+    with then_held() as then:
+        if in_place:
+            then(run.record, "checkpoint", entry)
+        else:
+            with atomic_path(run.best_ckpt) as tmp:
+                tmp.write_bytes(best.read_bytes())
+                then(run.record, "checkpoint", entry)
+    if unchanged and not in_place:
+        print(restored, flush=True)
     if unchanged:
         print(
             "best.ckpt is unchanged (no better checkpoint): exports, quantized models and "
