@@ -130,6 +130,9 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     assert f"global step {killed_step}" in resumed.stdout
     entry = manifest(run)["checkpoint"]
     steps_per_epoch = killed_step // (killed_epoch + 1)
+    # this session's seconds, beside the steps it trained, not the run's totals alone
+    assert f"from step {killed_step} to {entry['global_step']} in " in resumed.stdout
+    assert f"({killed_epoch + 3} epochs in all)" in resumed.stdout
     assert entry["resumed_from_step"] == killed_step
     assert entry["global_step"] == killed_step + 2 * steps_per_epoch  # continued, not restarted
     assert entry["epochs"] == killed_epoch + 3

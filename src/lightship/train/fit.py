@@ -630,12 +630,18 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             "report kept",
             flush=True,
         )
-    done = (  # a finished run whose manifest lost its checkpoint entry: recorded again
-        f"{finished}; its best.ckpt is recorded in manifest.json again"
-        if trained_nothing
-        else f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
-        f"epochs, step {trainer.global_step})"
-    )
+    if trained_nothing:  # a finished run whose manifest lost its checkpoint entry
+        done = f"{finished}; its best.ckpt is recorded in manifest.json again"
+    elif resumed is None:
+        done = (
+            f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
+            f"epochs, step {trainer.global_step})"
+        )
+    else:  # the seconds are this session's; the epochs and step count from the run's start
+        done = (
+            f"trained {cfg.model.name} from step {resumed_from_step} to {trainer.global_step} "
+            f"in {train_seconds:.1f} s ({trainer.current_epoch} epochs in all)"
+        )
     pythonpath = models.pythonpath_prefix(cfg.model.name, module_file)
     # an unchanged best.ckpt kept its exports: exporting again is not what comes next
     after = "quantize" if unchanged and run.artifact("onnx-fp32") else "export"
