@@ -7,6 +7,8 @@ limit stands for it here, as in test_data, without the slow huge files.
 from __future__ import annotations
 
 import io
+import sys
+import threading
 import warnings
 
 import pytest
@@ -73,3 +75,25 @@ def test_without_a_limit_of_its_own_pillows_stands(
         "could be decompression bomb DOS attack"
     )
     assert refused.value.problem == "size"
+
+
+def test_threads_decoding_at_once_leave_the_warning_filters_as_they_were() -> None:
+    # the server decodes uploads in threads: each decode swaps the process's warning filters
+    # (catch_warnings), and without taking turns one could leave Pillow's warning ignored
+    data, before, interval = png(8), list(warnings.filters), sys.getswitchinterval()
+
+    def decode_many() -> None:
+        for _ in range(300):
+            images.decode(data, (1, 8, 8), "x.png", max_pixels=10**6)
+
+    sys.setswitchinterval(1e-6)  # threads switch often: the race, if there is one, shows
+    try:
+        for _ in range(3):
+            threads = [threading.Thread(target=decode_many) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert warnings.filters == before
+    finally:
+        sys.setswitchinterval(interval)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -81,6 +82,9 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
     return f"{int(pixels.group(1)):,} pixels is too large (limit {limit:,})"
 
 
+_OPENING = threading.Lock()
+
+
 def decode(
     source: bytes | Path,
     chw: tuple[int, int, int],
@@ -95,11 +99,12 @@ def decode(
     if (len(source) if isinstance(source, bytes) else source.stat().st_size) == 0:
         raise ImageError(name, "empty file (0 bytes): not a readable PNG or JPEG image")
     try:
-        with warnings.catch_warnings():
+        # catch_warnings swaps the process's filters, so threads decoding at once take turns
+        # (opening reads only the header); unguarded, one could leave the filter on for good
+        with _OPENING, warnings.catch_warnings():
             if max_pixels is not None:
                 # Checked below: past Pillow's own limit (89 MP) its warning would say so
-                # again, in the server's log. (Threads decoding at once may leave this filter
-                # on, or let a warning through: neither changes an answer.)
+                # again, in the server's log.
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
         with im:
