@@ -450,3 +450,92 @@ def test_an_error_outside_the_model_call_kills_the_worker_and_stops_its_peers() 
         assert len(b._threads) == 2 and all(not t.is_alive() for t in b._threads)
 
     run(main)
+
+
+def test_a_later_request_does_not_push_back_the_close_of_its_batch() -> None:
+    # max_wait 400 ms; the second request comes 300 ms after the first. Closing at the oldest's
+    # due time runs the batch at ~400 ms, when the second has waited ~100 ms; closing at the
+    # newest's (300 + 400 ms) would make it wait the full 400 ms. 250 ms of margin each way.
+    model = SumModel()
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=64, max_wait_ms=400, observer=rec)
+        first = b.submit(rows(3), 10)
+        await asyncio.sleep(0.3)
+        second = b.submit(rows(4), 10)
+        assert (await first.future)[0, 0] == 3 and (await second.future)[0, 0] == 4
+        await b.aclose()
+
+    run(main)
+    assert model.sizes == [2]
+    oldest_wait, newest_wait = rec.waits
+    assert 0.39 <= oldest_wait < 0.65, oldest_wait  # the oldest's 400 ms, not 300 + 400
+    assert newest_wait < 0.35, newest_wait
+
+
+def test_a_deadline_that_passed_before_the_loop_could_answer_it_is_still_not_computed() -> None:
+    # The event loop is blocked, so the deadline timer cannot answer `late`: the worker itself
+    # must see that its deadline passed and drop it (README: dropped before compute).
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=0, observer=rec)
+        busy = b.submit(rows(1), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        late = b.submit(rows(7), 0.05)
+        keep = b.submit(rows(8), 10)
+        time.sleep(0.1)  # blocks the loop past late's deadline: its timer has not run
+        gate.set()
+        t0 = time.monotonic()
+        while len(model.batches) < 2 and time.monotonic() - t0 < 5:
+            time.sleep(0.005)  # the loop still blocked while the worker takes the next batch
+        await busy.future
+        assert (await keep.future)[0, 0] == 8
+        assert 7 not in np.concatenate(model.batches).ravel().tolist()  # late was not computed
+        with pytest.raises(DeadlineExceeded):
+            await late.future
+        await b.aclose()
+        assert b.dropped_rows == 1
+
+    run(main)
+    ran = np.concatenate(model.batches).ravel().tolist()
+    assert ran == [1, 8], ran  # 7 was not computed
+    assert rec.rejections == ["deadline"]
+
+
+def test_retry_after_estimates_how_long_the_queue_takes() -> None:
+    # One row takes >= 0.2 s, so the worker's rate is <= 5 rows/s and 20 queued rows take
+    # >= 4 s: Retry-After must say so, not a constant 1 s.
+    gate = threading.Event()
+
+    class Slow(SumModel):
+        def __call__(self, x: np.ndarray) -> np.ndarray:
+            y = super().__call__(x)
+            time.sleep(0.2)
+            return y
+
+    model = Slow(gate)
+
+    async def main() -> int:
+        b = await started(model, max_batch_rows=1, max_wait_ms=0, max_queue_rows=20)
+        gate.set()
+        await b.infer(rows(1), 10)  # measures the rate
+        gate.clear()
+        model.entered.clear()
+        held = b.submit(rows(2), 30)
+        await asyncio.to_thread(model.entered.wait, 10)
+        queued = [b.submit(rows(i), 30) for i in range(20)]
+        with pytest.raises(QueueFull) as info:
+            b.submit(rows(99), 30)
+        gate.set()
+        await held.future
+        for t in queued:
+            await t.future
+        await b.aclose()
+        return info.value.retry_after_s
+
+    retry = run(main)
+    assert 4 <= retry <= 60, retry

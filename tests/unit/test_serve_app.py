@@ -1958,3 +1958,55 @@ def test_dynamic_int8_is_known_by_its_variant_or_its_manifest_entry(tmp_path: Pa
     assert (warning(renamed, settings) or "").startswith("d.onnx is dynamic int8: ")
     static = ServedModel("d", "onnx-int8-static", tmp_path / "model.int8-static.onnx", {})
     assert warning(static, settings) is None
+
+
+ONE_ROW = np.full((1, 1, 2, 2), 3, np.uint8)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        {"headers": {"X-Request-Timeout-Ms": "60000"}},  # 60 s against the server's 0.2 s
+        {"json": v2_json(ONE_ROW, parameters={"timeout": 60_000_000})},  # 60 s in µs
+    ],
+    ids=["header", "v2-parameter"],
+)
+def test_a_client_cannot_lengthen_the_servers_deadline(tmp_path: Path, how: dict[str, Any]) -> None:
+    app, gate = make_app(tmp_path, gate=True, timeout_ms=200, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    kwargs = {"json": v2_json(ONE_ROW)} | how
+
+    async def main() -> tuple[int, Any]:
+        async with serving(app) as client:
+            held = await hold_inference(client, gate)  # the model is busy until the gate opens
+            request = asyncio.ensure_future(client.post(INFER, **kwargs))
+            done, _ = await asyncio.wait([request], timeout=3)  # 15x the server's 0.2 s
+            gate.open.set()
+            await held
+            r = await request
+            return r.status_code, (r.json() if done else None)
+
+    status, body = run(main())
+    # answered 504 at the server's 0.2 s deadline, not held for the client's 60 s
+    assert status == 504, f"status {status}: the client's longer deadline was honoured"
+    assert body is not None and "deadline" in body["error"]
+    computed = [rows for batch in gate.rows for rows in batch]
+    assert not any((rows == 3).all() for rows in computed)  # dropped before compute
+
+
+def test_a_longer_client_deadline_is_still_answered_by_a_free_model(
+    tmp_path: Path,
+) -> None:
+    # the control for the test above: a longer header by itself changes nothing
+    app, _ = make_app(tmp_path, timeout_ms=200, max_wait_ms=0)
+
+    async def main() -> Any:
+        async with serving(app) as client:
+            return await client.post(
+                INFER, json=v2_json(ONE_ROW), headers={"X-Request-Timeout-Ms": "60000"}
+            )
+
+    r = run(main())
+    assert r.status_code == 200
+    np.testing.assert_array_equal(logits_of(r), expected_logits(ONE_ROW))
