@@ -192,6 +192,7 @@ def quantize(
     """Quantize RUN/export/model.onnx to int8 (static, dynamic, QAT) behind an accuracy gate."""
     from lightship.quantize.core import MethodFailed, QuantizeSettings
     from lightship.quantize.core import quantize as quantize_run
+    from lightship.report.render import describe_cpu
     from lightship.runs import RunDir
 
     # Printed once every method has run: a failed method is an error only when no other made
@@ -231,13 +232,16 @@ def quantize(
             f"warning: {method} failed{why} (the other variants are still produced)",
             file=sys.stderr,
         )
+    if variants:  # measured where quantize ran: the CPU each entry records
+        images = (RunDir(run).artifact("checkpoint") or {}).get("test_samples", "the")
+        print(f"CPU: {describe_cpu(variants[0].entry['cpu'])}; accuracy on {images} test images")
     for v in variants:
         kept = v.entry.get("nodes_fp32_by_fallback") or []
         note = f", {len(kept)} node(s) kept in fp32" if kept else ""
         print(
-            f"int8-{v.method:8s} {v.path}  accuracy {v.accuracy:.4f} "
+            f"int8-{v.method:8s} {v.path}  test accuracy {v.accuracy:.4f} "
             f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
-            f"{note}), target {v.entry['target']}"
+            f"{note}), quantized for target {v.entry['target']}"
         )
     print(f"next: {next_command('report', run, _pythonpath(run))}")
 
@@ -257,7 +261,13 @@ def report(
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import speedup, tie_note, why_none
+    from lightship.report.render import (
+        describe_cpu,
+        fewer_threads_at_batch1,
+        speedup,
+        tie_note,
+        why_none,
+    )
     from lightship.runs import RunDir
 
     r = report_run(  # takes the run lock
@@ -266,10 +276,20 @@ def report(
     from rich.console import Console
     from rich.table import Table
 
+    fewer = fewer_threads_at_batch1(r)  # p50 is at batch 1
     table = Table(
-        title=f"{run} on {r['cpu']['model']} ({r['cpu']['target']}), {r['threads']} threads"
+        title=f"{run} on {describe_cpu(r['cpu'])}, {r['threads']} threads"
+        + (f"; at batch 1 on fewer threads: {fewer}" if fewer else "")
     )
-    for col in ("variant", "accuracy", "p50 ms", f"img/s @{batch}", "x eager", "x fp32", "gate"):
+    for col in (
+        "variant",
+        "accuracy",
+        "p50 ms",
+        f"img/s @{batch}",
+        "x eager",
+        "x ONNX\nfp32",  # two lines: the table fits 80 columns
+        "gate",
+    ):
         table.add_column(col, justify="right")
     for v in r["variants"]:
         table.add_row(

@@ -91,6 +91,28 @@ def test_quantize_fails_when_every_method_fails(exported_run: Path, tmp_path: Pa
     assert "onnx-int8-dynamic" in manifest and "onnx-int8-qat" not in manifest
 
 
+def test_quantize_names_the_cpu_and_the_split_its_accuracy_is_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightship.quantize import core as quantize_core
+
+    run = runs.RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.record("checkpoint", {"file": "best.ckpt", "test_samples": 269})
+    cpu = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx2", "avx512_vnni"]}
+    entry = {"cpu": cpu, "fp32_accuracy": 0.9963, "target": "avx2"}
+    made = quantize_core.Variant("static", run.root / "m.onnx", 0.9926, True, entry)
+    monkeypatch.setattr(quantize_core, "quantize", lambda *args, **kwargs: [made])
+    cli.quantize(run=run.root)
+    lines = capsys.readouterr().out.splitlines()
+    # the CPU quantize measured on, not only the scheme it asked for
+    assert lines[0] == "CPU: Xeon (x86_64; avx2 avx512_vnni); accuracy on 269 test images"
+    assert lines[1] == (
+        f"int8-static   {run.root / 'm.onnx'}  test accuracy 0.9926 (fp32 0.9963, gate pass), "
+        "quantized for target avx2"
+    )
+
+
 def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
     exported_run: Path, tmp_path: Path
 ) -> None:

@@ -128,3 +128,26 @@ def test_a_failed_format_says_how_to_go_on_from_what_is_written(
     monkeypatch.chdir(ROOT)  # in the checkout: make's targets
     loaded: Any = SimpleNamespace(model_spec={"name": "digits_cnn"})
     assert core._fix(RunDir(Path("r")), loaded, fmt, chosen) == f"leave {fmt} out: {fix}"
+
+
+def test_parity_counts_the_images_that_agree_where_a_percentage_rounds_to_100() -> None:
+    import numpy as np
+
+    from lightship.errors import ParityError
+    from lightship.export.parity import Parity, check_parity
+
+    parity = Parity(1e-5, 19_999 / 20_000, 20_000, (1, 64), 1e-4, 1.0)
+    assert parity.summary() == "max |Δlogit| 1.00e-05, argmax agreement 19,999/20,000 images"
+    # one of three images flips its argmax: 2/3 agree, against a limit of 99.995 %
+    reference = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
+    flipped = reference.copy()
+    flipped[2] = [0.0, 1.0]
+    with pytest.raises(ParityError) as failed:
+        check_parity(
+            lambda x: flipped[: len(x)], {64: reference}, reference, 2.0, 0.99995, "m", "f"
+        )
+    assert str(failed.value) == (
+        "m disagrees with the eager model: max |Δlogit| 1.00e+00, argmax agreement 2/3 images "
+        "(limits |Δ| <= 2, agreement >= 99.995%); it was not written — loosen with --atol if the "
+        "difference is expected, or f"
+    )

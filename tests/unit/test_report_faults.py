@@ -313,3 +313,34 @@ def test_the_report_syncs_each_file_once_before_any_rename(
     # report.json last: `serve` reads it; then report/ itself, where the renames are
     renames = ["rename pareto.png", "rename report.md", "rename report.json"]
     assert events == ["sync"] * 3 + renames + ["sync folder"]
+
+
+def test_the_scheme_check_keeps_the_cpu_quantize_measured_it_on(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report_core, "measure", quiet_timings)
+    error = {"accuracy": 0.99, "max_abs_diff": 0.1, "argmax_agreement": 1.0}
+    elsewhere = {"model": "EPYC", "arch": "x86_64", "int8_flags": ["avx2"]}
+    RunDir(run).record(  # its model since removed: left out, its entry still read
+        "onnx-int8-static",
+        {
+            "file": "quantize/model.int8-static.onnx",
+            "cpu": elsewhere,
+            "scheme_check": {
+                "chosen": {"target": "avx2", **error},
+                "alternative": {"target": "vnni", **error},
+            },
+        },
+    )
+    result = report(RunDir(run), FAST)
+    assert result["scheme_check"]["cpu"] == elsewhere
+    assert (
+        "Scheme check (static int8, real kernels), measured by quantize on EPYC (x86_64; avx2), "
+        "not this report's CPU: its figures may differ here:\n"
+    ) in (run / "report" / "report.md").read_text()
+
+
+def quiet_timings(
+    predictors: dict[str, object], *args: object, **kwargs: object
+) -> dict[str, Timing]:
+    return {name: Timing([0.5] * 10, [1000.0, 1000.0, 1000.0]) for name in predictors}

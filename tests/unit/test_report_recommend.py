@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -245,3 +246,100 @@ def test_a_gate_decided_by_one_image_is_said_once(
     assert "**warning:**" not in render.markdown(report_dict())  # 269 images
     # a gate of 1 or above allows no image on purpose (it forces the fallback)
     assert fallback.few_images_warning(1.0, 1.0, 4) is None
+
+
+CPU = "Xeon (x86_64; avx512_vnni), int8 target vnni"  # report_dict's, as `isa.describe` says it
+
+
+def test_report_md_names_the_cpu_with_its_int8_flags_and_target() -> None:
+    assert f"\n- CPU: {CPU}, 2 threads\n" in render.markdown(report_dict())
+
+
+def scheme_check(cpu: dict[str, Any] | None) -> dict[str, Any]:
+    """Quantize's check of both schemes, as the report copies it from the static entry."""
+    error = {"accuracy": 0.9926, "max_abs_diff": 0.08, "argmax_agreement": 268 / 269}
+    return {
+        "chosen": {"target": "vnni", **error},
+        "alternative": {"target": "avx2", **error, "argmax_agreement": 1.0},
+        "cpu": cpu,
+    }
+
+
+def test_the_scheme_check_names_the_cpu_quantize_measured_it_on_and_counts_agreement() -> None:
+    here = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx512_vnni"]}
+    md = render.markdown(report_dict(scheme_check=scheme_check(here)))
+    assert (
+        "\nScheme check (static int8, real kernels), measured by quantize on Xeon (x86_64; "
+        "avx512_vnni):\n"
+    ) in md
+    # counts, where 268/269 would print 99.63% and 19,999/20,000 100.00%
+    assert "| vnni (chosen) | 0.9926 | 0.080 | 268/269 |\n" in md
+    assert "| avx2 (the other) | 0.9926 | 0.080 | 269/269 |\n" in md
+
+    elsewhere = {"model": "EPYC", "arch": "x86_64", "int8_flags": ["avx2"]}
+    md = render.markdown(report_dict(scheme_check=scheme_check(elsewhere)))
+    assert (
+        "\nScheme check (static int8, real kernels), measured by quantize on EPYC (x86_64; "
+        "avx2), not this report's CPU: its figures may differ here:\n"
+    ) in md
+    md = render.markdown(report_dict(scheme_check=scheme_check(None)))  # not recorded
+    assert "measured by quantize on a CPU it did not record:\n" in md
+
+
+def plotted(r: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The axes `render.pareto` draws for `r` (its figure kept from being closed)."""
+    import matplotlib.pyplot as plt
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    render.pareto(r, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    return figures[0].axes[0]
+
+
+def test_the_plot_names_the_cpu_and_the_threads_batch_one_ran_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = report_dict()
+    r["variants"][1]["batch1_threads"] = 2
+    ax = plotted(r, tmp_path, monkeypatch)
+    assert ax.get_title() == (
+        f"{CPU}\n2 threads; at batch 1 on fewer threads: onnx-int8-static (1)"
+    )
+    r["variants"][0]["batch1_threads"] = 2
+    assert plotted(r, tmp_path, monkeypatch).get_title() == f"{CPU}\n2 threads"
+
+
+@pytest.mark.parametrize("top", [0.99, 0.998, 1.0])
+def test_the_plot_has_no_accuracy_tick_above_100_percent(
+    top: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = report_dict()
+    r["variants"][0]["accuracy"] = top
+    ax = plotted(r, tmp_path, monkeypatch)
+    ticks = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+    assert ticks and max(ticks) < 100.001  # 100.00000000000001 is matplotlib's 100
+    assert ax.get_ylim()[1] >= 100 * top + 0.5  # room for the top point's label
+
+
+def test_the_cli_table_names_the_cpu_and_the_fp32_it_compares_with(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lightship.report
+    from lightship import cli
+
+    r = report_dict(timing_warning=None)
+    for v in r["variants"]:
+        v.update(speedup_vs_eager=20.0, speedup_vs_onnx_fp32=2.0)
+    monkeypatch.setattr(lightship.report, "report", lambda *args, **kwargs: r)
+    cli.report(run=Path("runs/default"), threads=2, rounds=1, batch=64, gate=0.99)
+    out = capsys.readouterr().out
+    assert (  # the title, wrapped at the table's width
+        f"runs/default on {CPU}, 2 threads; at batch 1 on fewer threads: onnx-int8-static (1), "
+        "onnx-int8-qat (1)"
+    ) in " ".join(out.split())
+    # the column of speed-ups over ONNX fp32 (eager fp32 reads 0.08 of it), on two lines
+    header = [
+        [cell.strip() for cell in line.split("┃")] for line in out.splitlines() if "┃" in line
+    ]
+    assert [cells[6] for cells in header] == ["x ONNX", "fp32"]

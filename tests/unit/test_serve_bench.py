@@ -100,6 +100,15 @@ def test_each_cell_reports_its_median_cpu_figures_and_the_table_shows_them() -> 
     assert "| 0.86 | - / - / - | - | - |" in _table(unmeasured, [700.0], 1)
 
 
+# as report.json's `cpu`
+TEST_CPU = {
+    "model": "Test CPU",
+    "arch": "x86_64",
+    "int8_flags": ["avx2", "avx512_vnni", "amx_int8"],
+    "target": "vnni",
+}
+
+
 def _table(cells: list[bench.LoadResult], in_process: list[float], rounds: int) -> str:
     """The benchmark's markdown for one ResNet-18 model measured as `cells` at 16 connections."""
     load, ratios, ranges = bench.summarise(cells, in_process, [16])
@@ -112,7 +121,7 @@ def _table(cells: list[bench.LoadResult], in_process: list[float], rounds: int) 
         "ratio_ranges": ranges,
     }
     return bench.markdown(
-        {"cpu": "Test CPU", "cores": 2, "duration_s": 4.0, "rounds": rounds, "models": [model]}
+        {"cpu": TEST_CPU, "cores": 2, "duration_s": 4.0, "rounds": rounds, "models": [model]}
     )
 
 
@@ -224,7 +233,7 @@ def _results(cells: list[bench.LoadResult], **model: Any) -> dict[str, Any]:
         "startup": {"seconds": 0.81, "correct": True},
     }
     return {
-        "cpu": "Test CPU",
+        "cpu": TEST_CPU,
         "cores": 2,
         "duration_s": 5.0,
         "rounds": 1,
@@ -242,7 +251,11 @@ def test_markdown_shows_each_server_row_beside_both_no_model_endpoints_and_the_r
         _cell(bench.FASTAPI, "json", 16, 0, 3000.0),
     ]
     table = bench.markdown(_results(cells))
-    assert "Test CPU" in table
+    # the CPU as report.md names it, int8 flags and all: the model served may be int8
+    assert table.startswith(
+        "CPU: Test CPU (x86_64; avx2 avx512_vnni amx_int8), int8 target vnni, 2 cores; one "
+        "image per request;"
+    )
     header = table.splitlines()[2]
     assert "| × same-path no-model | × FastAPI no-model | × in-process |" in header
     assert "× no-model |" not in header  # no endpoint goes by that name alone any more
@@ -517,6 +530,35 @@ def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendatio
     (run / "report" / "report.json").unlink()
     bench.ensure_run(run, "configs/resnet.yaml")  # quantized already: only the report
     assert [c[0] for c in calls] == ["report"]
+
+
+def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from lightship.quantize import isa
+
+    flags = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "fma", "sse4_2"})
+    monkeypatch.setattr(isa, "host_cpu", lambda: isa.CpuInfo("Test CPU", "x86_64", flags))
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(bench, "ensure_run", lambda run, *args: run)
+    digits = _results([_cell(bench.SERVER, "json", 16, 0, 1200.0)])["models"][0]
+    monkeypatch.setattr(bench, "bench_model", lambda *args: digits)
+    out = tmp_path / "serve.json"
+    bench.bench(tmp_path / "d", tmp_path / "r", 1.0, [16], out, rounds=1, models="digits")
+    cpu = {
+        "model": "Test CPU",
+        "arch": "x86_64",
+        "int8_flags": ["avx2", "avx512f", "avx512bw", "avx512_vnni"],
+        "target": "vnni",
+    }
+    assert json.loads(out.read_text())["cpu"] == cpu  # report.json's `cpu`, flags and all
+    header = out.with_suffix(".md").read_text().splitlines()[0]
+    assert header.startswith(
+        "CPU: Test CPU (x86_64; avx2 avx512f avx512bw avx512_vnni), int8 target vnni, "
+        f"{os.cpu_count()} cores;"
+    )
 
 
 def bench_serve_command() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightship.config import load_config
 from lightship.errors import ConfigError
+from lightship.quantize.isa import host_cpu
 from lightship.train import bench
 from tests.conftest import CONFIGS
 
@@ -47,7 +49,7 @@ def test_every_step_loads_its_batch_past_the_first_pass() -> None:
 
 
 def test_the_rounds_interleave_the_settings_and_compare_within_each_round(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[tuple[str, int, str]] = []
     # The machine slows down in the second round: every setting takes twice as long there.
@@ -81,6 +83,10 @@ def test_the_rounds_interleave_the_settings_and_compare_within_each_round(
     assert last.vs_first_by_round == [1.7, 1.7]
     assert last.vs_first == 1.7
     assert rows[0].vs_first == 1.0
+    # the CPU the figures were measured on, in the table's title and the JSON
+    cpu = host_cpu()
+    assert f"on {cpu.describe()}" in " ".join(capsys.readouterr().out.split())
+    assert json.loads((tmp_path / "t.json").read_text())["cpu"] == cpu.as_dict()
 
 
 def test_bad_rounds_and_a_split_smaller_than_a_batch_say_what_to_do() -> None:

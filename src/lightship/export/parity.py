@@ -30,9 +30,11 @@ class Parity:
         }
 
     def summary(self) -> str:
+        # a count: as a percentage, 19,999 of 20,000 reads 100.00%
+        right = round(self.agreement * self.samples)
         return (
-            f"max |Δlogit| {self.max_abs_diff:.2e}, argmax agreement {self.agreement:.2%} "
-            f"on {self.samples} images"
+            f"max |Δlogit| {self.max_abs_diff:.2e}, argmax agreement {right:,}/{self.samples:,} "
+            "images"
         )
 
 
@@ -95,8 +97,8 @@ def check_parity(
     parity = Parity(worst_diff, worst_agree, len(x), tuple(references), atol, min_agreement)
     if worst_diff > atol or worst_agree < min_agreement:
         raise ParityError(
-            f"{what} disagrees with the eager model: {parity.summary()} "
-            f"(limits |Δ| <= {atol:g}, agreement >= {min_agreement:.2%}); it was not written — "
-            f"loosen with --atol if the difference is expected, or {fix}"
+            f"{what} disagrees with the eager model: {parity.summary()} (limits |Δ| <= "
+            f"{atol:g}, agreement >= {100 * min_agreement:g}%); it was not written — loosen "
+            f"with --atol if the difference is expected, or {fix}"
         )
     return parity

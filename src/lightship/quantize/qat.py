@@ -560,8 +560,10 @@ def _parity(converted: torch.nn.Module, onnx_path: Path, x: np.ndarray) -> dict[
     max_diff = float(np.abs(ref - got).max())
     if agreement < PARITY_MIN_AGREEMENT:
         raise QuantizeError(
-            f"QAT ONNX model disagrees with torch: argmax agreement {agreement:.2%} "
-            f"< {PARITY_MIN_AGREEMENT:.1%}, max |Δlogit| {max_diff:.3g} on {len(x)} test images"
+            # counts: as a percentage, 0.99499 would read 99.50% < 99.5%
+            f"QAT ONNX model disagrees with torch: argmax agreement "
+            f"{round(agreement * len(x)):,}/{len(x):,} test images < "
+            f"{100 * PARITY_MIN_AGREEMENT:g}%, max |Δlogit| {max_diff:.3g}"
         )
     return {
         "argmax_agreement": agreement,

@@ -6,6 +6,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from lightship.quantize import isa
 from lightship.quantize.fallback import SQNR_CAP_DB, few_images_warning
 
 
@@ -29,13 +30,26 @@ def gate_percent(gate: float) -> str:
     return f"{(Decimal(str(float(gate))) * 100).normalize():f}%"
 
 
-def _threads_line(r: dict[str, Any]) -> list[str]:
-    """Which variants answer one image on fewer threads than the report's (ONNX Runtime's
-    `short_batch_threads`: one, where that measured sooner as the model loaded)."""
+def describe_cpu(cpu: dict[str, Any]) -> str:
+    """`Xeon (x86_64; avx2 avx512_vnni), int8 target vnni`: report.json's `cpu` (or a manifest
+    entry's, which has no target) as `isa.CpuInfo.describe` says it, for every line that
+    prints an int8 figure."""
+    info = isa.CpuInfo(cpu["model"], cpu["arch"], frozenset(cpu["int8_flags"]))
+    return info.describe() + (f", int8 target {cpu['target']}" if "target" in cpu else "")
+
+
+def fewer_threads_at_batch1(r: dict[str, Any]) -> str:
+    """`onnx-fp32 (1), onnx-int8-static (1)`: the variants that answer one image on fewer
+    threads than the report's (ONNX Runtime's `short_batch_threads`: one, where that measured
+    sooner as the model loaded); "" where none does."""
     fewer = [v for v in r["variants"] if v.get("batch1_threads", r["threads"]) < r["threads"]]
-    if not fewer:
+    return ", ".join(f"{v['name']} ({v['batch1_threads']})" for v in fewer)
+
+
+def _threads_line(r: dict[str, Any]) -> list[str]:
+    names = fewer_threads_at_batch1(r)
+    if not names:
         return []
-    names = ", ".join(f"{v['name']} ({v['batch1_threads']})" for v in fewer)
     return [
         f"- threads at batch 1: fewer than {r['threads']} for {names}: ONNX Runtime answered "
         "one image sooner on one thread than on all of them when the model loaded, and runs "
@@ -109,12 +123,10 @@ def _sqnr_note(variants: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    cpu = r["cpu"]
     lines = [
         f"# lightship report: {r['run']}",
         "",
-        f"- CPU: {cpu['model']} ({cpu['arch']}; flags {' '.join(cpu['int8_flags']) or 'none'};"
-        f" int8 target `{cpu['target']}`), {r['threads']} threads",
+        f"- CPU: {describe_cpu(r['cpu'])}, {r['threads']} threads",
         f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
         f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
         f" variants interleaved over {r['rounds']} rounds (order shuffled per round), median"
@@ -183,19 +195,31 @@ def markdown(r: dict[str, Any]) -> str:
     sc = r.get("scheme_check")
     if sc and "alternative" in sc:
         c, a = sc["chosen"], sc["alternative"]
+        n = r["test_images"]  # quantize's test split: the run's recorded split, as here
         lines += [
             "",
-            "Scheme check on this CPU (static int8, real kernels):",
+            f"Scheme check (static int8, real kernels), {_measured_by_quantize(sc, r['cpu'])}:",
             "",
             "| scheme | accuracy | max abs Δlogit vs fp32 | argmax agreement |",
             "|---|---|---|---|",
             f"| {c['target']} (chosen) | {c['accuracy']:.4f} | {c['max_abs_diff']:.3f} | "
-            f"{c['argmax_agreement']:.2%} |",
+            f"{round(c['argmax_agreement'] * n):,}/{n:,} |",
             f"| {a['target']} (the other) | {a['accuracy']:.4f} | {a['max_abs_diff']:.3f} | "
-            f"{a['argmax_agreement']:.2%} |",
+            f"{round(a['argmax_agreement'] * n):,}/{n:,} |",
         ]
     lines += ["", "![accuracy vs latency](pareto.png)", ""]
     return "\n".join(lines)
+
+
+def _measured_by_quantize(sc: dict[str, Any], cpu: dict[str, Any]) -> str:
+    """Where the scheme check was measured: by quantize, on the CPU of its manifest entry,
+    which need not be the one this report timed on."""
+    theirs = sc.get("cpu")
+    if theirs is None:  # entries before it
+        return "measured by quantize on a CPU it did not record"
+    here = {k: v for k, v in cpu.items() if k != "target"}
+    other = "" if theirs == here else ", not this report's CPU: its figures may differ here"
+    return f"measured by quantize on {describe_cpu(theirs)}{other}"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -231,7 +255,15 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     for i, (v, (lat, acc)) in enumerate(zip(variants, points, strict=True)):
         color = "tab:green" if v["gate_passed"] else "tab:red"
         marker = "*" if v["recommended"] else "o"
-        ax.scatter(lat, acc, s=160 if v["recommended"] else 50, c=color, marker=marker, zorder=3)
+        ax.scatter(
+            lat,
+            acc,
+            s=160 if v["recommended"] else 50,
+            c=color,
+            marker=marker,
+            zorder=3,
+            clip_on=False,  # whole at 100 %, the top of the axis
+        )
         ax.annotate(
             v["name"],
             (lat, acc),
@@ -243,18 +275,28 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     fx = [points[i][0] for i in front]
     fy = [points[i][1] for i in front]
     ax.step(fx, fy, where="post", color="tab:blue", alpha=0.6)
-    ax.scatter(fx, fy, s=260, facecolors="none", edgecolors="tab:blue", label="Pareto front")
+    ax.scatter(
+        fx, fy, s=260, facecolors="none", edgecolors="tab:blue", label="Pareto front", clip_on=False
+    )
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(ScalarFormatter())
     ax.tick_params(axis="x", which="minor", labelsize=7)
     accs = [a for _, a in points]
-    ax.set_ylim(min(accs) - 1.0, min(max(accs) + 1.0, 100.5))
+    # half a point at least above the top point for its label, a point where that stays at or
+    # below 100 %, and no tick above 100 % (no accuracy is)
+    limits = min(accs) - 1.0, max(min(max(accs) + 1.0, 100.0), max(accs) + 0.5)
+    ax.set_ylim(*limits)
+    ax.set_yticks([t for t in ax.get_yticks() if limits[0] <= t < 100.001])  # 100.00000000000001
+    ax.set_ylim(*limits)  # as set_yticks left them
     ax.set_xlabel("latency p50 at batch 1 (ms, log scale, lower is better)")
     ax.set_ylabel("test accuracy (%)")
-    cpu = r["cpu"]
+    fewer = fewer_threads_at_batch1(r)
     ax.set_title(
-        f"{cpu['model']} (int8 target {cpu['target']}), {r['threads']} threads", fontsize=9
+        f"{describe_cpu(r['cpu'])}\n{r['threads']} threads"
+        + (f"; at batch 1 on fewer threads: {fewer}" if fewer else ""),
+        fontsize=8,
+        wrap=True,  # a long CPU name or many variants
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)

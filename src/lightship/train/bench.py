@@ -31,6 +31,7 @@ from lightship.config import Config
 from lightship.data.module import spec_from_config, tensors
 from lightship.data.sources import load_splits
 from lightship.errors import ConfigError
+from lightship.quantize.isa import host_cpu
 from lightship.runs import atomic_write_text, check_writable
 
 
@@ -181,9 +182,10 @@ def bench_training(
                 del loader
     rows = summarise(measured, steps, bs)
 
+    cpu = host_cpu()
     table = Table(
         title=f"training speed, {cfg.model.name}, batch {bs}, {torch.get_num_threads()} threads, "
-        f"{steps} steps x {rounds} interleaved rounds (medians)"
+        f"{steps} steps x {rounds} interleaved rounds (medians), on {cpu.describe()}"
     )
     for col in ("input", "workers", "precision", "steps/s", "images/s", "batch bytes", "vs first"):
         table.add_column(col, justify="right")
@@ -203,6 +205,7 @@ def bench_training(
     if out is not None:
         payload = {
             "model": cfg.model.name,
+            "cpu": cpu.as_dict(),
             "batch_size": bs,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
