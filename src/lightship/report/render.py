@@ -241,7 +241,7 @@ def pareto(r: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
     variants = r["variants"]
     points = [(v["latency_ms"]["p50"], 100 * v["accuracy"]) for v in variants]
@@ -279,8 +279,12 @@ def pareto(r: dict[str, Any], path: Path) -> None:
         fx, fy, s=260, facecolors="none", edgecolors="tab:blue", label="Pareto front", clip_on=False
     )
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.xaxis.set_minor_formatter(ScalarFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    # minor ticks labelled too (a span under a decade may hold no major one), but not 9 x 10^k,
+    # whose label would run into the decade's beside it
+    ax.xaxis.set_minor_formatter(
+        FuncFormatter(lambda x, _: "" if f"{x:e}".startswith("9") else f"{x:g}")
+    )
     ax.tick_params(axis="x", which="minor", labelsize=7)
     accs = [a for _, a in points]
     # half a point at least above the top point for its label, a point where that stays at or
