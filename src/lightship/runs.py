@@ -666,7 +666,8 @@ class RunDir:
             ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RunError(
-                f"{path} is unreadable ({exc}): delete it and re-run the stages"
+                f"{path} is unreadable ({exc}): delete it and re-run the stages, from "
+                f"{self.train_command()}"
             ) from None
         if not isinstance(data, dict):
             raise self._malformed('expected {"schema": 1, "artifacts": {name: {"file": ...}}}')
@@ -676,7 +677,7 @@ class RunDir:
                 f"{path} was written by a newer lightship (manifest schema {schema}; lightship "
                 f"{__version__} reads schema {MANIFEST_SCHEMA}): upgrade lightship to use this run"
             )
-        artifacts = data.get("artifacts", {})
+        artifacts = data.get("artifacts")
         if not isinstance(artifacts, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("file"), str) for e in artifacts.values()
         ):

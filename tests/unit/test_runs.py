@@ -484,6 +484,30 @@ def test_a_manifest_of_another_schema_is_refused(
     assert str(err.value).startswith(f"{run.manifest_path} {message}")
 
 
+@pytest.mark.parametrize(
+    ("text", "what"),
+    [
+        ('{"schema": 1}', 'is malformed (expected {"artifacts": {name: {"file": ...}}})'),
+        ('{"schema": 1, "artifacts"', "is unreadable (Expecting ':' delimiter"),
+    ],
+)
+def test_a_manifest_without_its_artifacts_says_where_to_start_again(
+    tmp_path: Path, text: str, what: str
+) -> None:
+    # no "artifacts" was a KeyError traceback in every stage; an unreadable one said to "re-run
+    # the stages" without the first: resuming, which records the checkpoint and trains nothing
+    run = RunDir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_text("")
+    run.manifest_path.write_text(text)
+    with pytest.raises(RunError) as err:
+        run.artifact("checkpoint")
+    assert str(err.value).startswith(f"{run.manifest_path} {what}")
+    assert str(err.value).endswith(
+        f": delete it and re-run the stages, from `make train RESUME=1 RUN={tmp_path}`"
+    )
+
+
 def _run_with_artifacts(root: Path) -> RunDir:
     """A run as train, export, quantize and report leave it (files are stand-ins)."""
     run = RunDir(root)
