@@ -38,7 +38,7 @@ class DataConfig(Section):
     channels: Literal[1, 3] = 1
     val_fraction: float = Field(0.15, gt=0, lt=0.5)
     test_fraction: float = Field(0.15, gt=0, lt=0.5)
-    split_seed: int = 0
+    split_seed: int = Field(0, ge=0)  # numpy's generators take no negative seed
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(256, ge=1)
     num_workers: int = Field(0, ge=0)
@@ -182,7 +182,7 @@ class Sources:
 
 
 class Config(Section):
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # what Lightning's seed_everything takes
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,38 @@ def test_settings_lightning_checks_only_while_fitting_are_checked_here(
     # Lightning finds these once the first validation ends, after the run directory changed
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=-1", "'seed' = -1: Input should be greater than or equal to 0"),
+        (
+            "seed=4294967296",
+            "'seed' = 4294967296: Input should be less than or equal to 4294967295",
+        ),
+        ("data.split_seed=-2", "'data.split_seed' = -2: Input should be greater than or equal"),
+    ],
+)
+def test_a_seed_numpy_cannot_take_is_refused_by_its_key(override: str, message: str) -> None:
+    # Lightning's seed_everything raised numpy's ValueError as a traceback, after the data loaded
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_thousands_of_data_loader_workers_are_refused_before_training() -> None:
+    # each worker is a process: data.num_workers=9999 ran the machine out of memory and the
+    # kernel's kill left orphaned workers behind
+    fit = importlib.import_module("lightship.train.fit")  # the package exports fit()
+    cpus = os.cpu_count() or 1
+    fit._check_runtime_config(load_config(None, [f"data.num_workers={4 * cpus}"]))  # allowed
+    with pytest.raises(ConfigError) as err:
+        fit._check_runtime_config(load_config(None, ["data.num_workers=9999"]))
+    assert str(err.value) == (
+        f"data.num_workers=9999 starts that many processes on a {cpus}-CPU machine: use 0 to "
+        f"{4 * cpus} (0 loads in the training process)"
+    )
 
 
 def test_an_accelerator_lightship_cannot_use_lists_the_ones_it_can() -> None:

@@ -71,6 +71,9 @@ def _input_spec(cfg: Config, mean: list[float], std: list[float]) -> dict[str, A
     }
 
 
+_WORKERS_PER_CPU = 4  # data loader processes per CPU, at most
+
+
 def _check_runtime_config(cfg: Config) -> None:
     t = cfg.trainer
     cuda = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
@@ -81,6 +84,14 @@ def _check_runtime_config(cfg: Config) -> None:
     if t.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.accelerator={t.accelerator} but no CUDA device is visible: use cpu or auto"
+        )
+    # each worker is a process holding a copy of the data set: thousands exhaust the memory
+    # and leave orphans when the kernel kills the run
+    cpus = os.cpu_count() or 1
+    if cfg.data.num_workers > _WORKERS_PER_CPU * cpus:
+        raise ConfigError(
+            f"data.num_workers={cfg.data.num_workers} starts that many processes on a {cpus}-CPU "
+            f"machine: use 0 to {_WORKERS_PER_CPU * cpus} (0 loads in the training process)"
         )
 
 
