@@ -490,6 +490,9 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
         bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), rounds=0)
     with pytest.raises(LightshipError, match="--duration must be a whole number of seconds"):
         bench.bench(Path("d"), Path("r"), 0.5, [1], Path("o.json"))  # wrk would refuse it
+    for endless in (float("nan"), float("inf")):  # were int()'s traceback
+        with pytest.raises(LightshipError, match=f"--duration must .* got {endless:g}"):
+            bench.bench(Path("d"), Path("r"), endless, [1], Path("o.json"))
     # checked before the benchmark trains the runs it lacks (minutes), not after
     proc = run_cli("bench", "serve", "--threads", "0", "--digits-run", "/nonexistent/run")
     assert proc.returncode == 2 and last_line(proc.stderr) == (

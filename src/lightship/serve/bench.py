@@ -789,7 +789,8 @@ def bench(
         raise ConfigError("--concurrency must list positive connection counts, e.g. 1,16,64")
     if rounds < 1 or instances < 1:
         raise ConfigError("--rounds and --instances must be at least 1, e.g. 3 and 1")
-    if duration < 1 or duration != int(duration):  # wrk's -d takes whole seconds only
+    # wrk's -d takes whole seconds only; nan and inf have no int()
+    if not math.isfinite(duration) or duration < 1 or duration != int(duration):
         raise ConfigError(f"--duration must be a whole number of seconds, e.g. 4; got {duration:g}")
     if threads is not None and not 1 <= threads <= 256:
         raise ConfigError(f"--threads must be 1 to 256 (default: cores / instances), got {threads}")
