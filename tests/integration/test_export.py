@@ -600,3 +600,25 @@ def test_a_file_its_runtime_cannot_load_is_named_as_exported(
     )
     assert ".tmp" not in message and "re-export" not in message and "make it again" not in message
     assert not list((run / "export").glob("*")) and core.VARIANT_OF[fmt] not in artifacts(run)
+
+
+def test_a_checkpoint_its_manifest_does_not_record_is_recorded_before_export(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    # export went on without the checkpoint's entry, and quantize then called the manifest
+    # export had written malformed (no data_spec): its fix deleted the export again
+    run = tmp_path / "unrecorded"
+    shutil.copytree(tiny_run, run)
+    (run / "manifest.json").unlink()  # as an unreadable manifest's message says to
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run / 'manifest.json'} does not record {run / 'best.ckpt'}: record it with "
+        f"`make train RESUME=1 RUN={run}` (a finished run trains nothing more), then export"
+    )
+    assert not (run / "export" / "model.onnx").exists()
+    # the fix, as written (the lightship form of it), then export
+    run_cli("train", "--run", str(run), "--resume", check=True)
+    assert RunDir(run).artifact("checkpoint") is not None
+    run_cli("export", "--run", str(run), "--formats", "onnx", check=True)
+    assert RunDir(run).data_spec() == RunDir(tiny_run).data_spec()

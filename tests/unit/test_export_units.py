@@ -151,3 +151,22 @@ def test_parity_counts_the_images_that_agree_where_a_percentage_rounds_to_100() 
         "(limits |Δ| <= 2, agreement >= 99.995%); it was not written — loosen with --atol if the "
         "difference is expected, or f"
     )
+
+
+def test_int8_models_a_new_onnx_outdates_are_named_with_a_command_that_runs_from_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it said `make quantize RUN=...` outside the checkout too, where there is no Makefile
+    run = RunDir(tmp_path / "r")
+    (run.root / "quantize").mkdir(parents=True)
+    (run.root / "quantize" / "model.int8-static.onnx").write_bytes(b"old")
+    run.record(
+        "onnx-int8-static", {"file": "quantize/model.int8-static.onnx", "source_sha256": "a"}
+    )
+    monkeypatch.chdir(tmp_path)
+    core._discard_quantized_from_another(run, "b")
+    assert capsys.readouterr().out == (
+        f"the new model.onnx outdates onnx-int8-static: re-run `lightship quantize --run {run.root}`\n"
+    )
+    assert run.artifact("onnx-int8-static") is None
+    assert not (run.root / "quantize" / "model.int8-static.onnx").exists()

@@ -172,8 +172,7 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
     if stale:
         run.discard(*stale)
         print(
-            f"the new model.onnx outdates {', '.join(stale)}: re-run `make quantize "
-            f"RUN={run.root}`",
+            f"the new model.onnx outdates {', '.join(stale)}: re-run {run.command('quantize')}",
             flush=True,
         )
 
@@ -206,9 +205,16 @@ def _export(
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()
+    recorded = run.artifact("checkpoint")
+    if recorded is None:  # quantize and report read its data split from that entry
+        resumed = " (a finished run trains nothing more)" if run.last_ckpt.is_file() else ""
+        raise RunError(
+            f"{run.manifest_path} does not record {ckpt}: record it with "
+            f"{run.train_command()}{resumed}, then export"
+        )
     source_sha = check_recorded(
         ckpt,
-        run.artifact("checkpoint") or {},
+        recorded,
         "it is not the checkpoint `lightship train` wrote for this run; train it again "
         f"({run.train_command()}), or export the run that made it",
     )
