@@ -21,6 +21,13 @@ TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
+# An empty RUN (`make export RUN=`) or one with a space would reach lightship as other
+# arguments, and its error would name those.
+ifneq ($(words $(RUN)),1)
+$(error RUN must be one run directory without spaces, e.g. RUN=runs/default (got '$(RUN)'); \
+	for a path with spaces call lightship itself: `lightship export --run 'my runs/x'`)
+endif
+
 .PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-model docker-smoke bench-train bench-serve clean clean-runs
 
 help: ## list the targets

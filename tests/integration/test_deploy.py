@@ -306,6 +306,17 @@ def checkout(root: Path, runs: dict[str, str]) -> Path:
     return root
 
 
+@pytest.mark.parametrize("run", ["", "runs/my run"])
+def test_make_with_an_empty_run_or_one_with_a_space_says_so(run: str) -> None:
+    # `make train RUN=` ran `lightship train --run  --config ...`: "unexpected extra argument"
+    proc = make("-n", "train", f"RUN={run}")
+    assert proc.returncode != 0
+    assert (
+        f"*** RUN must be one run directory without spaces, e.g. RUN=runs/default (got '{run}')"
+        in proc.stderr
+    ), proc.stderr
+
+
 @pytest.mark.parametrize("target", ["export", "quantize", "report", "serve"])
 def test_make_stage_on_a_mistyped_run_stops_before_training(target: str, tmp_path: Path) -> None:
     """`make export RUN=runs/shapez` (meaning runs/shapes): one line naming the trained runs,
