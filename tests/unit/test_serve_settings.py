@@ -347,7 +347,10 @@ def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
         choose(ServeSettings(run=run, variant="onnx-int8-static"))
     with pytest.raises(RunError, match="neither a run directory nor a model file"):
         choose(ServeSettings(run=tmp_path / "nothing"))
-    (run / "report").mkdir()
+    (run / "report" / "report.json").mkdir(parents=True)  # served onnx-fp32, as if no report
+    with pytest.raises(RunError, match="report.json is unreadable .*Is a directory"):
+        choose(ServeSettings(run=run))
+    (run / "report" / "report.json").rmdir()
     (run / "report" / "report.json").write_text("{oops")
     with pytest.raises(RunError, match="report.json is unreadable"):
         choose(ServeSettings(run=run))

@@ -80,7 +80,7 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     recommends nothing, or a variant that the manifest's `artifacts` no longer list or list
     made again since; a warning when it only predates other variants."""
     path = run.report_dir / "report.json"
-    if not path.is_file():
+    if not path.exists():  # a folder in its place is unreadable below, not no report
         if any(name.startswith("onnx-int8-") for name in artifacts):
             log.warning(
                 "%s has int8 variants but no report to choose between them: serving %s; "
