@@ -719,3 +719,25 @@ def test_calibration_samples_mean_nothing_to_dynamic_int8(
     shutil.copytree(exported_run, run)
     variants = quantize(RunDir(run), "dynamic", settings=QuantizeSettings(calibration_samples=0))
     assert [v.method for v in variants] == ["dynamic"] and variants[0].path.is_file()
+
+
+def test_quantize_refuses_a_model_of_another_shape_recorded_as_the_runs(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """Another model's model.onnx (3x8x8 for the run's 1x16x16 images), its entry without a
+    sha256 (taken as it is): quantize ended in an InputError traceback from its first batch."""
+    from tests.handmade import handmade_onnx
+
+    run = tmp_path / "other"
+    shutil.copytree(exported_run, run)
+    handmade_onnx(run / "export" / "model.onnx", chw=(3, 8, 8))
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["artifacts"]["onnx-fp32"].pop("sha256")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RunError) as err:
+        quantize(RunDir(run), "dynamic")
+    assert str(err.value) == (
+        f"{run}/export/model.onnx is not this run's model (it takes [N,3,8,8], the run's images "
+        f"are [N,1,16,16]): re-run `lightship export --run {run} --formats onnx`"
+    )
+    assert "onnx-int8-dynamic" not in entries(run) and not list(run.glob(".quantize.*"))

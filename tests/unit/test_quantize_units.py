@@ -675,3 +675,68 @@ def test_qat_early_stopping_runs_the_frozen_epoch_before_it_stops(
     assert model.epochs == [0, 1, 2, 3]
     assert freeze.at == 3
     assert Path(checkpoint.best_model_path).name.startswith("epoch=3-"), checkpoint.best_model_path
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_quantize_stopped_names_what_it_kept_the_rest_and_the_report_it_took(
+    exported_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+    sig: str,
+) -> None:
+    """Its last line was a bare "interrupted", where the replaced variant had taken the report
+    with it: what was kept, and what to run, was left to guess."""
+    import os
+    import shutil
+    import signal
+
+    from lightship import cli
+    from lightship.runs import RunDir, stage_command
+
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    rd = RunDir(run)
+    rd.record("onnx-int8-dynamic", {"file": "quantize/model.int8-dynamic.onnx", "sha256": "old"})
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text("{}")
+
+    def dynamic(self: quantize_core.Quantizer) -> quantize_core.Variant:  # a new model, kept
+        path = run / "quantize" / "model.int8-dynamic.onnx"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"int8")
+        self.run.record("onnx-int8-dynamic", {"file": self.run.relative(path), "sha256": "new"})
+        return quantize_core.Variant("dynamic", path, 1.0, True)
+
+    def static(self: quantize_core.Quantizer) -> quantize_core.Variant:
+        os.kill(os.getpid(), getattr(signal, sig))
+        raise AssertionError("not stopped")
+
+    monkeypatch.setattr(quantize_core.Quantizer, "dynamic", dynamic)
+    monkeypatch.setattr(quantize_core.Quantizer, "static", static)
+    argv = ["quantize", "--run", str(run), "--methods", "dynamic,static,qat"]
+    assert cli._invoke(argv) == 128 + getattr(signal, sig)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "interrupted: dynamic made and kept; make the rest with `"
+        + stage_command(
+            f"make quantize RUN={run} QUANTIZE_ARGS='--methods static,qat'",
+            f"lightship quantize --run {run} --methods static,qat",
+        )
+        + f"`; {run / 'report'} went with the variants it measured: write it again with `"
+        + stage_command(f"make report RUN={run}", f"lightship report --run {run}")
+        + "`"
+    )
+    assert rd.artifact("onnx-int8-dynamic") == {
+        "file": "quantize/model.int8-dynamic.onnx",
+        "sha256": "new",
+    }
+
+    # stopped before any method made its model: all of them again, with no --methods
+    monkeypatch.setattr(quantize_core.Quantizer, "dynamic", static)
+    assert cli._invoke(["quantize", "--run", str(run)]) == 128 + getattr(signal, sig)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "interrupted: quantize again with `"
+        + stage_command(f"make quantize RUN={run}", f"lightship quantize --run {run}")
+        + "`"
+    )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightship.errors import RunBusyError
+from lightship.errors import RunBusyError, RunError
 from lightship.report import ReportSettings, report
 from lightship.report import core as report_core
 from lightship.report.evaluate import candidates
@@ -344,3 +344,52 @@ def quiet_timings(
     predictors: dict[str, object], *args: object, **kwargs: object
 ) -> dict[str, Timing]:
     return {name: Timing([0.5] * 10, [1000.0, 1000.0, 1000.0]) for name in predictors}
+
+
+def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_retrain(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest deleted (as a malformed one's message says): report and quantize said to
+    `train` the run, which trains make's default model over it, the run's own lost."""
+    from lightship.quantize.core import quantize
+
+    monkeypatch.chdir(run.parent)  # outside lightship's checkout: the lightship commands
+    (run / "manifest.json").unlink()
+    expected = (
+        "run/manifest.json does not record best.ckpt: run `lightship train --run run --resume`, "
+        "then `lightship export --run run`, then `lightship quantize --run run`"
+    )
+    for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
+        with pytest.raises(RunError) as err:
+            stage(RunDir(Path("run")))
+        assert str(err.value) == expected
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        ckpt.unlink()
+    (run / "best.ckpt").unlink()  # nothing trained: a training of its own
+    with pytest.raises(RunError, match=r"^no trained run in run: run `lightship train --run run`"):
+        report(RunDir(Path("run")), FAST)
+
+
+def test_a_model_of_another_shape_recorded_in_the_run_is_left_out_of_the_report(
+    run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another model's model.onnx (3x8x8 for the run's 1x16x16 images), recorded as the run's:
+    the report measured it, and onnxruntime's InvalidArgument ended it in a traceback."""
+    from tests.handmade import handmade_onnx
+
+    onnx = handmade_onnx(run / "export" / "model.onnx", chw=(3, 8, 8))
+    rd = RunDir(run)
+    entry = rd.artifact("onnx-fp32")
+    assert entry is not None
+    rd.record("onnx-fp32", {**entry, "sha256": sha256_file(onnx)})
+
+    left_out: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING):
+        found = candidates(rd, threads=1, left_out=left_out)
+
+    assert [c.name for c in found] == ["eager", "torchscript"]
+    assert left_out == {
+        "onnx-fp32": "export/model.onnx is not this run's model (it takes [N,3,8,8], the run's "
+        f"images are [N,1,16,16]); `lightship export --run {run} --formats onnx` makes it again"
+    }
+    assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text

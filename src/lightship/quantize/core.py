@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -31,9 +32,10 @@ from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
-from lightship.report.evaluate import logits
+from lightship.report.evaluate import logits, other_input, untrained
 from lightship.report.measure import NOISE_RULE, Timing, measure
 from lightship.runs import (
+    REPORT_FILES,
     SCRATCH_PREFIXES,
     RunDir,
     atomic_path,
@@ -42,7 +44,9 @@ from lightship.runs import (
     check_space,
     check_writable,
     lock_run,
+    note_interrupt,
     sha256_file,
+    stage_command,
     then_held,
 )
 from lightship.runtime import Predictor, load_predictor
@@ -275,6 +279,9 @@ class Quantizer:
             raise RunError(
                 f"run directory {run.root} does not exist: run {run.command('train', 'export')}"
             )
+        checkpoint = run.artifact("checkpoint")
+        if checkpoint is None:  # its data spec says which images to calibrate and test on
+            raise untrained(run)
         entry = run.artifact("onnx-fp32")
         if entry is None or not self.fp32.is_file():
             raise RunError(
@@ -306,9 +313,13 @@ class Quantizer:
         self.splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
         spec = entry.get("input_spec")
         self.input_name = str(spec.get("name", "input") if isinstance(spec, dict) else "input")
-        self.fp32_acc, self.fp32_logits = _accuracy(
-            self.fp32, self.splits.test_x, self.splits.test_y
-        )
+        fp32 = load_predictor(self.fp32, split=False)  # unsplit: see `_accuracy`
+        other = other_input(fp32, checkpoint)
+        if other is not None:  # another model's file: its first batch would fail deep in ORT
+            raise RunError(
+                f"{self.fp32} is not this run's model ({other}): {run.remake_hint('onnx-fp32')}"
+            )
+        self.fp32_acc, self.fp32_logits = _accuracy(fp32, self.splits.test_x, self.splits.test_y)
         self.work = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIXES["quantize"], dir=run.root))
         try:
             self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")
@@ -725,6 +736,56 @@ class Quantizer:
         }
 
 
+@contextlib.contextmanager
+def _noted_when_stopped(run: RunDir, chosen: Sequence[str]) -> Iterator[None]:
+    """Stopped (Ctrl-C, SIGTERM), the CLI's last line says which of the `chosen` methods were
+    made and kept (a variant is kept once its entry is recorded: `then_held`), the command
+    that makes the rest and, where a replaced variant took the report with it
+    (`RunDir.record`), that the report must be written again."""
+
+    def variants() -> dict[str, Any]:
+        return {m: run.artifact(f"onnx-int8-{m}") for m in chosen}
+
+    report = run.root / REPORT_FILES[0]
+    before, had_report = variants(), report.is_file()
+    try:
+        yield
+    except KeyboardInterrupt:
+        with contextlib.suppress(LightshipError, OSError):  # else a bare "interrupted"
+            after = variants()
+            made = [m for m in chosen if after[m] is not None and after[m] != before[m]]
+            rest = [m for m in chosen if m not in made]
+            notes = [f"{', '.join(made)} made and kept"] if made else []
+            if rest:
+                again = "make the rest with" if made else "quantize again with"
+                notes.append(f"{again} `{_command(run, 'quantize', rest)}`")
+            if had_report and not report.is_file():
+                notes.append(
+                    f"{run.report_dir} went with the variants it measured: write it again "
+                    f"with `{_command(run, 'report')}`"
+                )
+            note_interrupt("; ".join(notes))
+        raise
+
+
+def _command(run: RunDir, stage: str, methods: Sequence[str] = ()) -> str:
+    """`stage` on `run` as a command that runs from here, with the PYTHONPATH its model's
+    module needs (QAT and the report import it); for quantize, `methods` when they are not
+    all of them."""
+    model = (run.artifact("checkpoint") or {}).get("model") or {}
+    env = ""
+    if model.get("module_file"):  # a user's model: lightship.models imports torch
+        from lightship.models import pythonpath_prefix
+
+        env = pythonpath_prefix(str(model.get("name", "")), model["module_file"])
+    q = shlex.quote(str(run.root))
+    some = ",".join(methods) if methods and set(methods) != set(METHODS) else ""
+    return stage_command(
+        f"{env}make {stage} RUN={q}" + (f" QUANTIZE_ARGS='--methods {some}'" if some else ""),
+        f"{env}lightship {stage} --run {q}" + (f" --methods {some}" if some else ""),
+    )
+
+
 def quantize(
     run: RunDir,
     methods: Sequence[str] | str | None = None,
@@ -749,7 +810,11 @@ def quantize(
     # The run lock, for the CLI and a call from Python alike: no other stage may see these
     # writes half done, and lock_run deletes the scratch folders a killed quantize left
     # (`runs.sweep_temporaries`)
-    with lock_run(run.root, "lightship quantize"), _cut_short_by_a_full_disk(run, "qat" in chosen):
+    with (
+        lock_run(run.root, "lightship quantize"),
+        _cut_short_by_a_full_disk(run, "qat" in chosen),
+        _noted_when_stopped(run, chosen),
+    ):
         q = Quantizer(run, target, settings, chosen)
         try:
             check_writable(*(run.quantize_dir / FILENAMES[m] for m in chosen))

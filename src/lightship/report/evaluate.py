@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from lightship.errors import RunError
 from lightship.runs import RunDir, check_recorded
 from lightship.runtime import Predictor, load_predictor
-from lightship.runtime.base import LoadError
+from lightship.runtime.base import LoadError, valid_input_spec
 
 # Report order; `eager` is the fp32 PyTorch reference every other variant is compared with.
 VARIANTS = (
@@ -27,6 +28,39 @@ MANIFEST_KEY = {"eager": "checkpoint"}
 log = logging.getLogger(__name__)
 
 
+def untrained(run: RunDir) -> RunError:
+    """The error of a stage that needs the run's checkpoint entry (data spec, input spec) where
+    manifest.json has none. A folder with best.ckpt or checkpoints/last.ckpt was trained, and
+    its manifest lost the entry (deleted, as a malformed one's message says): the run's own
+    training records it again, resumed where it can be. A plain `train` would train make's
+    default model over the run."""
+    if run.best_ckpt.is_file() or run.last_ckpt.is_file():
+        return RunError(
+            f"{run.manifest_path} does not record {run.best_ckpt.name}: run "
+            f"{run.train_command()}, then {run.command('export', 'quantize')}"
+        )
+    return RunError(
+        f"no trained run in {run.root}: run {run.command('train', 'export', 'quantize')}"
+    )
+
+
+def other_input(predictor: Predictor, checkpoint: dict[str, Any]) -> str | None:
+    """How `predictor`'s model takes other images than the run's (its `checkpoint` entry's
+    input spec): another model's file recorded in the run, whose first batch would fail deep
+    in its runtime. None when it takes the run's, or the entry states none."""
+    spec: Any = checkpoint.get("input_spec")
+    if not valid_input_spec(spec):
+        return None
+    runs = tuple(spec["shape"][1:])
+    if predictor.chw == runs:
+        return None
+
+    def shape(chw: tuple[int, ...]) -> str:
+        return f"[N,{','.join(map(str, chw))}]"
+
+    return f"it takes {shape(predictor.chw)}, the run's images are {shape(runs)}"
+
+
 @dataclass
 class Candidate:
     name: str
@@ -39,9 +73,10 @@ def candidates(
     run: RunDir, threads: int, left_out: dict[str, str] | None = None
 ) -> list[Candidate]:
     """Every variant of VARIANTS whose file exists, loaded with `threads` threads. A listed
-    variant whose file is gone, or whose runtime cannot load it (made by another onnxruntime
-    or torch), is left out with a warning that says how to make it again, as quantize leaves
-    out a method that fails: one bad variant does not cost the report of all the others.
+    variant whose file is gone, whose runtime cannot load it (made by another onnxruntime
+    or torch), or that takes other images than the run's (another model's file) is left out
+    with a warning that says how to make it again, as quantize leaves out a method that
+    fails: one bad variant does not cost the report of all the others.
     `left_out`, when given, gets each such variant's reason, for the report to print."""
     artifacts = run.manifest()["artifacts"]
     left_out = {} if left_out is None else left_out
@@ -69,6 +104,14 @@ def candidates(
                 f"{exc.runtime} cannot load {run.relative(path)} ({exc.reason()}); "
                 f"{run.remake_command(name)} makes it again"
             )
+            log.warning("%s: %s (not measured)", name, left_out[name])
+            continue
+        other = other_input(predictor, artifacts.get("checkpoint") or {})
+        if other is not None:
+            why = f"{run.relative(path)} is not this run's model ({other})"
+            if name == "eager":  # the reference: no report without it
+                raise RunError(f"{why}: {run.remake_hint(name)}")
+            left_out[name] = f"{why}; {run.remake_command(name)} makes it again"
             log.warning("%s: %s (not measured)", name, left_out[name])
             continue
         found.append(Candidate(name, path, entry, predictor))
