@@ -164,7 +164,7 @@ def export(
     artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)  # takes the run lock
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
-    print(f"next: {next_command('quantize', run, _pythonpath(run))}")
+    print(f"next: {next_command('quantize', run, RunDir(run).pythonpath())}")
 
 
 @app.command()
@@ -243,7 +243,7 @@ def quantize(
             f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
             f"{note}), quantized for target {v.entry['target']}"
         )
-    print(f"next: {next_command('report', run, _pythonpath(run))}")
+    print(f"next: {next_command('report', run, RunDir(run).pythonpath())}")
 
 
 @app.command()
@@ -325,7 +325,7 @@ def report(
             )
             print(f"next: serve one by name: {by_name}")
         else:
-            env = _pythonpath(run)  # both load the checkpoint
+            env = RunDir(run).pythonpath()  # both load the checkpoint
             print(
                 "next: "
                 + stage_command(
@@ -376,16 +376,6 @@ bench_app.command(
 def _q(path: Path) -> str:
     """A path as a shell word: the hints printed after a stage can be pasted as they are."""
     return shlex.quote(str(path))
-
-
-def _pythonpath(run: Path) -> str:
-    """'PYTHONPATH=DIR ' where the next stage must import the run's own model module from a
-    folder only PYTHONPATH gives it (see `models.pythonpath_prefix`), else ''."""
-    from lightship.models import pythonpath_prefix
-    from lightship.runs import RunDir
-
-    model = (RunDir(run).artifact("checkpoint") or {}).get("model") or {}
-    return pythonpath_prefix(str(model.get("name", "")), model.get("module_file"))
 
 
 def _invoke(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -354,6 +354,25 @@ def stage_command(make: str, lightship: str) -> str:
     return make if makefile_here() else lightship
 
 
+def stage_on(
+    run: Path,
+    stage: str,
+    env: str = "",
+    option: str = "",
+    some: Sequence[str] = (),
+    every: Sequence[str] = (),
+) -> str:
+    """`stage` on `run` as a command that runs from here, `env` (PYTHONPATH=...) first; with
+    `--option a,b` (make: `STAGE_ARGS='--option a,b'`) when `some` is not all of `every`."""
+    q = shlex.quote(str(run))
+    chosen = ",".join(some) if some and set(some) != set(every) else ""
+    flag = f"--{option} {chosen}" if chosen else ""
+    return stage_command(
+        f"{env}make {stage} RUN={q}" + (f" {stage.upper()}_ARGS='{flag}'" if flag else ""),
+        f"{env}lightship {stage} --run {q}" + (f" {flag}" if flag else ""),
+    )
+
+
 def next_command(stage: str, run: Path, env: str = "") -> str:
     """What a `next:` line says to run after a stage: `stage` on `run`, `env` (PYTHONPATH=...)
     first: make's target and the lightship command in the checkout, else the latter."""
@@ -585,6 +604,14 @@ class RunDir:
         else:
             command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
         return f"`{command}`"
+
+    def pythonpath(self) -> str:
+        """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
+        only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''."""
+        from lightship.models import pythonpath_prefix  # imports torch: only when asked
+
+        model = (self.artifact("checkpoint") or {}).get("model") or {}
+        return pythonpath_prefix(str(model.get("name", "")), model.get("module_file"))
 
     def command(self, *stages: str) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a

@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shlex
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from lightship.runs import (
     lock_run,
     note_interrupt,
     sha256_file,
-    stage_command,
+    stage_on,
     then_held,
 )
 from lightship.runtime import load_predictor
@@ -103,12 +102,7 @@ def _command(run: RunDir, loaded: LoadedCheckpoint, stage: str, formats: Sequenc
     module needs; for export, `formats` when they are not all of them."""
     spec = loaded.model_spec
     env = pythonpath_prefix(str(spec["name"]), spec.get("module_file"))
-    q = shlex.quote(str(run.root))
-    some = ",".join(formats) if formats and set(formats) != set(FORMATS) else ""
-    return stage_command(
-        f"{env}make {stage} RUN={q}" + (f" EXPORT_ARGS='--formats {some}'" if some else ""),
-        f"{env}lightship {stage} --run {q}" + (f" --formats {some}" if some else ""),
-    )
+    return stage_on(run.root, stage, env, "formats", formats, FORMATS)
 
 
 def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str]) -> str:

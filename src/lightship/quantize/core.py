@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import shlex
 import shutil
 import tempfile
 import time
@@ -46,7 +45,7 @@ from lightship.runs import (
     lock_run,
     note_interrupt,
     sha256_file,
-    stage_command,
+    stage_on,
     then_held,
 )
 from lightship.runtime import Predictor, load_predictor
@@ -772,18 +771,7 @@ def _command(run: RunDir, stage: str, methods: Sequence[str] = ()) -> str:
     """`stage` on `run` as a command that runs from here, with the PYTHONPATH its model's
     module needs (QAT and the report import it); for quantize, `methods` when they are not
     all of them."""
-    model = (run.artifact("checkpoint") or {}).get("model") or {}
-    env = ""
-    if model.get("module_file"):  # a user's model: lightship.models imports torch
-        from lightship.models import pythonpath_prefix
-
-        env = pythonpath_prefix(str(model.get("name", "")), model["module_file"])
-    q = shlex.quote(str(run.root))
-    some = ",".join(methods) if methods and set(methods) != set(METHODS) else ""
-    return stage_command(
-        f"{env}make {stage} RUN={q}" + (f" QUANTIZE_ARGS='--methods {some}'" if some else ""),
-        f"{env}lightship {stage} --run {q}" + (f" --methods {some}" if some else ""),
-    )
+    return stage_on(run.root, stage, run.pythonpath(), "methods", methods, METHODS)
 
 
 def quantize(
