@@ -511,6 +511,19 @@ def test_parity_compares_each_batch_with_eager_on_the_same_batch(
         assert art.parity.max_abs_diff <= 1e-4 and art.parity.batches == (1, 64)
 
 
+def test_parity_runs_the_batch_eager_ran_however_the_load_timed_a_split(
+    small_cnn_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ONNX Runtime's predictor cuts a long batch into one slice per lane from a length its load
+    # times: on a busy machine that fell below 64, and the batch-mean model failed parity
+    from lightship.runtime import ort
+
+    monkeypatch.setattr(ort, "SPLIT_MIN_LANE_S", 1e-12)  # split from 2 rows, as if busy
+    run = as_model(small_cnn_run, tmp_path / "centred", "SubtractsBatchMean")
+    (art,) = export(RunDir(run), "onnx")
+    assert art.parity.max_abs_diff <= 1e-4 and art.parity.batches == (1, 64)
+
+
 def test_parity_catches_a_branch_on_the_batch_frozen_by_the_exporter(
     small_cnn_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

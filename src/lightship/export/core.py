@@ -241,7 +241,10 @@ def _export(
                     info = writers[fmt](loaded.model, example, tmp, meta)
                 # outside `_failure`: a bug of our own keeps its traceback
                 try:
-                    predictor = load_predictor(tmp)
+                    # unsplit: a batch of 64 cut into one slice per lane, where the load's timing
+                    # splits that early, is not the batch eager ran (a model whose output
+                    # depends on its batch then failed parity under load alone)
+                    predictor = load_predictor(tmp, split=False)
                 except LoadError as exc:  # whose advice, to make the file again, is no use here;
                     # onnxruntime's reason names the file it read: the temporary one
                     raise ParityError(
