@@ -575,7 +575,7 @@ def test_an_artifact_its_runtime_cannot_run_is_one_error(
         def predict(self, x: np.ndarray) -> np.ndarray:
             raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code\nin Reshape")
 
-    monkeypatch.setattr(core, "load_predictor", lambda path: Breaks())
+    monkeypatch.setattr(core, "load_predictor", lambda path, **_: Breaks())
     with pytest.raises(ParityError) as failed:
         export(RunDir(run), "onnx")
     assert str(failed.value) == (
