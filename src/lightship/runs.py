@@ -605,6 +605,20 @@ class RunDir:
             command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
         return f"`{command}`"
 
+    def unrecorded(self, *then: str) -> RunError:
+        """The error of a stage that needs the run's checkpoint entry (data spec, input spec)
+        where manifest.json has none; `then`: the stages to run after training. A folder with
+        best.ckpt or checkpoints/last.ckpt was trained, and its manifest lost the entry
+        (deleted, as a malformed one's message says): the run's own training records it again,
+        resumed where it can be. A plain `train` would train make's default model over it."""
+        if self.best_ckpt.is_file() or self.last_ckpt.is_file():
+            resumed = " (a finished run trains nothing more)" if self.last_ckpt.is_file() else ""
+            return RunError(
+                f"{self.manifest_path} does not record {self.best_ckpt.name}: run "
+                f"{self.train_command()}{resumed}, then {self.command(*then)}"
+            )
+        return RunError(f"no trained run in {self.root}: run {self.command('train', *then)}")
+
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
         only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''."""

@@ -626,8 +626,8 @@ def test_a_checkpoint_its_manifest_does_not_record_is_recorded_before_export(
     proc = run_cli("export", "--run", str(run), "--formats", "onnx")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert last_line(proc.stderr) == (
-        f"error: {run / 'manifest.json'} does not record {run / 'best.ckpt'}: record it with "
-        f"`make train RESUME=1 RUN={run}` (a finished run trains nothing more), then export"
+        f"error: {run / 'manifest.json'} does not record best.ckpt: run `make train RESUME=1 "
+        f"RUN={run}` (a finished run trains nothing more), then `make export RUN={run}`"
     )
     assert not (run / "export" / "model.onnx").exists()
     # the fix, as written (the lightship form of it), then export

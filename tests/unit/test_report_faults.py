@@ -356,8 +356,9 @@ def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_
     monkeypatch.chdir(run.parent)  # outside lightship's checkout: the lightship commands
     (run / "manifest.json").unlink()
     expected = (
-        "run/manifest.json does not record best.ckpt: run `lightship train --run run --resume`, "
-        "then `lightship export --run run`, then `lightship quantize --run run`"
+        "run/manifest.json does not record best.ckpt: run `lightship train --run run --resume` "
+        "(a finished run trains nothing more), then `lightship export --run run`, then "
+        "`lightship quantize --run run`"
     )
     for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
         with pytest.raises(RunError) as err:

@@ -201,11 +201,7 @@ def _export(
     ckpt = run.require_checkpoint()
     recorded = run.artifact("checkpoint")
     if recorded is None:  # quantize and report read its data split from that entry
-        resumed = " (a finished run trains nothing more)" if run.last_ckpt.is_file() else ""
-        raise RunError(
-            f"{run.manifest_path} does not record {ckpt}: record it with "
-            f"{run.train_command()}{resumed}, then export"
-        )
+        raise run.unrecorded("export")
     source_sha = check_recorded(
         ckpt,
         recorded,

@@ -31,7 +31,7 @@ from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
 from lightship.quantize import fallback, isa, ptq
-from lightship.report.evaluate import logits, other_input, untrained
+from lightship.report.evaluate import logits, other_input
 from lightship.report.measure import NOISE_RULE, Timing, measure
 from lightship.runs import (
     REPORT_FILES,
@@ -280,7 +280,7 @@ class Quantizer:
             )
         checkpoint = run.artifact("checkpoint")
         if checkpoint is None:  # its data spec says which images to calibrate and test on
-            raise untrained(run)
+            raise run.unrecorded("export", "quantize")
         entry = run.artifact("onnx-fp32")
         if entry is None or not self.fp32.is_file():
             raise RunError(

@@ -21,7 +21,7 @@ from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
 from lightship.quantize.fallback import check_gate, passes_gate, sqnr_db
 from lightship.report import render
-from lightship.report.evaluate import candidates, logits, untrained
+from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import (
     NOISE_RULE,
     Timing,
@@ -110,7 +110,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
     if not run.root.is_dir() or ckpt is None:
-        raise untrained(run)
+        raise run.unrecorded("export", "quantize")
     outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
     left_out: dict[str, str] = {}

@@ -28,22 +28,6 @@ MANIFEST_KEY = {"eager": "checkpoint"}
 log = logging.getLogger(__name__)
 
 
-def untrained(run: RunDir) -> RunError:
-    """The error of a stage that needs the run's checkpoint entry (data spec, input spec) where
-    manifest.json has none. A folder with best.ckpt or checkpoints/last.ckpt was trained, and
-    its manifest lost the entry (deleted, as a malformed one's message says): the run's own
-    training records it again, resumed where it can be. A plain `train` would train make's
-    default model over the run."""
-    if run.best_ckpt.is_file() or run.last_ckpt.is_file():
-        return RunError(
-            f"{run.manifest_path} does not record {run.best_ckpt.name}: run "
-            f"{run.train_command()}, then {run.command('export', 'quantize')}"
-        )
-    return RunError(
-        f"no trained run in {run.root}: run {run.command('train', 'export', 'quantize')}"
-    )
-
-
 def other_input(predictor: Predictor, checkpoint: dict[str, Any]) -> str | None:
     """How `predictor`'s model takes other images than the run's (its `checkpoint` entry's
     input spec): another model's file recorded in the run, whose first batch would fail deep
