@@ -192,7 +192,7 @@ def quantize(
     """Quantize RUN/export/model.onnx to int8 (static, dynamic, QAT) behind an accuracy gate."""
     from lightship.quantize.core import MethodFailed, QuantizeSettings
     from lightship.quantize.core import quantize as quantize_run
-    from lightship.report.render import describe_cpu
+    from lightship.quantize.isa import describe
     from lightship.runs import RunDir
 
     # Printed once every method has run: a failed method is an error only when no other made
@@ -234,7 +234,7 @@ def quantize(
         )
     if variants:  # measured where quantize ran: the CPU each entry records
         images = (RunDir(run).artifact("checkpoint") or {}).get("test_samples", "the")
-        print(f"CPU: {describe_cpu(variants[0].entry['cpu'])}; accuracy on {images} test images")
+        print(f"CPU: {describe(variants[0].entry['cpu'])}; accuracy on {images} test images")
     for v in variants:
         kept = v.entry.get("nodes_fp32_by_fallback") or []
         note = f", {len(kept)} node(s) kept in fp32" if kept else ""
@@ -259,15 +259,10 @@ def report(
     gate: Annotated[float, typer.Option(help="a variant keeps >= GATE x fp32 accuracy")] = 0.99,
 ) -> None:
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
+    from lightship.quantize.isa import describe
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import (
-        describe_cpu,
-        fewer_threads_at_batch1,
-        speedup,
-        tie_note,
-        why_none,
-    )
+    from lightship.report.render import fewer_threads_at_batch1, speedup, tie_note, why_none
     from lightship.runs import RunDir
 
     r = report_run(  # takes the run lock
@@ -278,7 +273,7 @@ def report(
 
     fewer = fewer_threads_at_batch1(r)  # p50 is at batch 1
     table = Table(
-        title=f"{run} on {describe_cpu(r['cpu'])}, {r['threads']} threads"
+        title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads"
         + (f"; at batch 1 on fewer threads: {fewer}" if fewer else "")
     )
     for col in (

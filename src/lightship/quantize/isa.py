@@ -94,8 +94,24 @@ class CpuInfo:
     def describe(self) -> str:
         return f"{self.model} ({self.arch}; {' '.join(self.int8_flags) or 'no int8 flags'})"
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "arch": self.arch, "int8_flags": self.int8_flags}
+    def as_dict(self, target: bool = False) -> dict[str, Any]:
+        """The CPU as a manifest entry records it; `target`: with its int8 target, as
+        report.json and `bench serve` do."""
+        cpu = {"model": self.model, "arch": self.arch, "int8_flags": self.int8_flags}
+        return {**cpu, "target": self.target} if target else cpu
+
+    @classmethod
+    def from_dict(cls, cpu: dict[str, Any]) -> CpuInfo:
+        """`as_dict`'s record read back (its int8 flags, the ones a description names)."""
+        return cls(cpu["model"], cpu["arch"], frozenset(cpu["int8_flags"]))
+
+
+def describe(cpu: dict[str, Any]) -> str:
+    """`Xeon (x86_64; avx2 avx512_vnni), int8 target vnni`: a recorded CPU (`CpuInfo.as_dict`)
+    as `CpuInfo.describe` says it, with its target where the record has one, for every line
+    that prints an int8 figure."""
+    target = f", int8 target {cpu['target']}" if "target" in cpu else ""
+    return CpuInfo.from_dict(cpu).describe() + target
 
 
 @cache

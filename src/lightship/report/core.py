@@ -192,7 +192,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "schema": 1,
         "run": str(run.root),
         "model": ckpt.get("model"),
-        "cpu": {**cpu.as_dict(), "target": cpu.target},
+        "cpu": cpu.as_dict(target=True),
         "threads": threads,
         "batch": s.batch,
         "rounds": s.rounds,

@@ -30,14 +30,6 @@ def gate_percent(gate: float) -> str:
     return f"{(Decimal(str(float(gate))) * 100).normalize():f}%"
 
 
-def describe_cpu(cpu: dict[str, Any]) -> str:
-    """`Xeon (x86_64; avx2 avx512_vnni), int8 target vnni`: report.json's `cpu` (or a manifest
-    entry's, which has no target) as `isa.CpuInfo.describe` says it, for every line that
-    prints an int8 figure."""
-    info = isa.CpuInfo(cpu["model"], cpu["arch"], frozenset(cpu["int8_flags"]))
-    return info.describe() + (f", int8 target {cpu['target']}" if "target" in cpu else "")
-
-
 def fewer_threads_at_batch1(r: dict[str, Any]) -> str:
     """`onnx-fp32 (1), onnx-int8-static (1)`: the variants that answer one image on fewer
     threads than the report's (ONNX Runtime's `short_batch_threads`: one, where that measured
@@ -126,7 +118,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# lightship report: {r['run']}",
         "",
-        f"- CPU: {describe_cpu(r['cpu'])}, {r['threads']} threads",
+        f"- CPU: {isa.describe(r['cpu'])}, {r['threads']} threads",
         f"- versions: {', '.join(f'{k} {v}' for k, v in r['versions'].items())}",
         f"- test images: {r['test_images']}; latency at batch 1, throughput at batch {r['batch']};"
         f" variants interleaved over {r['rounds']} rounds (order shuffled per round), median"
@@ -219,7 +211,7 @@ def _measured_by_quantize(sc: dict[str, Any], cpu: dict[str, Any]) -> str:
         return "measured by quantize on a CPU it did not record"
     here = {k: v for k, v in cpu.items() if k != "target"}
     other = "" if theirs == here else ", not this report's CPU: its figures may differ here"
-    return f"measured by quantize on {describe_cpu(theirs)}{other}"
+    return f"measured by quantize on {isa.describe(theirs)}{other}"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -297,7 +289,7 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("test accuracy (%)")
     fewer = fewer_threads_at_batch1(r)
     ax.set_title(
-        f"{describe_cpu(r['cpu'])}\n{r['threads']} threads"
+        f"{isa.describe(r['cpu'])}\n{r['threads']} threads"
         + (f"; at batch 1 on fewer threads: {fewer}" if fewer else ""),
         fontsize=8,
         wrap=True,  # a long CPU name or many variants

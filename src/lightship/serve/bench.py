@@ -49,8 +49,8 @@ import numpy as np
 
 from lightship.config import parse_choices
 from lightship.errors import ConfigError, LightshipError, RunError
+from lightship.quantize.isa import describe
 from lightship.report.measure import machine_cpu_s, time_calls
-from lightship.report.render import describe_cpu
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
 
@@ -669,7 +669,7 @@ def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        f"CPU: {describe_cpu(results['cpu'])}, {results['cores']} cores; "
+        f"CPU: {describe(results['cpu'])}, {results['cores']} cores; "
         "one image per request; wrk "
         f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds (the "
         "protocol measured first alternating, the endpoints taking turns), medians; req/s "
@@ -816,7 +816,7 @@ def bench(
             for label, rd in runs.items()
         ]
     results = {
-        "cpu": {**cpu.as_dict(), "target": cpu.target},  # as report.json names it
+        "cpu": cpu.as_dict(target=True),  # as report.json names it
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "duration_s": duration,
