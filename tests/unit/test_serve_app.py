@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -84,13 +84,75 @@ def make_app(tmp_path: Path, gate: bool = False, **settings: Any) -> tuple[FastA
 
 
 @asynccontextmanager
-async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(
+    app: FastAPI, wait_ready: bool = True, via: str = "asgi"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app: through ASGI (`via="asgi"`), or over HTTP to the server's own
+    protocol on a loopback port (`via="http"`), which answers the tensor routes without ASGI."""
     async with app.router.lifespan_context(app):
         if wait_ready:
             await asyncio.wait_for(service(app).settled.wait(), 10)
+        if via == "http":
+            async with (
+                over_http(app) as (url, _),
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+            ):
+                yield client
+            return
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client
+
+
+class CountingApp:
+    """The ASGI app as the protocol calls it, counting the requests that reach it."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.paths: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+@asynccontextmanager
+async def over_http(app: FastAPI, **config: Any) -> AsyncIterator[tuple[str, CountingApp]]:
+    """The server's HTTP protocol (as `serve` sets it up, lifespan aside) on a loopback port:
+    its URL, and the ASGI app behind it, counting what reaches ASGI."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from lightship.serve.protocol import http_protocol
+
+    counting = CountingApp(app)
+    settings: dict[str, Any] = {"lifespan": "off", "log_level": "warning", "access_log": False}
+    settings |= config
+    protocol = http_protocol(app.state.tensor_routes)
+    uv = uvicorn.Config(counting, http=protocol, **settings)
+    uv.load()
+    state = ServerState()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: uv.http_protocol_class(config=uv, server_state=state, app_state={}),  # type: ignore[call-arg]
+        "127.0.0.1",
+        0,
+    )
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", counting
+    finally:
+        server.close()
+        for connection in list(state.connections):
+            connection.shutdown()
+        while state.tasks:
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture(params=["asgi", "http"])
+def via(request: pytest.FixtureRequest) -> str:
+    """Both ways into the tensor routes: through ASGI, and the server's own protocol."""
+    return str(request.param)
 
 
 def service(app: FastAPI) -> Service:
@@ -167,11 +229,11 @@ async def hold_inference(client: httpx.AsyncClient, gate: Gate) -> asyncio.Futur
     return held
 
 
-def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path) -> None:
+def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path)
 
     async def main() -> None:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             r = await client.post(INFER, json=v2_json(X, id="req-7"))
             assert r.status_code == 200 and r.json()["id"] == "req-7"
             np.testing.assert_array_equal(logits_of(r), [[10, 90], [1020, -920]])
@@ -195,11 +257,11 @@ def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path) ->
     run(main())
 
 
-def test_v1_predict_labels_scores_and_top_k(tmp_path: Path) -> None:
+def test_v1_predict_labels_scores_and_top_k(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path)
 
     async def main() -> None:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             r = await client.post("/v1/predict", json={"instances": X.tolist(), "top_k": 1})
             assert r.status_code == 200
             dark, bright = r.json()["predictions"]
@@ -569,12 +631,12 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
     ("case", "request_kwargs", "status", "message"), BAD_V2, ids=[c[0] for c in BAD_V2]
 )
 def test_bad_v2_requests_get_4xx_json(
-    tmp_path: Path, case: str, request_kwargs: dict[str, Any], status: int, message: str
+    tmp_path: Path, case: str, request_kwargs: dict[str, Any], status: int, message: str, via: str
 ) -> None:
     app, _ = make_app(tmp_path)
 
     async def main() -> httpx.Response:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             return await client.post(INFER, **request_kwargs)
 
     r = run(main())
@@ -583,11 +645,11 @@ def test_bad_v2_requests_get_4xx_json(
     assert message in r.json()["error"]
 
 
-def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path) -> None:
+def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path, max_body_bytes=4096, max_batch_rows=4)
 
     async def main() -> None:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             nan = np.full((1, 1, 2, 2), np.nan, np.float32)
             body, headers = v2_binary(nan, "FP32")
             r = await client.post(INFER, content=body, headers=headers)
@@ -626,7 +688,7 @@ def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("instances", [1, 2])
 def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
-    tmp_path: Path, instances: int
+    tmp_path: Path, instances: int, via: str
 ) -> None:
     app, _ = make_app(tmp_path, max_wait_ms=50, max_batch_rows=64, instances=instances)
     assert len(service(app).batcher._threads) == 0 and service(app).batcher.instances == instances
@@ -636,7 +698,7 @@ def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
     ]
 
     async def main() -> tuple[list[np.ndarray], list[np.ndarray], str]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             together = await asyncio.gather(
                 *(client.post(INFER, json=v2_json(x)) for x in requests)
             )
@@ -657,13 +719,13 @@ def test_concurrent_requests_are_batched_and_each_row_answers_as_if_alone(
     assert metric(text, 'lightship_batch_rows_bucket{le="1.0"}') == 0  # no request went alone
 
 
-def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path) -> None:
+def test_queue_full_is_429_with_retry_after_and_deadline_is_504(tmp_path: Path, via: str) -> None:
     app, gate = make_app(tmp_path, gate=True, max_batch_rows=2, max_queue_rows=3, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
 
     async def main() -> None:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             held = await hold_inference(client, gate)
             queued = [asyncio.ensure_future(client.post(INFER, json=v2_json(X))) for _ in range(1)]
             while service(app).batcher.queued_rows < 2:
@@ -763,11 +825,11 @@ def test_ready_and_inference_only_after_the_warm_up_batch(tmp_path: Path) -> Non
     run(main())
 
 
-def test_gzip_encoding_name_is_case_insensitive(tmp_path: Path) -> None:
+def test_gzip_encoding_name_is_case_insensitive(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path)
 
     async def main() -> httpx.Response:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             body = gzip.compress(json.dumps(v2_json(X)).encode())
             return await client.post(INFER, content=body, headers={"Content-Encoding": "GZIP"})
 
@@ -1211,11 +1273,13 @@ def test_a_bug_is_a_500_with_a_json_error_body_too(
         assert r.json() == {"error": "internal server error (a bug: see the server's log)"}
 
 
-def test_tensor_routes_answer_other_methods_405_and_label_each_route(tmp_path: Path) -> None:
+def test_tensor_routes_answer_other_methods_405_and_label_each_route(
+    tmp_path: Path, via: str
+) -> None:
     app, _ = make_app(tmp_path)
 
     async def main() -> None:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             for path in (INFER, "/v2/models/hand/versions/1/infer", "/v1/predict"):
                 r = await client.get(path)
                 assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
@@ -1280,7 +1344,7 @@ def test_a_response_head_and_body_leave_in_one_write() -> None:
     import uvicorn
     from uvicorn.server import ServerState
 
-    from lightship.serve.app import _http_protocol
+    from lightship.serve.protocol import http_protocol as _http_protocol
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await send(
@@ -1307,7 +1371,7 @@ def test_a_response_head_and_body_leave_in_one_write() -> None:
 
 
 def test_held_writes_go_out_before_close_and_never_after_abort() -> None:
-    from lightship.serve.app import _CoalescingTransport
+    from lightship.serve.protocol import _CoalescingTransport
 
     async def main() -> tuple[_RecordingTransport, _RecordingTransport]:
         loop = asyncio.get_running_loop()
@@ -1334,7 +1398,7 @@ def _feed(chunks: list[bytes]) -> tuple[_RecordingTransport, list[bytes], bool]:
     import uvicorn
     from uvicorn.server import ServerState
 
-    from lightship.serve.app import _http_protocol
+    from lightship.serve.protocol import http_protocol as _http_protocol
 
     bodies: list[bytes] = []
 
@@ -1369,7 +1433,7 @@ def _feed(chunks: list[bytes]) -> tuple[_RecordingTransport, list[bytes], bool]:
 
 
 def test_a_request_head_over_64_kib_is_refused_with_431_as_it_arrives() -> None:
-    from lightship.serve.app import MAX_HEAD_BYTES
+    from lightship.serve.protocol import MAX_HEAD_BYTES
 
     huge = b"x-big: " + b"a" * (3 * MAX_HEAD_BYTES)
     pieces = [b"GET /x HTTP/1.1\r\nhost: t\r\n" + huge[:40_000], huge[40_000:80_000]]
@@ -1385,7 +1449,7 @@ def test_a_request_head_over_64_kib_is_refused_with_431_as_it_arrives() -> None:
 
 
 def test_heads_under_the_limit_and_bodies_of_any_size_are_not_counted_as_head() -> None:
-    from lightship.serve.app import MAX_HEAD_BYTES
+    from lightship.serve.protocol import MAX_HEAD_BYTES
 
     # a head just under the limit, in pieces; then a 300 KB body in the same chunk as its
     # head; then two pipelined requests in one chunk: none of it is a long head
@@ -1448,7 +1512,7 @@ def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_d
 
 
 def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_deadline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
     """orjson's parse of a large body peaks at many times its size, and holds the GIL: parses
     side by side are no faster, only larger."""
@@ -1473,7 +1537,7 @@ def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_de
     large = json.dumps({"instances": X.tolist()}).encode() + b" " * app_module.LARGE_BODY_BYTES
 
     async def main() -> tuple[list[httpx.Response], httpx.Response, str]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             # a V2 header on /v1 (which reads none) must not pass a body off as small
             sly = {"inference-header-content-length": "0"}
             busy = [client.post("/v1/predict", content=large, headers=sly) for _ in range(3)]
@@ -1489,7 +1553,9 @@ def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_de
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
 
 
-def test_a_v2_batch_of_the_wrong_layout_is_told_its_layout_not_to_split(tmp_path: Path) -> None:
+def test_a_v2_batch_of_the_wrong_layout_is_told_its_layout_not_to_split(
+    tmp_path: Path, via: str
+) -> None:
     app, _ = make_app(tmp_path, max_batch_rows=4)
 
     def nhwc(n: int) -> bytes:  # the model takes [N, 1, 2, 2]
@@ -1499,7 +1565,7 @@ def test_a_v2_batch_of_the_wrong_layout_is_told_its_layout_not_to_split(tmp_path
         return json.dumps({"inputs": inputs}).encode()
 
     async def main() -> list[httpx.Response]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             return [await client.post(INFER, content=nhwc(n)) for n in (3, 5)]
 
     for answer in run(main()):  # 5 rows: splitting it would only bring the layout's 400
@@ -1507,7 +1573,7 @@ def test_a_v2_batch_of_the_wrong_layout_is_told_its_layout_not_to_split(tmp_path
         assert "NHWC" in answer.json()["error"]
 
 
-def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
+def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path, max_body_bytes=4096)
     body = json.dumps(v2_json(X)).encode()
     cases = {
@@ -1519,7 +1585,7 @@ def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
     }
 
     async def main() -> tuple[dict[str, httpx.Response], str]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             answers = {
                 name: await client.post(INFER, content=data, headers={"content-encoding": enc})
                 for name, (data, enc) in cases.items()
@@ -1540,7 +1606,7 @@ def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path) -> None:
     assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 1
 
 
-def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path) -> None:
+def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path, via: str) -> None:
     """As Triton (tritonclient's response_compression_algorithm): gzip or deflate as the
     header ranks them, the first listed on a tie; answers under 1 KiB and errors as they are."""
     app, _ = make_app(tmp_path, max_batch_rows=256)
@@ -1562,7 +1628,7 @@ def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path) -> None:
     ]
 
     async def main() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             answers = [
                 await client.post(INFER, content=body, headers={"accept-encoding": ae} | headers)
                 for ae, body, headers, _ in cases
@@ -1587,7 +1653,7 @@ def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path) -> None:
 
 
 def test_the_compression_threshold_is_a_setting_and_0_turns_it_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
     """`compress_min_bytes`: an answer of that many bytes goes compressed, one a byte shorter
     as it is; 0 (from the flag or LIGHTSHIP_COMPRESS_MIN_BYTES) compresses none, however large
@@ -1598,7 +1664,7 @@ def test_the_compression_threshold_is_a_setting_and_0_turns_it_off(
     infer_doc = "/v2/models/{model_name}/infer"
 
     async def answers(app: FastAPI) -> tuple[httpx.Response, httpx.Response, str]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             v2_answer = await client.post(INFER, content=body, headers=gzip_please)
             v1_rows = {"instances": rows.tolist()}
             v1_answer = await client.post("/v1/predict", json=v1_rows, headers=gzip_please)
@@ -1635,7 +1701,7 @@ def test_the_compression_threshold_is_a_setting_and_0_turns_it_off(
 
 
 def test_large_answers_are_compressed_off_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
     app, _ = make_app(tmp_path, max_batch_rows=256)
     monkeypatch.setattr(serve_app, "COMPRESS_IN_THREAD_BYTES", 4096)
@@ -1651,7 +1717,7 @@ def test_large_answers_are_compressed_off_the_event_loop(
     as_binary, headers = v2_binary(rows)
 
     async def main() -> str:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             for body, extra in ((json.dumps(v2_json(rows)).encode(), {}), (as_binary, headers)):
                 r = await client.post(
                     INFER, content=body, headers={"accept-encoding": "gzip"} | extra
@@ -1666,7 +1732,7 @@ def test_large_answers_are_compressed_off_the_event_loop(
 
 
 def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
-    tmp_path: Path,
+    tmp_path: Path, via: str
 ) -> None:
     app, _ = make_app(tmp_path)
     upload = httpx.Request(
@@ -1676,7 +1742,7 @@ def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
     v2_body = json.dumps(v2_json(X)).encode()
 
     async def main() -> list[httpx.Response]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             return [
                 await client.post(
                     path, content=body, headers={"content-type": kind, "content-encoding": enc}
@@ -1708,7 +1774,7 @@ def test_uploads_must_come_uncompressed_and_tensor_routes_take_gzip_by_any_name(
 
 
 def test_large_bodies_are_parsed_off_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
     import lightship.serve.app as app_module
 
@@ -1725,7 +1791,7 @@ def test_large_bodies_are_parsed_off_the_event_loop(
     large = small + b" " * app_module.LARGE_BODY_BYTES  # still valid JSON
 
     async def main() -> tuple[list[httpx.Response], str]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             loop_thread = threading.current_thread().name
             answers = [await client.post(INFER, content=body) for body in (small, large)]
             return answers, loop_thread
@@ -1971,14 +2037,16 @@ ONE_ROW = np.full((1, 1, 2, 2), 3, np.uint8)
     ],
     ids=["header", "v2-parameter"],
 )
-def test_a_client_cannot_lengthen_the_servers_deadline(tmp_path: Path, how: dict[str, Any]) -> None:
+def test_a_client_cannot_lengthen_the_servers_deadline(
+    tmp_path: Path, how: dict[str, Any], via: str
+) -> None:
     app, gate = make_app(tmp_path, gate=True, timeout_ms=200, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
     kwargs = {"json": v2_json(ONE_ROW)} | how
 
     async def main() -> tuple[int, Any]:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             held = await hold_inference(client, gate)  # the model is busy until the gate opens
             request = asyncio.ensure_future(client.post(INFER, **kwargs))
             done, _ = await asyncio.wait([request], timeout=3)  # 15x the server's 0.2 s
@@ -1996,13 +2064,13 @@ def test_a_client_cannot_lengthen_the_servers_deadline(tmp_path: Path, how: dict
 
 
 def test_a_longer_client_deadline_is_still_answered_by_a_free_model(
-    tmp_path: Path,
+    tmp_path: Path, via: str
 ) -> None:
     # the control for the test above: a longer header by itself changes nothing
     app, _ = make_app(tmp_path, timeout_ms=200, max_wait_ms=0)
 
     async def main() -> Any:
-        async with serving(app) as client:
+        async with serving(app, via=via) as client:
             return await client.post(
                 INFER, json=v2_json(ONE_ROW), headers={"X-Request-Timeout-Ms": "60000"}
             )
@@ -2010,3 +2078,254 @@ def test_a_longer_client_deadline_is_still_answered_by_a_free_model(
     r = run(main())
     assert r.status_code == 200
     np.testing.assert_array_equal(logits_of(r), expected_logits(ONE_ROW))
+
+
+# -- the server's own protocol: tensor routes answered without ASGI ---------------------------
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP answer off a raw connection: status, headers (lower-case names), body."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    fields = (line.partition(":") for line in head[1:] if line)
+    headers = {name.lower(): value.strip() for name, _, value in fields}
+    body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return int(head[0].split()[1]), headers, body
+
+
+@asynccontextmanager
+async def raw_http(
+    app: FastAPI, **config: Any
+) -> AsyncIterator[tuple[Callable[[], Awaitable[Any]], CountingApp, httpx.AsyncClient]]:
+    """The app served and ready behind the server's protocol: a function that opens a raw
+    connection to it (reader, writer), the ASGI app as the protocol calls it, and a client."""
+    async with app.router.lifespan_context(app):
+        await asyncio.wait_for(service(app).settled.wait(), 10)
+        async with over_http(app, **config) as (url, counting):
+            host, port = url.removeprefix("http://").split(":")
+
+            def connect() -> Awaitable[Any]:
+                return asyncio.open_connection(host, int(port))
+
+            async with httpx.AsyncClient(base_url=url) as client:
+                yield connect, counting, client
+
+
+def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "host: t", f"content-length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def test_tensor_routes_over_http_are_answered_without_asgi(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+    binary, binary_headers = v2_binary(X)
+
+    async def main() -> tuple[list[httpx.Response], list[str], str]:
+        async with raw_http(app) as (_, counting, client):
+            answers = [
+                await client.post(INFER, json=v2_json(X)),
+                await client.post(
+                    f"{HAND}/versions/1/infer", content=binary, headers=binary_headers
+                ),
+                await client.post("/v1/predict", json={"instances": X.tolist()}),
+            ]
+            tensors = list(counting.paths)
+            # uvicorn decodes a percent-encoded path: that one goes through ASGI
+            answers.append(await client.post("/v2/models/h%61nd/infer", json=v2_json(X)))
+            answers.append(await client.get(HAND))
+            return answers, tensors, (await client.get("/metrics")).text
+
+    answers, tensors, text = run(main())
+    assert tensors == []  # no tensor route reached the ASGI app
+    for r in (answers[0], answers[1], answers[3]):
+        assert r.status_code == 200
+        np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+    assert [p["label"] for p in answers[2].json()["predictions"]] == ["dark", "bright"]
+    assert answers[4].json()["name"] == "hand"
+    routes = {"/v2/models/{model_name}/infer": 2, "/v1/predict": 1}
+    routes["/v2/models/{model_name}/versions/{version}/infer"] = 1
+    for route, count in routes.items():
+        assert metric(text, f'lightship_requests_total{{route="{route}",status="200"}}') == count
+
+
+@pytest.mark.parametrize("deadline", ["server's", "client's"])
+def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection_closed(
+    tmp_path: Path, deadline: str
+) -> None:
+    servers = deadline == "server's"
+    app, _ = make_app(tmp_path, timeout_ms=50 if servers else 10_000)
+    part = b'{"inputs": ['
+    timeout = [] if servers else ["x-request-timeout-ms: 50"]
+
+    async def main() -> tuple[int, dict[str, str], bytes, bytes, str]:
+        async with raw_http(app) as (connect, _, client):
+            reader, writer = await connect()
+            writer.write(post(INFER, b"", *timeout).replace(b"length: 0", b"length: 5000") + part)
+            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+            rest = await asyncio.wait_for(reader.read(), 5)  # b"": the server closed
+            writer.close()
+            return status, headers, body, rest, (await client.get("/metrics")).text
+
+    status, headers, body, rest, text = run(main())
+    assert headers["connection"] == "close" and rest == b""
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    if servers:
+        assert status == 408 and error.startswith("request body incomplete after 0.05 s (12 bytes")
+    else:
+        assert status == 504 and error.startswith("deadline of 50 ms (x-request-timeout-ms)")
+    rejections = {"body_timeout": 1 if servers else 0, "deadline": 0 if servers else 1}
+    for reason, count in rejections.items():
+        assert metric(text, f'lightship_rejections_total{{reason="{reason}"}}') == count
+    route = f'route="/v2/models/{{model_name}}/infer",status="{status}"'
+    assert metric(text, f"lightship_requests_total{{{route}}}") == 1
+
+
+def test_a_client_leaving_over_http_is_dropped_from_the_queue_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protocol sees the connection close: its queued request is abandoned then, not when
+    the ASGI way in would have started watching (`_DisconnectWatch`, turned off here)."""
+    monkeypatch.setattr(serve_app._DisconnectWatch, "WATCH_AFTER_S", 3600)
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    marked = np.full((1, 1, 2, 2), 77, np.uint8)
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            _, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(marked)).encode()))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            writer.close()  # the client goes away while its request waits for the model
+            for _ in range(500):
+                text = (await client.get("/metrics")).text
+                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
+                    break
+                await asyncio.sleep(0.01)
+            gate.open.set()
+            np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
+            r = await client.post(INFER, json=v2_json(X))  # the server carries on
+            np.testing.assert_array_equal(logits_of(r), expected_logits(X))
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    route = 'route="/v2/models/{model_name}/infer",status="499"'
+    assert metric(text, f"lightship_requests_total{{{route}}}") == 1
+    assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
+
+
+def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+    binary, binary_headers = v2_binary(X[::-1])
+    (length,) = binary_headers.values()
+    requests = [
+        post(INFER, json.dumps(v2_json(X)).encode()),
+        b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n",
+        post(INFER, binary, f"inference-header-content-length: {length}"),
+        post("/v1/predict", json.dumps({"instances": X[:1].tolist()}).encode()),
+        post(INFER, b"{}"),
+    ]
+
+    async def main() -> list[tuple[int, dict[str, str], bytes]]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(b"".join(requests))  # all at once, on one connection
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in requests]
+            writer.close()
+            return answers
+
+    answers = run(main())
+    assert [status for status, _, _ in answers] == [200, 200, 200, 200, 400]
+    assert json.loads(answers[0][2])["outputs"][0]["data"] == [10, 90, 1020, -920]
+    assert answers[1][2] == b'{"ready":true}'
+    n = int(answers[2][1]["inference-header-content-length"])
+    np.testing.assert_array_equal(
+        np.frombuffer(answers[2][2][n:], np.float32).reshape(2, 2), expected_logits(X[::-1])
+    )
+    assert json.loads(answers[3][2])["predictions"][0]["label"] == "dark"
+    assert 'no "inputs" list' in json.loads(answers[4][2])["error"]
+
+
+@pytest.mark.parametrize(
+    ("version", "extra"), [("1.0", []), ("1.1", ["connection: close"])], ids=["1.0", "close"]
+)
+def test_http_1_0_and_connection_close_end_the_connection_after_the_answer(
+    tmp_path: Path, version: str, extra: list[str]
+) -> None:
+    app, _ = make_app(tmp_path)
+
+    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(X)).encode(), *extra, version=version))
+            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return status, headers, body, rest
+
+    status, headers, body, rest = run(main())
+    assert status == 200 and headers["connection"] == "close" and rest == b""
+    assert json.loads(body)["outputs"][0]["data"] == [10, 90, 1020, -920]
+
+
+def test_expect_100_continue_over_http_is_answered_before_the_body(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+    body = json.dumps(v2_json(X)).encode()
+
+    async def main() -> tuple[bytes, int, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(post(INFER, body, "expect: 100-continue")[: -len(body)])  # head only
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(body)
+            status, _, answer = await asyncio.wait_for(read_answer(reader), 5)
+            writer.close()
+            return interim, status, answer
+
+    interim, status, answer = run(main())
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [10, 90, 1020, -920]
+
+
+def test_a_body_too_large_by_its_length_over_http_is_refused_before_it_is_sent(
+    tmp_path: Path,
+) -> None:
+    app, _ = make_app(tmp_path, max_body_bytes=4096)
+
+    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(post(INFER, b"").replace(b"length: 0", b"length: 1000000000"))
+            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return status, headers, body, rest
+
+    status, headers, body, rest = run(main())
+    assert status == 413 and headers["connection"] == "close" and rest == b""
+    assert "over the limit of 4096 bytes (max_body_bytes)" in json.loads(body)["error"]
+
+
+def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "propagate", True)
+    app, _ = make_app(tmp_path)
+
+    async def main() -> None:
+        async with raw_http(app, access_log=True, log_config=None, log_level=None) as (
+            _,
+            _,
+            client,
+        ):
+            assert (await client.post(INFER, json=v2_json(X))).status_code == 200
+            assert (await client.post("/v2/models/other/infer", json=v2_json(X))).status_code == 404
+
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any(line.endswith('"POST /v2/models/hand/infer HTTP/1.1" 200') for line in lines)
+    assert any(line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404') for line in lines)

@@ -60,6 +60,7 @@ from lightship.serve.batcher import (
 )
 from lightship.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from lightship.serve.model import ServedModel
+from lightship.serve.protocol import http_protocol
 from lightship.serve.settings import ServeSettings
 from lightship.serve.v2 import ProtocolError, error_body
 
@@ -86,6 +87,10 @@ DECODE_SLOTS = min(physical_cores(), 4)
 # at concurrency 16 answered 20-40 % more requests per second (in-process and over HTTP, same
 # runs); a model releases the GIL while it computes, so the shorter slice costs little else.
 GIL_SWITCH_INTERVAL_S = 0.001
+
+
+# The answer to a request that met a bug: JSON, as tritonclient reads every error.
+BUG = "internal server error (a bug: see the server's log)"
 
 
 class BodyTooLarge(Exception):
@@ -224,36 +229,51 @@ class Service:
                 f"unknown version '{version}' of model '{name}': it has version {v2.VERSION}", 404
             )
 
-    def timeout_s(self, scope: Scope, requested_s: float | None = None) -> float:
+    def timeout_s(self, head: Head | None, requested_s: float | None = None) -> float:
         """Seconds left until the request's deadline: the server's, shortened by the client's
-        header or V2 parameter, counted from the request's arrival (`BodyLimit` sets it)."""
+        header or V2 parameter, counted from the request's arrival (`Head`)."""
         now = time.monotonic()
-        deadline, bad_header = scope.get("state", {}).get(
-            "deadline", (now + self.settings.timeout_ms / 1000, None)
-        )
-        if bad_header is not None:
+        if head is None:  # a request that came in by no way that reads its head (none here)
+            return self.settings.timeout_ms / 1000
+        if head.bad_timeout is not None:
             raise ProtocolError(
-                f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got {bad_header!r}"
+                f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got "
+                f"{head.bad_timeout!r}"
             )
+        deadline = head.deadline
         if requested_s is not None:
             deadline = min(deadline, now + requested_s)
         # What is left of it: reading and parsing the body took some (<= 0: already passed).
         return deadline - now
 
-    async def predict(self, x: np.ndarray, timeout_s: float, receive: Receive) -> np.ndarray:
-        """Logits for checked input through the batcher; drops the request if its client left."""
+    async def predict(self, x: np.ndarray, timeout_s: float, watch: Watch) -> np.ndarray:
+        """Logits for checked input through the batcher; drops the request if its client left
+        (`watch` tells the ticket when it does)."""
         if not self.ready and (self.failed is not None or not self.settled.is_set()):
             # Starting (the warm-up batch is not back) or failed. While shutting down the
             # server is not ready either, but requests it already read are still answered.
             raise NotReady(self.failed or "starting: the model's warm-up batch is not back yet")
         x = self.predictor.check(x)
         ticket = self.batcher.submit(x, timeout_s)
-        assert self._loop is not None
-        watch = _DisconnectWatch(self._loop, ticket, receive)
+        stop = watch(ticket)
         try:
             return await ticket.future
         finally:
-            watch.close()
+            stop()
+
+
+# Starts watching for the client of a queued request to leave, abandoning its ticket if it
+# does; returns the function that stops watching.
+Watch = Callable[[Ticket], Callable[[], None]]
+
+
+def asgi_watch(receive: Receive) -> Watch:
+    """The `Watch` of a request that came in through ASGI: `receive()` says when it left."""
+
+    def watch(ticket: Ticket) -> Callable[[], None]:
+        return _DisconnectWatch(asyncio.get_running_loop(), ticket, receive).close
+
+    return watch
 
 
 class _DisconnectWatch:
@@ -291,6 +311,84 @@ class _DisconnectWatch:
             self._task.cancel()
 
 
+@dataclass(slots=True)
+class Head:
+    """What the server reads of a request's head before its body (`read_head`): its deadline,
+    counted from arrival, and the headers the tensor routes take."""
+
+    deadline: float  # time.monotonic() at which the request's deadline passes
+    timeout_s: float  # the deadline's length: the server's, or the client's shorter one
+    clients: bool  # the deadline is the client's (x-request-timeout-ms), not the server's
+    bad_timeout: str | None  # an x-request-timeout-ms that is no positive number (400 later)
+    too_large: bool  # Content-Length over the limit, or not a number: 413 before the body
+    encoding: str | None  # Content-Encoding
+    header_length: str | None  # Inference-Header-Content-Length
+    accept: str | None  # Accept-Encoding
+
+
+def read_head(headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float) -> Head:
+    """The `Head` of a request whose (lower-case) headers are `headers`, arriving now, on a
+    server that takes bodies of up to `limit` bytes and waits `timeout_s` for an answer."""
+    arrived = time.monotonic()
+    clients = too_large = False
+    bad_timeout = encoding = header_length = accept = None
+    for key, value in headers:
+        if key == TIMEOUT_HEADER_BYTES:
+            client_s = _client_timeout_s(value)
+            if client_s is None:
+                bad_timeout = value.decode("latin-1")
+            elif client_s < timeout_s:
+                timeout_s, clients = client_s, True
+        elif key == b"content-length":
+            too_large = not value.isdigit() or int(value) > limit
+        elif key == b"content-encoding":
+            encoding = value.decode("latin-1")
+        elif key == HEADER_LENGTH_BYTES:
+            header_length = value.decode("latin-1")
+        elif key == b"accept-encoding":
+            accept = value.decode("latin-1")
+    return Head(
+        arrived + timeout_s, timeout_s, clients, bad_timeout, too_large, encoding, header_length,
+        accept,
+    )  # fmt: skip
+
+
+def head_of(scope: Scope) -> Head | None:
+    """The `Head` that `BodyLimit` read of an ASGI request."""
+    head: Head | None = scope.get("state", {}).get("head")
+    return head
+
+
+def too_large_by_length(limit: int, metrics: Metrics) -> Response:
+    """The answer to a Content-Length over `limit`, sent before the body and closing the
+    connection: reading the rest would only cost."""
+    metrics.rejected("body_too_large")
+    return _error(
+        413,
+        f"request body over the limit of {limit} bytes (max_body_bytes): send fewer rows per "
+        "request",
+        {"connection": "close"},
+    )
+
+
+def body_timeout(head: Head, seen: int, metrics: Metrics) -> BodyTimeout:
+    """The error of a body still incomplete, `seen` bytes in, when the deadline passed."""
+    if head.clients:
+        metrics.rejected("deadline")
+        return BodyTimeout(
+            f"deadline of {head.timeout_s * 1000:g} ms ({TIMEOUT_HEADER}) passed before "
+            f"the whole body was read ({seen} bytes arrived)",
+            504,
+        )
+    metrics.rejected("body_timeout")
+    return BodyTimeout(
+        f"request body incomplete after {head.timeout_s:g} s ({seen} bytes arrived), "
+        "the server's request deadline: send it at once, or serve with a longer "
+        "--timeout-ms (LIGHTSHIP_TIMEOUT_MS)",
+        408,
+    )
+
+
 class BodyLimit:
     """413 for a body over `limit` bytes: at once from Content-Length, else while it streams.
     A body still incomplete when the request's deadline passes is answered at once, and the
@@ -298,6 +396,8 @@ class BodyLimit:
     the deadline is the server's `timeout_s`: the server's patience with a slow client ran
     out. 504 when the client's header shortened it: the client's own deadline passed, as it
     does in the queue; under overload the event loop may simply not have read the body yet.
+    The server's HTTP protocol does the same for the tensor routes it answers without ASGI
+    (`protocol.py`).
     """
 
     def __init__(self, app: ASGIApp, limit: int, metrics: Metrics, timeout_s: float) -> None:
@@ -310,31 +410,14 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        arrived = time.monotonic()
-        timeout_s = self.timeout_s
-        clients = False  # whether the deadline is the client's (shorter) one
-        bad_header = None  # answered 400 by the route (`Service.timeout_s`), after the body
-        for key, value in scope["headers"]:
-            if key == TIMEOUT_HEADER_BYTES:
-                client_s = _client_timeout_s(value)
-                if client_s is None:
-                    bad_header = value.decode("latin-1")
-                elif client_s < timeout_s:
-                    timeout_s, clients = client_s, True
-            elif key == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                self.metrics.rejected("body_too_large")
-                too_large = _error(
-                    413,
-                    f"request body over the limit of {self.limit} bytes "
-                    "(max_body_bytes): send fewer rows per request",
-                    {"connection": "close"},
-                )
-                await too_large(scope, receive, send)
-                return
+        head = read_head(scope["headers"], self.limit, self.timeout_s)
+        if head.too_large:
+            await too_large_by_length(self.limit, self.metrics)(scope, receive, send)
+            return
         # The deadline counts from arrival, body reading included; the routes read it here.
-        scope.setdefault("state", {})["deadline"] = (arrived + timeout_s, bad_header)
+        scope.setdefault("state", {})["head"] = head
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + head.timeout_s
         seen = 0
         body_done = False
         expired = False
@@ -358,20 +441,7 @@ class BodyLimit:
             except asyncio.CancelledError:
                 if not expired or task.uncancel():  # cancelled by someone else too: let it go
                     raise
-                if clients:
-                    self.metrics.rejected("deadline")
-                    raise BodyTimeout(
-                        f"deadline of {timeout_s * 1000:g} ms ({TIMEOUT_HEADER}) passed before "
-                        f"the whole body was read ({seen} bytes arrived)",
-                        504,
-                    ) from None
-                self.metrics.rejected("body_timeout")
-                raise BodyTimeout(
-                    f"request body incomplete after {timeout_s:g} s ({seen} bytes arrived), "
-                    "the server's request deadline: send it at once, or serve with a longer "
-                    "--timeout-ms (LIGHTSHIP_TIMEOUT_MS)",
-                    408,
-                ) from None
+                raise body_timeout(head, seen, self.metrics) from None
             finally:
                 timer.cancel()
             body_done = not message.get("more_body", False)
@@ -476,7 +546,7 @@ _V2_INFER = re.compile(r"/v2/models/(?P<model_name>[^/]+)/(?:versions/(?P<versio
 
 
 def hot_route(path: str) -> tuple[str, dict[str, str]] | None:
-    """The `HotRoutes` handler of `path` and its path parameters; None for FastAPI's routes."""
+    """The `TensorRoutes` handler of `path` and its path parameters; None for FastAPI's."""
     if path == "/v1/predict":
         return "v1_predict", {}
     if path.startswith("/v2/models/") and (match := _V2_INFER.fullmatch(path)):
@@ -489,28 +559,28 @@ def hot_route(path: str) -> tuple[str, dict[str, str]] | None:
 
 @dataclass(slots=True)
 class HotRequest:
-    """What a `HotRoutes` handler gets: the whole (decoded) body and the little it reads."""
+    """What a tensor route's handler gets: the whole (decoded) body and the little it reads."""
 
-    scope: Scope
-    receive: Receive  # after the body, returns only on disconnect (`_DisconnectWatch`)
+    head: Head
     params: dict[str, str]
     body: bytes
-    header_length: str | None  # Inference-Header-Content-Length
+    watch: Watch  # tells a queued request when its client leaves
 
 
 HotHandler = Callable[[HotRequest], Awaitable[tuple[bytes, dict[str, str]]]]
 
 
-class HotRoutes:
-    """The POST routes that carry tensors (V2 infer, /v1/predict) as plain ASGI, ahead of the
-    router: FastAPI's routing, request and response objects and exception middleware cost
-    more than all the rest of a small model's request. A bare ASGI V2 endpoint with no model
-    under uvicorn spent 44 µs of event loop per binary request (66 JSON), the same endpoint in
-    FastAPI 123 (143): digits bodies, wrk at 16 connections, 2-core Xeon.
+class TensorRoutes:
+    """The POST routes that carry tensors (V2 infer, /v1/predict), answered ahead of FastAPI:
+    its routing, request and response objects and exception middleware cost more than all the
+    rest of a small model's request. A bare ASGI V2 endpoint with no model under uvicorn spent
+    44 µs of event loop per binary request (66 JSON), the same endpoint in FastAPI 123 (143):
+    digits bodies, wrk at 16 connections, 2-core Xeon.
 
-    Inside `BodyLimit` (size, deadline) and the metrics middleware; errors are answered from the
-    same table as FastAPI's exception handlers (`_error_answers`). Every other request goes on
-    to FastAPI.
+    Two ways in share this one implementation: `HotRoutes`, plain ASGI inside `BodyLimit` and
+    the metrics middleware (any ASGI server, the in-process tests), and the server's own HTTP
+    protocol (`protocol.py`), which answers these routes with no ASGI at all. Errors are
+    answered from the same table as FastAPI's exception handlers (`_error_answers`).
     """
 
     # the route template of each handler, as the metrics label it
@@ -519,20 +589,81 @@ class HotRoutes:
         "v2_infer_version": "/v2/models/{model_name}/versions/{version}/infer",
         "v1_predict": "/v1/predict",
     }
+    route = staticmethod(hot_route)
 
     def __init__(
         self,
-        app: ASGIApp,
         handlers: dict[str, HotHandler],
         answers: dict[type[Exception], ErrorAnswer],
+        metrics: Metrics,
         body_limit: int,
+        timeout_s: float,
         compress_min_bytes: int,
     ) -> None:
-        self.app = app
         self.handlers = handlers
         self.answers = answers
+        self.metrics = metrics
         self.body_limit = body_limit
+        self.timeout_s = timeout_s
         self.compress_min_bytes = compress_min_bytes  # 0: never
+
+    def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
+        return read_head(headers, self.body_limit, self.timeout_s)
+
+    def too_large_by_length(self) -> Response:
+        return too_large_by_length(self.body_limit, self.metrics)
+
+    def too_large(self) -> BodyTooLarge:
+        """The error of a body that streamed past the limit (counted where it is answered)."""
+        return BodyTooLarge(f"request body over the limit of {self.body_limit} bytes")
+
+    def body_timeout(self, head: Head, seen: int) -> BodyTimeout:
+        return body_timeout(head, seen, self.metrics)
+
+    async def answer(
+        self, name: str, params: dict[str, str], head: Head, body: bytes, watch: Watch
+    ) -> tuple[bytes, dict[str, str]]:
+        """The 200 answer's body and headers; raises what `error` answers otherwise."""
+        if head.encoding is not None:  # rare; a small gzip body may inflate to the limit
+            body = await run_in_threadpool(_decode_content, body, head.encoding, self.body_limit)
+        hot = HotRequest(head, params, body, watch)
+        content, headers = await self.handlers[name.removesuffix("_version")](hot)
+        accept = head.accept
+        if (
+            accept is not None
+            and 0 < self.compress_min_bytes <= len(content)
+            and (coding := response_coding(accept)) is not None
+        ):
+            if len(content) >= COMPRESS_IN_THREAD_BYTES:
+                content = await run_in_threadpool(_compress, content, coding)
+            else:
+                content = _compress(content, coding)
+            # Inference-Header-Content-Length still counts the JSON before compression
+            headers.update({"content-encoding": coding, "vary": "accept-encoding"})
+        return content, headers
+
+    def error(self, exc: BaseException) -> Response | None:
+        """The answer to a route's error; None for a bug (see `bug`)."""
+        return _answer_for(self.answers, exc)
+
+    def bug(self, exc: BaseException) -> Response:
+        """A 500 for an error no answer is made for, logged with its traceback (the ASGI way
+        in leaves both to Starlette and uvicorn)."""
+        log.error("exception answering a tensor route", exc_info=exc)
+        return _error(500, BUG)
+
+    def count(self, name: str, status: int, seconds: float) -> None:
+        """The request's metrics, labelled with the template of its route."""
+        self.metrics.request(self.PATHS[name], status, seconds)
+
+
+class HotRoutes:
+    """`TensorRoutes` as plain ASGI, ahead of the router: inside `BodyLimit` (size, deadline)
+    and the metrics middleware. Every other request goes on to FastAPI."""
+
+    def __init__(self, app: ASGIApp, routes: TensorRoutes) -> None:
+        self.app = app
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -548,25 +679,13 @@ class HotRoutes:
             allow = {"allow": "POST"}
             await _error(405, f"use POST for {path}", allow)(scope, receive, send)
             return
+        routes = self.routes
         try:
-            body, encoding, header_length, accept = await self._read(scope, receive)
-            if encoding is not None:  # rare; a small gzip body may inflate to the limit
-                body = await run_in_threadpool(_decode_content, body, encoding, self.body_limit)
-            hot = HotRequest(scope, receive, params, body, header_length)
-            content, headers = await self.handlers[name.removesuffix("_version")](hot)
-            if (
-                accept is not None
-                and 0 < self.compress_min_bytes <= len(content)
-                and (coding := response_coding(accept)) is not None
-            ):
-                if len(content) >= COMPRESS_IN_THREAD_BYTES:
-                    content = await run_in_threadpool(_compress, content, coding)
-                else:
-                    content = _compress(content, coding)
-                # Inference-Header-Content-Length still counts the JSON before compression
-                headers.update({"content-encoding": coding, "vary": "accept-encoding"})
+            head = head_of(scope) or routes.read_head(scope["headers"])
+            body = await self._read(receive)
+            content, headers = await routes.answer(name, params, head, body, asgi_watch(receive))
         except Exception as exc:
-            if (response := _answer_for(self.answers, exc)) is None:
+            if (response := routes.error(exc)) is None:
                 raise  # a bug: a 500 from Starlette's ServerErrorMiddleware
             await response(scope, receive, send)
             return
@@ -576,19 +695,8 @@ class HotRoutes:
         await send({"type": "http.response.body", "body": content})
 
     @staticmethod
-    async def _read(
-        scope: Scope, receive: Receive
-    ) -> tuple[bytes, str | None, str | None, str | None]:
-        """The whole body, its Content-Encoding, Inference-Header-Content-Length and the
-        Accept-Encoding of the answer."""
-        encoding = header_length = accept = None
-        for key, value in scope["headers"]:
-            if key == b"content-encoding":
-                encoding = value.decode("latin-1")
-            elif key == HEADER_LENGTH_BYTES:
-                header_length = value.decode("latin-1")
-            elif key == b"accept-encoding":
-                accept = value.decode("latin-1")
+    async def _read(receive: Receive) -> bytes:
+        """The whole body."""
         chunks: list[bytes] = []
         while True:
             message = await receive()
@@ -597,8 +705,7 @@ class HotRoutes:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return body, encoding, header_length, accept
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def create_app(predictor: Predictor, served: ServedModel, settings: ServeSettings) -> FastAPI:
@@ -628,13 +735,16 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     app.state.service = service
     answers = _error_answers(service)
     hot_handlers: dict[str, HotHandler] = {}  # filled below
-    app.add_middleware(
-        HotRoutes,
-        handlers=hot_handlers,
-        answers=answers,
+    tensor_routes = TensorRoutes(
+        hot_handlers,
+        answers,
+        service.metrics,
         body_limit=settings.max_body_bytes,
+        timeout_s=settings.timeout_ms / 1000,
         compress_min_bytes=settings.compress_min_bytes,
     )
+    app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
+    app.add_middleware(HotRoutes, routes=tensor_routes)
     app.add_middleware(
         BodyLimit,
         limit=settings.max_body_bytes,
@@ -647,7 +757,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         """The route template of a request answered before routing (a 413 from its
         Content-Length): as HotRoutes and FastAPI's router would match it."""
         if (hot := hot_route(scope["path"])) is not None:
-            return HotRoutes.PATHS[hot[0]]
+            return TensorRoutes.PATHS[hot[0]]
         for route in app.router.routes:
             if route.matches(scope)[0] is not Match.NONE:  # PARTIAL: its 405
                 return getattr(route, "path", None)
@@ -665,7 +775,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     version_param = Path(description="model version", json_schema_extra={"enum": [v2.VERSION]})
 
     # -- the routes that carry tensors: KServe V2 infer and /v1/predict ---------------------
-    # Plain ASGI handlers (`HotRoutes`), described in the OpenAPI schema by hand
+    # Answered ahead of FastAPI (`TensorRoutes`), described in the OpenAPI schema by hand
     # (`openapi.raw_paths`) with the served model's names.
     max_rows, chw = settings.max_batch_rows, service.chw  # rows refused before decoding
     parse_slots = asyncio.Semaphore(PARSE_SLOTS)
@@ -678,7 +788,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         if json_bytes < LARGE_BODY_BYTES:
             return await run_in_threadpool(parse, *args)
         try:
-            async with asyncio.timeout(service.timeout_s(hot.scope)):
+            async with asyncio.timeout(service.timeout_s(hot.head)):
                 await parse_slots.acquire()
         except TimeoutError:
             service.metrics.rejected("deadline")
@@ -693,17 +803,15 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
 
     async def v2_infer(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
         service.check_model(hot.params["model_name"], hot.params.get("version"))
-        args = (hot.body, hot.header_length, service.input_name, v2.OUTPUTS, max_rows, chw)
+        args = (hot.body, hot.head.header_length, service.input_name, v2.OUTPUTS, max_rows, chw)
         big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
         decode = v2.decode_request
         if big:  # V2 only: binary tensors after the JSON header are read with no parse
-            json_bytes = v2.json_length(hot.body, hot.header_length)
+            json_bytes = v2.json_length(hot.body, hot.head.header_length)
             req = await parse_large(hot, json_bytes, decode, *args)
         else:
             req = decode(*args)
-        logits = await service.predict(
-            req.x, service.timeout_s(hot.scope, req.timeout_s), hot.receive
-        )
+        logits = await service.predict(req.x, service.timeout_s(hot.head, req.timeout_s), hot.watch)
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
@@ -711,12 +819,12 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         big = len(hot.body) >= LARGE_BODY_BYTES
         decode = v1.decode_instances
         x, top_k = await parse_large(hot, len(hot.body), decode, *args) if big else decode(*args)
-        logits = await service.predict(x, service.timeout_s(hot.scope), hot.receive)
+        logits = await service.predict(x, service.timeout_s(hot.head), hot.watch)
         content = v1.encode_predictions(logits, service.labels, top_k, service.name)
         return content, {"content-type": "application/json"}
 
     hot_handlers.update(v2_infer=v2_infer, v1_predict=v1_predict)
-    raw_routes.update(HotRoutes.PATHS)  # the metrics' route label, by handler name
+    raw_routes.update(TensorRoutes.PATHS)  # the metrics' route label, by handler name
     raw_paths = openapi.raw_paths(
         service.name,
         service.input_name,
@@ -812,7 +920,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     async def v1_predict_image(request: Request, top_k: int | None = None) -> Response:
         if top_k is not None and top_k < 1:
             raise ProtocolError(f"top_k must be a positive integer, got {top_k}")
-        deadline = time.monotonic() + service.timeout_s(request.scope)
+        deadline = time.monotonic() + service.timeout_s(head_of(request.scope))
         contents = await _uploaded_images(request, settings.max_batch_rows)
 
         def decode_all() -> np.ndarray:
@@ -848,7 +956,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         if remaining <= 0:
             service.metrics.rejected("deadline")
             raise DeadlineExceeded("deadline passed while decoding the images")
-        logits = await service.predict(x, remaining, request.receive)
+        logits = await service.predict(x, remaining, asgi_watch(request.receive))
         return Response(
             v1.encode_predictions(
                 logits,
@@ -878,7 +986,7 @@ ErrorAnswer = Callable[[Any], Response]
 
 def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
     """How each error a route raises is answered: status, `{"error": ...}` body, headers. One
-    table for FastAPI's exception handlers and for `HotRoutes`."""
+    table for FastAPI's exception handlers and for `TensorRoutes`."""
 
     def answer(
         status: int | Callable[[Any], int], headers: Callable[[Any], dict[str, str]] | None = None
@@ -951,7 +1059,7 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
     async def server_error(request: Request, exc: Exception) -> Response:
         # Starlette's outermost middleware sends this, then re-raises for uvicorn to log; its
         # own answer is text, which tritonclient fails to decode.
-        return _error(500, "internal server error (a bug: see the server's log)")
+        return _error(500, BUG)
 
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -1053,125 +1161,6 @@ class _ImageForm(MultiPartParser):
         )
 
 
-class _CoalescingTransport:
-    """A transport that joins the writes of one event-loop turn into one `write()`.
-
-    uvicorn writes a response's head and its body with a `write()` each: two system calls and
-    two TCP segments, each waking the client, for every answer (strace of a server under wrk:
-    8,532 writes for 4,258 requests). Held here until the end of the turn, they leave as one,
-    as aiohttp sends a head with the first piece of its body. Measured on the Xeon at 16
-    connections, the same wrk cells with and without (4 rounds, medians): digits int8 +2 %
-    binary and +3 % JSON requests per second, ResNet-18 int8 +3 % binary (JSON within the
-    noise). Nothing waits longer than the current turn, and close() sends what is held first.
-    """
-
-    __slots__ = ("_loop", "_pending", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def writelines(self, lines: Iterable[bytes]) -> None:
-        for data in lines:
-            self.write(data)
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():  # a closed peer reads nothing more
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._pending.clear()
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the transport's own
-        return getattr(self._transport, name)
-
-
-# A request's URL and headers together; more is answered 431 (uvicorn's h11 protocol: 16 KiB)
-MAX_HEAD_BYTES = 64 * 1024
-
-
-def _http_protocol() -> Any:
-    """uvicorn's HTTP protocol (httptools), but a request it cannot parse — which the app never
-    sees — is answered like every other error here: a JSON body, not text/plain; a request
-    head over MAX_HEAD_BYTES is refused; and a response's head and body leave in one write
-    (`_CoalescingTransport`)."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # no httptools: uvicorn's h11 protocol and its text answer
-        return "auto"
-
-    class LightshipProtocol(HttpToolsProtocol):
-        # Bytes received since the last request's head ended: its URL and headers so far
-        _head_bytes = 0
-        _in_head = True
-
-        def connection_made(self, transport: Any) -> None:
-            coalescing = _CoalescingTransport(transport, self.loop)  # the protocol's own loop
-            super().connection_made(coalescing)  # type: ignore[arg-type]
-
-        def data_received(self, data: bytes) -> None:
-            # httptools sets no limit on a request's head and joins its pieces by copying:
-            # a 100 MB header held the event loop for seconds. Counted as it arrives, the
-            # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
-            if self._in_head:
-                self._head_bytes += len(data)
-            HttpToolsProtocol.data_received(self, data)
-            over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
-            if over and not self.transport.is_closing():
-                self._send_error(
-                    b"431 Request Header Fields Too Large",
-                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
-                )
-
-        def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
-            HttpToolsProtocol.on_headers_complete(self)
-
-        def on_message_complete(self) -> None:
-            HttpToolsProtocol.on_message_complete(self)
-            self._in_head = True
-
-        def send_400_response(self, msg: str) -> None:
-            self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
-
-        def _send_error(self, status: bytes, message: str) -> None:
-            body = error_body(message)
-            head = [b"HTTP/1.1 " + status + b"\r\n"]
-            head += [
-                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
-            ]
-            head += [
-                b"content-type: application/json\r\n",
-                b"content-length: %d\r\n" % len(body),
-                b"connection: close\r\n\r\n",
-            ]
-            self.transport.write(b"".join([*head, body]))
-            self.transport.close()
-
-    return LightshipProtocol
-
-
 def serve(settings: ServeSettings) -> None:
     """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT."""
     from lightship.serve.model import choose, verify
@@ -1191,7 +1180,7 @@ def serve(settings: ServeSettings) -> None:
         app,
         host=settings.host,
         port=settings.port,
-        http=_http_protocol(),
+        http=http_protocol(app.state.tensor_routes),
         workers=1,
         access_log=settings.access_log,
         log_level=settings.log_level,

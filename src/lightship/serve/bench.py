@@ -12,9 +12,9 @@ same run, on the same machine, beside it (`lightship.serve.ceiling`):
   of it is the gap;
 - **FastAPI no-model endpoint**: a FastAPI route that parses the same request and answers a
   response of the same shape without a model, the endpoint the serving issue's target names.
-  The server answers its tensor routes ahead of FastAPI (plain ASGI), which costs its event
-  loop less per request than this route: the server can beat it, so it is no ceiling of the
-  server's path, only the issue's yardstick.
+  The server answers its tensor routes in its own HTTP protocol, without ASGI or FastAPI,
+  which costs its event loop less per request than this route: the server can beat it, so it
+  is no ceiling of the server's path, only the issue's yardstick.
 
 Throughput counts 2xx answers only: wrk's own count includes error answers (a 429 from a full
 queue is quick), and drops requests that failed on the socket or timed out. Every cell that had

@@ -1,19 +1,19 @@
 """The benchmark's two no-model ceilings: what serving costs without batching and inference.
 
 - **same-path no-model** (`python -m lightship.serve.ceiling serve ARGS`): `lightship serve
-  ARGS` itself, the real server process (uvicorn with lightship's HTTP protocol, the body limit,
-  metrics, the plain-ASGI tensor routes, V2 and v1 parsing and checks, deadlines, the error
-  table, the answer's encoding), with one part replaced: its `Batcher` by `InstantBatcher`,
-  which answers each request at once on the event loop with zero logits, no queue and no
-  inference thread. The gap between it and `lightship serve` is what batching and the model
-  cost on top of the same request path.
+  ARGS` itself, the real server process (uvicorn with lightship's HTTP protocol, which answers
+  the tensor routes without ASGI: body limit, metrics, V2 and v1 parsing and checks,
+  deadlines, the error table, the answer's encoding), with one part replaced: its `Batcher` by
+  `InstantBatcher`, which answers each request at once on the event loop with zero logits, no
+  queue and no inference thread. The gap between it and `lightship serve` is what batching and
+  the model cost on top of the same request path.
 - **FastAPI no-model** (`python -m lightship.serve.ceiling --input-name input --classes 10`):
   a FastAPI V2 infer route that parses the same request with `v2.decode_request` and answers
   with `v2.encode_response`, no model. The serving issue's target is stated against it ("the
   digits model over JSON reaches ≥ 90 % of the no-model FastAPI ceiling"). The server answers
-  its tensor routes ahead of FastAPI's router (`HotRoutes`), which costs its event loop less
-  per request than this route does: it is no ceiling of the server's request path, and the
-  server can beat it.
+  its tensor routes in its HTTP protocol, without FastAPI (`TensorRoutes`), which costs its
+  event loop less per request than this route does: it is no ceiling of the server's request
+  path, and the server can beat it.
 
 Each listens on the `--port` given.
 """

@@ -141,10 +141,10 @@ class MetricsMiddleware:
     """Counts and times each HTTP request under its route template (bounded label values).
 
     Plain ASGI, not Starlette's BaseHTTPMiddleware, which costs a task per request. FastAPI
-    puts its routes in `scope["route"]`; the server's `HotRoutes` puts its handler's name in
-    `scope["endpoint"]`, which `paths` maps to the route template. A request answered before
-    either (a body too large by its Content-Length) or by no route is labelled by `route_of`
-    (the template of the route its path matches; None: "unmatched").
+    puts its routes in `scope["route"]`; `HotRoutes` (the tensor routes through ASGI) puts its
+    handler's name in `scope["endpoint"]`, which `paths` maps to the route template. A request
+    answered before either (a body too large by its Content-Length) or by no route is labelled
+    by `route_of` (the template of the route its path matches; None: "unmatched").
     """
 
     def __init__(

@@ -1,0 +1,422 @@
+"""The server's HTTP/1.1 protocol: uvicorn's (httptools), answering the tensor routes itself.
+
+uvicorn makes every request an ASGI scope, a task that runs the app through each of its
+middleware layers (uvicorn's proxy headers, Starlette's and FastAPI's error, telemetry and body
+limit layers, lightship's metrics and body limit), and a message for each piece of body and
+answer. For a small model that machinery cost more than everything else its request does: the
+digits model's binary requests spent ~85 µs of the event loop each with no model at all (the
+benchmark's same-path endpoint), where the same decoding and encoding take ~10. So POST to a
+tensor route (V2 infer, /v1/predict) is answered here, without ASGI (`_TensorCycle`), by the
+same `TensorRoutes` object that the ASGI app answers them with (`app.py`): the same handlers,
+body limit, deadlines, error table and metrics. Every other request, and any request this
+protocol does not answer itself, goes to uvicorn's ASGI cycle as before.
+
+Beyond that, three things that uvicorn's protocol does not do: a request it cannot parse is
+answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, and what is written
+during one turn of the event loop leaves in one write (`_CoalescingTransport`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect
+
+from lightship.serve.v2 import error_body
+
+if TYPE_CHECKING:
+    from lightship.serve.app import Head, TensorRoutes
+    from lightship.serve.batcher import Ticket
+
+log = logging.getLogger(__name__)
+
+# A request's URL and headers together; more is answered 431 (uvicorn's h11 protocol: 16 KiB)
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class _CoalescingTransport:
+    """A transport that joins the writes of one event-loop turn into one `write()`.
+
+    uvicorn writes a response's head and its body with a `write()` each: two system calls and
+    two TCP segments, each waking the client, for every answer (strace of a server under wrk:
+    8,532 writes for 4,258 requests). Held here until the end of the turn, they leave as one,
+    as aiohttp sends a head with the first piece of its body. Measured on the Xeon at 16
+    connections, the same wrk cells with and without (4 rounds, medians): digits int8 +2 %
+    binary and +3 % JSON requests per second, ResNet-18 int8 +3 % binary (JSON within the
+    noise). Nothing waits longer than the current turn, and close() sends what is held first.
+    An answer written whole (`write_now`) leaves at once, after what is held.
+    """
+
+    __slots__ = ("_loop", "_pending", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def write_now(self, data: bytes) -> None:
+        if self._pending:
+            self._pending.append(data)
+            self._flush()  # the turn's own flush then finds nothing left
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
+    def writelines(self, lines: Iterable[bytes]) -> None:
+        for data in lines:
+            self.write(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():  # a closed peer reads nothing more
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the transport's own
+        return getattr(self._transport, name)
+
+
+class _NoEvent:
+    """uvicorn's protocol sets its cycle's `message_event` when the connection is lost; a
+    `_TensorCycle` learns that from `lost()` instead."""
+
+    def set(self) -> None:
+        pass
+
+
+class _TensorCycle:
+    """One POST to a tensor route, answered without ASGI.
+
+    It stands where uvicorn's protocol keeps a request's `RequestResponseCycle`, with what the
+    protocol reads of one (`response_complete`, `disconnected`, `keep_alive`, `message_event`,
+    and `run_asgi`, which uvicorn starts as the request's task: at once, or after the requests
+    pipelined before it have been answered). The parser's callbacks hand it the body (`feed`,
+    `complete`) and a lost connection (`lost`), which abandons the request in the queue at once.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_expect_100",
+        "_head",
+        "_name",
+        "_over",
+        "_params",
+        "_path",
+        "_protocol",
+        "_routes",
+        "_seen",
+        "_ticket",
+        "_version",
+        "_waiter",
+        "disconnected",
+        "keep_alive",
+        "more_body",
+        "response_complete",
+    )
+    message_event = _NoEvent()
+
+    def __init__(
+        self,
+        protocol: Any,  # the LightshipProtocol that read it
+        routes: TensorRoutes,
+        name: str,
+        params: dict[str, str],
+        head: Head,
+        path: str,
+        version: str,
+        keep_alive: bool,
+        expect_100: bool,
+    ) -> None:
+        self._protocol = protocol
+        self._routes = routes
+        self._name = name
+        self._params = params
+        self._head = head
+        self._path = path
+        self._version = version
+        self._expect_100 = expect_100
+        self._chunks: list[bytes] = []
+        self._seen = 0  # body bytes received
+        self._over = False  # the body went past the limit
+        self._ticket: Ticket | None = None
+        self._waiter: asyncio.Future[None] | None = None  # while run_asgi waits for the body
+        self.keep_alive = keep_alive
+        self.more_body = True
+        self.disconnected = False
+        self.response_complete = False
+
+    # -- the parser's callbacks, in data_received -----------------------------------------
+
+    def feed(self, body: bytes) -> None:
+        if self.response_complete or self._over:
+            return
+        self._seen += len(body)
+        if self._seen > self._routes.body_limit:
+            self._over = True
+            self._chunks.clear()
+            self._wake()
+        else:
+            self._chunks.append(body)
+
+    def complete(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        if self.response_complete:
+            return
+        self.disconnected = True
+        if self._ticket is not None:
+            self._ticket.abandon()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the request's task -----------------------------------------------------------------
+
+    def watch(self, ticket: Ticket) -> Callable[[], None]:
+        """The request's `Watch`: a lost connection abandons its queued ticket."""
+        if self.disconnected:
+            ticket.abandon()
+        else:
+            self._ticket = ticket
+        return self._unwatch
+
+    def _unwatch(self) -> None:
+        self._ticket = None
+
+    async def run_asgi(self, app: object) -> None:
+        """Answer the request (uvicorn's name for its task; no ASGI app is called)."""
+        routes, name = self._routes, self._name
+        start = time.perf_counter()
+        status = 500  # if the task is cancelled (shutdown's timeout): counted as uvicorn's
+        try:
+            if self._head.too_large:
+                response = routes.too_large_by_length()
+            else:
+                try:
+                    body = await self._body()
+                    content, headers = await routes.answer(
+                        name, self._params, self._head, body, self.watch
+                    )
+                except Exception as exc:
+                    response = routes.error(exc) or routes.bug(exc)
+                else:
+                    status = 200
+                    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+                    raw.append((b"content-length", b"%d" % len(content)))
+                    await self._send(200, raw, content)
+                    return
+            status = response.status_code
+            await self._send(status, response.raw_headers, bytes(response.body))
+        finally:
+            routes.count(name, status, time.perf_counter() - start)
+
+    async def _body(self) -> bytes:
+        """The whole body, once it has arrived; the errors BodyLimit raises otherwise."""
+        if self.more_body and not (self._over or self.disconnected):
+            protocol = self._protocol
+            transport = protocol.transport
+            if self._expect_100 and not transport.is_closing():
+                transport.write_now(b"HTTP/1.1 100 Continue\r\n\r\n")
+            loop = protocol.loop
+            # BodyLimit's deadline, counted from the head's arrival in the loop's clock
+            deadline = loop.time() + self._head.deadline - time.monotonic()
+            while self.more_body and not (self._over or self.disconnected):
+                self._waiter = loop.create_future()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await self._waiter
+                except TimeoutError:
+                    raise self._routes.body_timeout(self._head, self._seen) from None
+                finally:
+                    self._waiter = None
+        if self.disconnected:
+            raise ClientDisconnect()
+        if self._over:
+            raise self._routes.too_large()
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _send(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+        protocol = self._protocol
+        if protocol.flow.write_paused and not self.disconnected:
+            await protocol.flow.drain()  # a client that reads slowly: as uvicorn waits
+        transport = protocol.transport
+        if self.disconnected or transport.is_closing():
+            self.response_complete = True
+            return
+        close = not self.keep_alive
+        parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
+        for key, value in (*protocol.server_state.default_headers, *headers):
+            if key == b"connection" and value.lower() == b"close":
+                close = True
+                continue
+            parts += (key, b": ", value, b"\r\n")
+        if close:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", content)
+        transport.write_now(b"".join(parts))
+        self.response_complete = True
+        if protocol.access_log:
+            client = protocol.client
+            protocol.access_logger.info(
+                '%s - "POST %s HTTP/%s" %d',
+                f"{client[0]}:{client[1]}" if client else "",
+                self._path,
+                self._version,
+                status,
+            )
+        if close:
+            self.keep_alive = False
+            transport.close()
+        protocol.on_response_complete()
+
+
+# Status lines by code; 499 (nginx's, a client that left) is only ever counted, never sent.
+_STATUS_LINES = {
+    status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode("latin-1"))
+    for status in HTTPStatus
+}
+
+
+def http_protocol(routes: TensorRoutes | None = None) -> Any:
+    """uvicorn's HTTP protocol (httptools) as this module describes it; `routes` are answered
+    without ASGI. "auto" (uvicorn's h11 protocol, all through ASGI) without httptools."""
+    try:
+        import httptools
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: uvicorn's h11 protocol and its text answers
+        return "auto"
+
+    class LightshipProtocol(HttpToolsProtocol):
+        # Bytes received since the last request's head ended: its URL and headers so far
+        _head_bytes = 0
+        _in_head = True
+
+        def connection_made(self, transport: Any) -> None:
+            coalescing = _CoalescingTransport(transport, self.loop)  # the protocol's own loop
+            super().connection_made(coalescing)  # type: ignore[arg-type]
+
+        def data_received(self, data: bytes) -> None:
+            # httptools sets no limit on a request's head and joins its pieces by copying:
+            # a 100 MB header held the event loop for seconds. Counted as it arrives, the
+            # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
+            if self._in_head:
+                self._head_bytes += len(data)
+            HttpToolsProtocol.data_received(self, data)
+            over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
+            if over and not self.transport.is_closing():
+                self._send_error(
+                    b"431 Request Header Fields Too Large",
+                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
+                )
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            if routes is None or not self._answer_here():
+                HttpToolsProtocol.on_headers_complete(self)
+
+        def _answer_here(self) -> bool:
+            """Start (or queue behind a pipelined one) a `_TensorCycle` for a POST to a
+            tensor route; False for any other request, which goes to ASGI."""
+            assert routes is not None
+            parser = self.parser
+            if (
+                parser.get_method() != b"POST"
+                or parser.should_upgrade()
+                or self.limit_concurrency is not None  # uvicorn's 503 for it: not set here
+            ):
+                return False
+            raw_path = httptools.parse_url(self.url).path
+            if b"%" in raw_path or not raw_path.isascii():  # uvicorn decodes those paths
+                return False
+            path = raw_path.decode("ascii")
+            if (matched := routes.route(path)) is None:
+                return False
+            version = parser.get_http_version()
+            cycle = _TensorCycle(
+                self,
+                routes,
+                *matched,
+                head=routes.read_head(self.headers),
+                path=path,
+                version=version,
+                keep_alive=version != "1.0" and parser.should_keep_alive(),
+                expect_100=self.expect_100_continue,
+            )
+            previous, self.cycle = self.cycle, cycle  # type: ignore[assignment]
+            if previous is None or previous.response_complete:
+                self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+            else:  # pipelined: answered in order, as uvicorn queues its own
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+            return True
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            if type(cycle) is _TensorCycle:
+                cycle.feed(body)
+            else:
+                HttpToolsProtocol.on_body(self, body)
+
+        def on_message_complete(self) -> None:
+            cycle = self.cycle
+            if type(cycle) is _TensorCycle:
+                cycle.complete()
+            else:
+                HttpToolsProtocol.on_message_complete(self)
+            self._in_head = True
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            if type(cycle) is _TensorCycle:
+                cycle.lost()
+            HttpToolsProtocol.connection_lost(self, exc)
+
+        def send_400_response(self, msg: str) -> None:
+            self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
+
+        def _send_error(self, status: bytes, message: str) -> None:
+            body = error_body(message)
+            head = [b"HTTP/1.1 " + status + b"\r\n"]
+            head += [
+                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+            ]
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+            ]
+            self.transport.write(b"".join([*head, body]))
+            self.transport.close()
+
+    return LightshipProtocol
