@@ -1246,7 +1246,7 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
 
 
 def test_a_bug_is_a_500_with_a_json_error_body_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, via: str
 ) -> None:
     """tritonclient reads every error as `{"error": ...}`: a bug answered Starlette's text
     "Internal Server Error", which it reports as a failure to decode the answer."""
@@ -1259,6 +1259,9 @@ def test_a_bug_is_a_500_with_a_json_error_body_too(
     monkeypatch.setattr(serve_app.v2, "model_metadata", bug)
 
     async def main() -> list[httpx.Response]:
+        if via == "http":  # the protocol answers the tensor route itself, and logs the bug
+            async with serving(app, via=via) as client:
+                return [await client.post(INFER, json=v2_json(X)), await client.get(HAND)]
         async with app.router.lifespan_context(app):
             await asyncio.wait_for(service(app).settled.wait(), 10)
             # as a server does: the app's exception reaches uvicorn (which logs it), the
@@ -1271,6 +1274,9 @@ def test_a_bug_is_a_500_with_a_json_error_body_too(
         assert r.status_code == 500
         assert r.headers["content-type"] == "application/json"
         assert r.json() == {"error": "internal server error (a bug: see the server's log)"}
+    if via == "http":
+        (logged,) = [r for r in caplog.records if r.name == "lightship.serve.app"]
+        assert logged.exc_info is not None and str(logged.exc_info[1]) == "a bug"
 
 
 def test_tensor_routes_answer_other_methods_405_and_label_each_route(
@@ -2321,11 +2327,11 @@ def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
             _,
             client,
         ):
-            assert (await client.post(INFER, json=v2_json(X))).status_code == 200
+            assert (await client.post(f"{INFER}?trace=1", json=v2_json(X))).status_code == 200
             assert (await client.post("/v2/models/other/infer", json=v2_json(X))).status_code == 404
 
     with caplog.at_level(logging.INFO, logger="uvicorn.access"):
         run(main())
     lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
-    assert any(line.endswith('"POST /v2/models/hand/infer HTTP/1.1" 200') for line in lines)
+    assert any(line.endswith('"POST /v2/models/hand/infer?trace=1 HTTP/1.1" 200') for line in lines)
     assert any(line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404') for line in lines)

@@ -126,10 +126,10 @@ class _TensorCycle:
         "_name",
         "_over",
         "_params",
-        "_path",
         "_protocol",
         "_routes",
         "_seen",
+        "_target",
         "_ticket",
         "_version",
         "_waiter",
@@ -147,7 +147,7 @@ class _TensorCycle:
         name: str,
         params: dict[str, str],
         head: Head,
-        path: str,
+        target: str,  # path and query, for the access log
         version: str,
         keep_alive: bool,
         expect_100: bool,
@@ -157,7 +157,7 @@ class _TensorCycle:
         self._name = name
         self._params = params
         self._head = head
-        self._path = path
+        self._target = target
         self._version = version
         self._expect_100 = expect_100
         self._chunks: list[bytes] = []
@@ -291,7 +291,7 @@ class _TensorCycle:
             protocol.access_logger.info(
                 '%s - "POST %s HTTP/%s" %d',
                 f"{client[0]}:{client[1]}" if client else "",
-                self._path,
+                self._target,
                 self._version,
                 status,
             )
@@ -356,19 +356,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 or self.limit_concurrency is not None  # uvicorn's 503 for it: not set here
             ):
                 return False
-            raw_path = httptools.parse_url(self.url).path
+            url = httptools.parse_url(self.url)
+            raw_path = url.path
             if b"%" in raw_path or not raw_path.isascii():  # uvicorn decodes those paths
                 return False
             path = raw_path.decode("ascii")
             if (matched := routes.route(path)) is None:
                 return False
+            target = path if not url.query else f"{path}?{url.query.decode('latin-1')}"
             version = parser.get_http_version()
             cycle = _TensorCycle(
                 self,
                 routes,
                 *matched,
                 head=routes.read_head(self.headers),
-                path=path,
+                target=target,
                 version=version,
                 keep_alive=version != "1.0" and parser.should_keep_alive(),
                 expect_100=self.expect_100_continue,
