@@ -239,6 +239,13 @@ def test_a_64_mb_body_is_refused_with_413_json(hand: Server) -> None:
     r = httpx.post(f"{hand.url}/v2/models/hand/infer", content=body, timeout=30)
     assert r.status_code == 413
     assert "limit of 16777216 bytes" in r.json()["error"]
+    # http.client (under `requests`) sends the whole body before it reads: it gets the answer
+    host, port = hand.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v2/models/hand/infer", body=body)
+    answer = conn.getresponse()
+    assert answer.status == 413 and "limit of 16777216 bytes" in json.loads(answer.read())["error"]
+    conn.close()
     # refused by its Content-Length before any route matched it: counted under its route
     metrics = hand.metrics()
     assert metrics['lightship_requests_total{route="/v2/models/{model_name}/infer",status="413"}']

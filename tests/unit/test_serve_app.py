@@ -2335,3 +2335,26 @@ def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
     lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
     assert any(line.endswith('"POST /v2/models/hand/infer?trace=1 HTTP/1.1" 200') for line in lines)
     assert any(line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404') for line in lines)
+
+
+@pytest.mark.parametrize("path", [INFER, "/v1/predict/image"])
+def test_a_client_still_sending_a_refused_body_reads_the_413(tmp_path: Path, path: str) -> None:
+    """A client that sends its whole body before it reads (Python's http.client, `requests`)
+    must get the answer, not a reset: the server reads and drops the rest before it closes.
+    Both ways: the tensor route answered by the protocol, the upload by ASGI's BodyLimit."""
+    app, _ = make_app(tmp_path, max_body_bytes=4096)
+    body = b"0" * (8 * 1024 * 1024)  # far more than the sockets' buffers hold
+
+    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(post(path, body, "content-type: application/octet-stream"))
+            await asyncio.wait_for(writer.drain(), 10)  # all of it sent, none of it read
+            status, headers, answer = await asyncio.wait_for(read_answer(reader), 5)
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return status, headers, answer, rest
+
+    status, headers, answer, rest = run(main())
+    assert status == 413 and headers["connection"] == "close" and rest == b""
+    assert "over the limit of 4096 bytes (max_body_bytes)" in json.loads(answer)["error"]

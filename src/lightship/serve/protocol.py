@@ -11,9 +11,11 @@ same `TensorRoutes` object that the ASGI app answers them with (`app.py`): the s
 body limit, deadlines, error table and metrics. Every other request, and any request this
 protocol does not answer itself, goes to uvicorn's ASGI cycle as before.
 
-Beyond that, three things that uvicorn's protocol does not do: a request it cannot parse is
-answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, and what is written
-during one turn of the event loop leaves in one write (`_CoalescingTransport`).
+Beyond that, four things that uvicorn's protocol does not do: a request it cannot parse is
+answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, what is written
+during one turn of the event loop leaves in one write (`_CoalescingTransport`), and a
+connection closed while the client is still sending its request lingers until the client has
+read the answer (`LightshipProtocol._close`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 
 # A request's URL and headers together; more is answered 431 (uvicorn's h11 protocol: 16 KiB)
 MAX_HEAD_BYTES = 64 * 1024
+# How long a connection closed before its request arrived whole (a 413 by its length, a body
+# still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
+# the client still sends, so that the client reads the answer (`LightshipProtocol._close`).
+LINGER_S = 5.0
 
 
 class _CoalescingTransport:
@@ -49,15 +55,23 @@ class _CoalescingTransport:
     connections, the same wrk cells with and without (4 rounds, medians): digits int8 +2 %
     binary and +3 % JSON requests per second, ResNet-18 int8 +3 % binary (JSON within the
     noise). Nothing waits longer than the current turn, and close() sends what is held first.
-    An answer written whole (`write_now`) leaves at once, after what is held.
+    An answer written whole (`write_now`) leaves at once, after what is held. close() is the
+    protocol's to decide (`closer`: a lingering close); `close_now` closes at once.
     """
 
-    __slots__ = ("_loop", "_pending", "_transport")
+    __slots__ = ("_closer", "_eof", "_loop", "_pending", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        closer: Callable[[], None] | None = None,
+    ) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
+        self._closer = closer
+        self._eof = False  # this side is shut: nothing more is written
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -70,7 +84,7 @@ class _CoalescingTransport:
         if self._pending:
             self._pending.append(data)
             self._flush()  # the turn's own flush then finds nothing left
-        elif not self._transport.is_closing():
+        elif not self.is_closing():
             self._transport.write(data)
 
     def writelines(self, lines: Iterable[bytes]) -> None:
@@ -79,17 +93,28 @@ class _CoalescingTransport:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():  # a closed peer reads nothing more
+        if pending and not self.is_closing():  # a closed peer reads nothing more
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
 
+    def is_closing(self) -> bool:
+        return self._eof or self._transport.is_closing()
+
     def write_eof(self) -> None:
         self._flush()
+        self._eof = True
         self._transport.write_eof()
 
     def close(self) -> None:
+        if self._closer is None:
+            self.close_now()
+        else:
+            self._flush()
+            self._closer()
+
+    def close_now(self) -> None:
         self._flush()
         self._transport.close()
 
@@ -321,12 +346,48 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # Bytes received since the last request's head ended: its URL and headers so far
         _head_bytes = 0
         _in_head = True
+        _broken = False  # a head refused (431) or that did not parse (400): no request to read
+        _linger: asyncio.TimerHandle | None = None  # closing: reading what still comes
 
         def connection_made(self, transport: Any) -> None:
-            coalescing = _CoalescingTransport(transport, self.loop)  # the protocol's own loop
-            super().connection_made(coalescing)  # type: ignore[arg-type]
+            # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
+            self._out = _CoalescingTransport(transport, self.loop, self._close)
+            super().connection_made(self._out)  # type: ignore[arg-type]
+
+        def _close(self) -> None:
+            """Close the connection: at once, or, while the client may still be sending the
+            request just answered, with a lingering close, as nginx does. A socket closed with
+            bytes unread makes the kernel reset the connection, and the client's kernel may
+            then drop the answer unread: Python's http.client, which `requests` uses, sends a
+            whole 64 MB body before it reads, and got ConnectionResetError instead of the 413.
+            So the answer goes out with a FIN, what still comes is read and thrown away, and
+            the connection closes when the client closes it, or after LINGER_S."""
+            transport = self._out
+            if self._linger is not None:
+                return  # lingering already: its timer or the client closes it
+            cycle = self.cycle
+            unread = self._broken or (cycle is not None and cycle.more_body)
+            if unread and not transport.is_closing():
+                try:
+                    half_close = transport.can_write_eof()
+                except NotImplementedError:  # a transport that cannot: closed at once
+                    half_close = False
+                if half_close:
+                    transport.write_eof()
+                    self._linger = self.loop.call_later(LINGER_S, transport.close_now)
+                    self.flow.resume_reading()  # paused for a long body or a pipelined request
+                    return
+            transport.close_now()
+
+        def shutdown(self) -> None:
+            if self._linger is not None:  # the server is stopping: no more patience
+                self._out.close_now()
+            else:
+                HttpToolsProtocol.shutdown(self)
 
         def data_received(self, data: bytes) -> None:
+            if self._linger is not None:
+                return  # the rest of a request already answered: thrown away
             # httptools sets no limit on a request's head and joins its pieces by copying:
             # a 100 MB header held the event loop for seconds. Counted as it arrives, the
             # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
@@ -399,6 +460,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self._in_head = True
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._linger is not None:
+                self._linger.cancel()
             cycle = self.cycle
             if type(cycle) is _TensorCycle:
                 cycle.lost()
@@ -408,6 +471,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
 
         def _send_error(self, status: bytes, message: str) -> None:
+            self._broken = True
             body = error_body(message)
             head = [b"HTTP/1.1 " + status + b"\r\n"]
             head += [
