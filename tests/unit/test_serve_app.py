@@ -2121,6 +2121,21 @@ def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+Exchange = tuple[int, dict[str, str], bytes, bytes]
+
+
+async def exchange(connect: Callable[[], Awaitable[Any]], *data: bytes) -> Exchange:
+    """Send `data` on a new connection; the answer, then what follows it until the server
+    closes (b"" when it closes right after the answer)."""
+    reader, writer = await connect()
+    writer.writelines(data)
+    await asyncio.wait_for(writer.drain(), 10)  # all of it sent, none of it read
+    status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+    rest = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return status, headers, body, rest
+
+
 def test_tensor_routes_over_http_are_answered_without_asgi(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     binary, binary_headers = v2_binary(X)
@@ -2162,16 +2177,13 @@ def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection
     part = b'{"inputs": ['
     timeout = [] if servers else ["x-request-timeout-ms: 50"]
 
-    async def main() -> tuple[int, dict[str, str], bytes, bytes, str]:
+    async def main() -> tuple[Exchange, str]:
         async with raw_http(app) as (connect, _, client):
-            reader, writer = await connect()
-            writer.write(post(INFER, b"", *timeout).replace(b"length: 0", b"length: 5000") + part)
-            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
-            rest = await asyncio.wait_for(reader.read(), 5)  # b"": the server closed
-            writer.close()
-            return status, headers, body, rest, (await client.get("/metrics")).text
+            head = post(INFER, b"", *timeout).replace(b"length: 0", b"length: 5000")
+            answered = await exchange(connect, head, part)
+            return answered, (await client.get("/metrics")).text
 
-    status, headers, body, rest, text = run(main())
+    (status, headers, body, rest), text = run(main())
     assert headers["connection"] == "close" and rest == b""
     assert headers["content-type"] == "application/json"
     error = json.loads(body)["error"]
@@ -2263,14 +2275,10 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer(
 ) -> None:
     app, _ = make_app(tmp_path)
 
-    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+    async def main() -> Exchange:
         async with raw_http(app) as (connect, _, _):
-            reader, writer = await connect()
-            writer.write(post(INFER, json.dumps(v2_json(X)).encode(), *extra, version=version))
-            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
-            rest = await asyncio.wait_for(reader.read(), 5)
-            writer.close()
-            return status, headers, body, rest
+            request = post(INFER, json.dumps(v2_json(X)).encode(), *extra, version=version)
+            return await exchange(connect, request)
 
     status, headers, body, rest = run(main())
     assert status == 200 and headers["connection"] == "close" and rest == b""
@@ -2336,16 +2344,10 @@ def test_a_body_too_large_by_its_length_is_refused_and_the_client_reads_the_413(
     app, _ = make_app(tmp_path, max_body_bytes=4096)
     head = post(path, b"", "content-type: application/octet-stream")
 
-    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+    async def main() -> Exchange:
         async with raw_http(app) as (connect, _, _):
-            reader, writer = await connect()
-            writer.write(head.replace(b"length: 0", b"length: %d" % (sent or 10**9)))
-            writer.write(b"0" * sent)
-            await asyncio.wait_for(writer.drain(), 10)  # all of it sent, none of it read
-            status, headers, answer = await asyncio.wait_for(read_answer(reader), 5)
-            rest = await asyncio.wait_for(reader.read(), 5)
-            writer.close()
-            return status, headers, answer, rest
+            length = b"length: %d" % (sent or 10**9)
+            return await exchange(connect, head.replace(b"length: 0", length), b"0" * sent)
 
     status, headers, answer, rest = run(main())
     assert status == 413 and headers["connection"] == "close" and rest == b""
