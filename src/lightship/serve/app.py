@@ -94,7 +94,10 @@ BUG = "internal server error (a bug: see the server's log)"
 
 
 class BodyTooLarge(Exception):
-    pass
+    @classmethod
+    def of(cls, limit: int) -> BodyTooLarge:
+        """A body that streamed past `limit` bytes (counted in the rejections where answered)."""
+        return cls(f"request body over the limit of {limit} bytes")
 
 
 class BodyTimeout(Exception):
@@ -446,8 +449,8 @@ class BodyLimit:
                 timer.cancel()
             body_done = not message.get("more_body", False)
             seen += len(message.get("body", b""))
-            if seen > self.limit:  # counted in the rejections where it is answered
-                raise BodyTooLarge(f"request body over the limit of {self.limit} bytes")
+            if seen > self.limit:
+                raise BodyTooLarge.of(self.limit)
             return message
 
         await self.app(scope, counted, send)
@@ -614,8 +617,7 @@ class TensorRoutes:
         return too_large_by_length(self.body_limit, self.metrics)
 
     def too_large(self) -> BodyTooLarge:
-        """The error of a body that streamed past the limit (counted where it is answered)."""
-        return BodyTooLarge(f"request body over the limit of {self.body_limit} bytes")
+        return BodyTooLarge.of(self.body_limit)
 
     def body_timeout(self, head: Head, seen: int) -> BodyTimeout:
         return body_timeout(head, seen, self.metrics)
