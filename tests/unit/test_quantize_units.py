@@ -41,6 +41,21 @@ def test_target_follows_the_cpu_flags(info: isa.CpuInfo, target: str) -> None:
     assert info.target == target
 
 
+def test_the_cpu_is_named_by_cpuinfo_not_by_uname(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test Xeon\nflags\t\t: fpu avx2\n")
+    monkeypatch.setattr(platform, "processor", lambda: "x86_64")  # `uname -p` on Ubuntu
+    host_cpu = isa.host_cpu.__wrapped__  # uncached: read afresh each call
+    assert host_cpu(cpuinfo).model == "Test Xeon"
+    assert host_cpu(tmp_path / "none").model == "x86_64"  # no cpuinfo: uname's word
+    monkeypatch.setattr(platform, "processor", lambda: "")  # Debian's
+    assert host_cpu(tmp_path / "none").model == "unknown CPU"
+
+
 def test_avx2_scheme_uses_seven_bit_weights() -> None:
     assert isa.SCHEMES["avx2"].reduce_range is True
     assert isa.SCHEMES["vnni"].reduce_range is False

@@ -116,18 +116,21 @@ def describe(cpu: dict[str, Any]) -> str:
 
 @cache
 def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
-    model, flags = platform.processor() or "unknown CPU", set[str]()
+    """This machine's CPU: the model /proc/cpuinfo names, else `platform.processor()` (which is
+    `uname -p`: "x86_64" on Ubuntu, empty on Debian), and its flags."""
+    model, flags = "", set[str]()
     try:
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
             key = key.strip()
-            if key in ("model name", "Model", "CPU part") and model in ("", "unknown CPU"):
+            if key in ("model name", "Model", "CPU part") and not model:
                 model = value.strip()
             elif key in ("flags", "Features"):  # x86 / ARM
                 flags.update(value.split())
     except OSError:
         pass
-    return CpuInfo(model or "unknown CPU", platform.machine().lower(), frozenset(flags))
+    model = model or platform.processor() or "unknown CPU"
+    return CpuInfo(model, platform.machine().lower(), frozenset(flags))
 
 
 def resolve_target(target: str) -> str:
