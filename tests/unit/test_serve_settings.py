@@ -235,6 +235,18 @@ def test_instances_share_the_cores_unless_threads_are_given(
     assert _settings(instances=1).model_threads() == 8
 
 
+def test_a_torch_model_on_a_gpu_gets_one_cpu_thread_unless_threads_are_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("lightship.runtime.base.physical_cores", lambda: 8)
+    for model in ("model.ts", "model.pt2", "best.ckpt"):
+        assert _settings(device="cuda").model_threads(Path(model)) == 1
+        assert _settings(device="cuda:1").model_threads(Path(model)) == 1
+        assert _settings(device="cuda", threads=3).model_threads(Path(model)) == 3
+        assert _settings().model_threads(Path(model)) == 8  # on the CPU, the cores
+    assert _settings(device="cuda").model_threads(Path("model.onnx")) == 8  # ORT's: as before
+
+
 def make_run(tmp_path: Path, variants: dict[str, dict[str, Any]]) -> Path:
     """A run directory whose manifest lists handmade ONNX files under the given variants."""
     run = tmp_path / "my-run"

@@ -15,6 +15,7 @@ import functools
 import gc
 import logging
 import math
+import pathlib
 import re
 import signal
 import socket
@@ -1171,11 +1172,13 @@ def serve(settings: ServeSettings) -> None:
     served = choose(settings)
     verify(served, settings.isa_check)
     cores = physical_cores()
-    if warning := _oversubscribed(settings, cores):  # before the sessions open their threads
+    # before the sessions open their threads
+    if warning := _oversubscribed(settings, cores, served.path):
         log.warning("%s", warning)
     if warning := _batch_dependent(served, settings):
         log.warning("%s", warning)
-    predictor = served.load(settings.device, settings.model_threads(), settings.split_batches)
+    threads = settings.model_threads(served.path)
+    predictor = served.load(settings.device, threads, settings.split_batches)
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
     config = uvicorn.Config(
@@ -1205,7 +1208,7 @@ def serve(settings: ServeSettings) -> None:
         served.variant,
         f", {served.chosen_by}" if served.chosen_by else "",
         served.path,
-        _count(settings.instances, "instance") + " x " + _count(settings.model_threads(), "thread"),
+        _count(settings.instances, "instance") + " x " + _count(threads, "thread"),
         _url(settings.host, sock.getsockname()[1]),
     )
     server.run(sockets=[sock])
@@ -1220,10 +1223,10 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _oversubscribed(settings: ServeSettings, cores: int) -> str | None:
+def _oversubscribed(settings: ServeSettings, cores: int, model: pathlib.Path) -> str | None:
     """A warning when the model instances run more threads than there are cores: a batch's
     parallel work ends with its last thread, and a thread left waiting for a core holds it up."""
-    threads = settings.model_threads()
+    threads = settings.model_threads(model)
     total = settings.instances * threads
     if total <= cores:
         return None

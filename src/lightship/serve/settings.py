@@ -93,7 +93,8 @@ class ServeSettings(BaseSettings):
         None,
         ge=1,
         le=256,
-        description="intra-op threads per model instance (default: physical cores / instances)",
+        description="intra-op threads per model instance (default: physical cores / instances; 1 "
+        "for a torch model on a GPU)",
     )
     # Triton's instance count. Two one-thread instances served the routed ResNet-18 on the Xeon
     # 28 % faster than one two-thread instance at 16 connections, but one request alone then
@@ -150,11 +151,20 @@ class ServeSettings(BaseSettings):
             )
         return value
 
-    def model_threads(self) -> int:
-        """Intra-op threads for each instance: the setting, else the cores shared out."""
+    def model_threads(self, model: Path | None = None) -> int:
+        """Intra-op threads for each instance: the setting, else the cores shared out; but one
+        for a torch `model` (.ts, .pt2, .ckpt) on a GPU. Its CPU work there is the copy of a
+        batch into pinned memory: with 16 threads a batch over ~10 ResNet-18 images was copied
+        by all 16, which then spun (11 cores busy), and req/s fell to 0.62 of one thread's
+        (docs/PERFORMANCE.md, "A torch model on a GPU")."""
+        from lightship.runtime import TORCH_SUFFIXES
         from lightship.runtime.base import physical_cores
 
-        return self.threads or max(1, physical_cores() // self.instances)
+        if self.threads:
+            return self.threads
+        if self.device != "cpu" and model is not None and model.suffix in TORCH_SUFFIXES:
+            return 1
+        return max(1, physical_cores() // self.instances)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeSettings:
