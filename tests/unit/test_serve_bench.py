@@ -314,6 +314,15 @@ def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
     assert "c=16: 1.00 (same path 1.00, FastAPI 1.00)" in table  # the same every round: no range
 
 
+def test_markdown_names_the_gpu_beside_the_cpu_when_the_model_ran_on_one() -> None:
+    results = _results([_cell(bench.SERVER, "json", 16, 0, 1200.0)])
+    assert "GPU" not in bench.markdown(results).splitlines()[0]  # a CPU run, as before
+    gpu = bench.markdown(results | {"device": "cuda", "gpu": "NVIDIA H200"}).splitlines()[0]
+    assert ", 2 cores; GPU: NVIDIA H200; one image per request" in gpu
+    unnamed = bench.markdown(results | {"device": "cuda:1", "gpu": None}).splitlines()[0]
+    assert "; GPU: cuda:1; " in unnamed  # nvidia-smi could not tell
+
+
 def test_a_ceiling_not_measured_prints_as_a_dash() -> None:
     cells = [_cell(bench.SERVER, "json", 16, 0, 1000.0), _cell(bench.FASTAPI, "json", 16, 0, 2e3)]
     assert "| - / 2000 | - | 0.50 |" in _table(cells, [1000.0], 1)
@@ -493,6 +502,10 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
     for endless in (float("nan"), float("inf")):  # were int()'s traceback
         with pytest.raises(LightshipError, match=f"--duration must .* got {endless:g}"):
             bench.bench(Path("d"), Path("r"), endless, [1], Path("o.json"))
+    with pytest.raises(LightshipError, match="unknown --variant 'int4'; choose from auto, "):
+        bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), variant="int4")
+    with pytest.raises(LightshipError, match="--device must be cpu, cuda or cuda:N, got 'gpu'"):
+        bench.bench(Path("d"), Path("r"), 1.0, [1], Path("o.json"), device="gpu")
     # checked before the benchmark trains the runs it lacks (minutes), not after
     proc = run_cli("bench", "serve", "--threads", "0", "--digits-run", "/nonexistent/run")
     assert proc.returncode == 2 and last_line(proc.stderr) == (
@@ -535,6 +548,41 @@ def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendatio
     assert [c[0] for c in calls] == ["report"]
 
 
+def test_a_named_variant_gets_just_the_stages_that_make_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightship.runs import RunDir
+
+    calls: list[tuple[str, ...]] = []
+
+    def fake(*args: str) -> None:
+        calls.append(args)
+        run = RunDir(Path(args[2]))
+        if args[0] == "export":
+            name = {"onnx": "onnx-fp32"}.get(args[4], args[4])
+            run.record(name, {"file": f"export/{name}"})
+        elif args[0] == "quantize":
+            run.record(f"onnx-int8-{args[4]}", {"file": f"quantize/{args[4]}.onnx"})
+
+    monkeypatch.setattr(bench, "_lightship", fake)
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "best.ckpt").write_bytes(b"x")
+    bench.ensure_run(run, "configs/resnet.yaml", variant="torchscript")  # no ONNX, no report
+    assert calls == [("export", "--run", str(run), "--formats", "torchscript")]
+    calls.clear()
+    bench.ensure_run(run, "configs/resnet.yaml", variant="torchscript")
+    bench.ensure_run(run, "configs/resnet.yaml", variant="checkpoint")  # best.ckpt itself
+    assert calls == []
+    bench.ensure_run(run, "configs/resnet.yaml", variant="onnx-int8-dynamic")
+    assert [c[4] for c in calls] == ["onnx", "dynamic"]  # the ONNX export it quantizes first
+    assert [c[0] for c in calls] == ["export", "quantize"]
+    calls.clear()
+    bench.ensure_run(run, "configs/resnet.yaml", variant="onnx-fp32")
+    assert calls == []
+    assert not (run / "report").exists()
+
+
 def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -545,7 +593,7 @@ def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
     flags = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "fma", "sse4_2"})
     monkeypatch.setattr(isa, "host_cpu", lambda: isa.CpuInfo("Test CPU", "x86_64", flags))
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(bench, "ensure_run", lambda run, *args: run)
+    monkeypatch.setattr(bench, "ensure_run", lambda run, *args, **kwargs: run)
     digits = _results([_cell(bench.SERVER, "json", 16, 0, 1200.0)])["models"][0]
     monkeypatch.setattr(bench, "bench_model", lambda *args: digits)
     out = tmp_path / "serve.json"

@@ -53,6 +53,7 @@ from lightship.quantize.isa import describe
 from lightship.report.measure import machine_cpu_s, time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import Predictor
+from lightship.serve.model import VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -152,20 +153,28 @@ def _lightship(*args: str) -> None:
         raise RunError(f"`lightship {' '.join(args)}` failed (see above)")
 
 
-def ensure_run(run: Path, config: str, *overrides: str) -> RunDir:
-    """A run directory with a report, so `auto` serves its recommended variant: what it lacks
-    (training, the ONNX export, static int8 and the report) is made here."""
+def ensure_run(run: Path, config: str, *overrides: str, variant: str = "auto") -> RunDir:
+    """A run directory that has what the benchmark serves, made here where it lacks it: for
+    `auto`, the report's recommendation (the ONNX export, static int8 and the report); for a
+    named variant, just the stages that make it."""
     if not (run / "best.ckpt").is_file():
         sets = [a for o in overrides for a in ("--set", o)]
         _lightship("train", "--run", str(run), "--config", config, *sets)
     rd = RunDir(run)
     artifacts = rd.manifest()["artifacts"]  # as found: what the steps below add is not read
-    if "onnx-fp32" not in artifacts:
+    if variant in ("checkpoint", *artifacts) and variant != "auto":
+        return rd
+    if "onnx-fp32" not in artifacts and (variant == "auto" or variant.startswith("onnx-")):
         _lightship("export", "--run", str(run), "--formats", "onnx")
-    if not (rd.report_dir / "report.json").is_file():
-        if "onnx-int8-static" not in artifacts:
-            _lightship("quantize", "--run", str(run), "--methods", "static")
-        _lightship("report", "--run", str(run))
+    if variant == "auto":
+        if not (rd.report_dir / "report.json").is_file():
+            if "onnx-int8-static" not in artifacts:
+                _lightship("quantize", "--run", str(run), "--methods", "static")
+            _lightship("report", "--run", str(run))
+    elif variant.startswith("onnx-int8-"):
+        _lightship("quantize", "--run", str(run), "--methods", variant.removeprefix("onnx-int8-"))
+    elif variant != "onnx-fp32":
+        _lightship("export", "--run", str(run), "--formats", variant)
     return rd
 
 
@@ -448,6 +457,7 @@ def bench_model(
     work: Path,
     threads: int | None,
     instances: int = 1,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One model: the server and both no-model endpoints up side by side, every cell measured
     once per round."""
@@ -458,14 +468,19 @@ def bench_model(
     from lightship.serve.settings import ServeSettings
 
     console = Console(stderr=True, soft_wrap=True)
-    settings = ServeSettings(run=run.root, variant=variant, threads=threads, instances=instances)
+    settings = ServeSettings(
+        run=run.root, variant=variant, threads=threads, instances=instances, device=device
+    )
     served = choose(settings)
     spec = (served.entry or {})["input_spec"]
     c, h, w = (int(d) for d in spec["shape"][1:])
     chw = (c, h, w)
     labels = (served.entry or {}).get("labels") or []
-    console.print(f"[bold]{label}[/]: {served.variant} ({served.path}), input {list(chw)}")
-    predictor = served.load(threads=settings.model_threads())
+    console.print(
+        f"[bold]{label}[/]: {served.variant} ({served.path}) on {device}, input {list(chw)}"
+    )
+    threads_per_instance = settings.model_threads(served.path)
+    predictor = served.load(device=device, threads=threads_per_instance)
     expected = predictor.predict(bench_image(chw))[0]
     sweep = in_process_sweep(predictor, settings.max_batch_rows, instances=instances)
     best = max(sweep, key=lambda b: sweep[b])
@@ -480,8 +495,8 @@ def bench_model(
         body_bytes[protocol] = len(body)
 
     serve_args = ["serve", "--run", str(run.root), "--variant", served.variant]
-    serve_args += ["--model-name", label, "--threads", str(settings.model_threads())]
-    serve_args += ["--instances", str(instances)]
+    serve_args += ["--model-name", label, "--threads", str(threads_per_instance)]
+    serve_args += ["--instances", str(instances), "--device", device]
     commands = {
         SERVER: [sys.executable, "-m", "lightship", *serve_args],
         SAME_PATH: [sys.executable, "-m", "lightship.serve.ceiling", *serve_args],
@@ -543,8 +558,9 @@ def bench_model(
     return {
         "model": label,
         "variant": served.variant,
+        "device": device,
         "instances": instances,
-        "threads_per_instance": settings.model_threads(),
+        "threads_per_instance": threads_per_instance,
         "file": str(served.path),
         "input_shape": list(chw),
         "body_bytes": body_bytes,
@@ -668,8 +684,10 @@ def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    device = results.get("device", "cpu")
+    gpu = f"GPU: {results.get('gpu') or device}; " if device != "cpu" else ""
     lines = [
-        f"CPU: {describe(results['cpu'])}, {results['cores']} cores; "
+        f"CPU: {describe(results['cpu'])}, {results['cores']} cores; {gpu}"
         "one image per request; wrk "
         f"{results['duration_s']:g} s per cell, {results['rounds']} interleaved rounds (the "
         "protocol measured first alternating, the endpoints taking turns), medians; req/s "
@@ -772,6 +790,17 @@ def markdown(results: dict[str, Any]) -> str:
 MODELS = ("digits", "resnet18")
 
 
+def gpu_name(device: str) -> str | None:
+    """The name nvidia-smi gives the GPU `device` names (cuda:N), None on the CPU or where
+    nvidia-smi cannot tell."""
+    if device == "cpu" or shutil.which("nvidia-smi") is None:
+        return None
+    index = device.partition(":")[2] or "0"
+    query = ["nvidia-smi", "-i", index, "--query-gpu=name", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def bench(
     digits_run: Path,
     resnet_run: Path,
@@ -783,6 +812,7 @@ def bench(
     variant: str = "auto",
     threads: int | None = None,
     instances: int = 1,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     # usage errors (exit 2), before wrk is looked for or any run is trained
     if not concurrency or min(concurrency) < 1:
@@ -795,6 +825,10 @@ def bench(
     if threads is not None and not 1 <= threads <= 256:
         raise ConfigError(f"--threads must be 1 to 256 (default: cores / instances), got {threads}")
     labels = parse_choices(models, MODELS, "--models", ConfigError)
+    if variant != "auto" and variant not in VARIANTS:
+        raise ConfigError(f"unknown --variant '{variant}'; choose from auto, {', '.join(VARIANTS)}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if shutil.which("wrk") is None:
         raise LightshipError(f"wrk not found: {WRK_HINT}")
     from lightship.quantize.isa import host_cpu
@@ -804,20 +838,33 @@ def bench(
     check_writable(out, out.with_suffix(".md"))
     cpu = host_cpu()
     made = {
-        "digits": lambda: ensure_run(digits_run, "configs/digits.yaml"),
-        "resnet18": lambda: ensure_run(resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1"),
+        "digits": lambda: ensure_run(digits_run, "configs/digits.yaml", variant=variant),
+        "resnet18": lambda: ensure_run(
+            resnet_run, "configs/resnet.yaml", "trainer.max_epochs=1", variant=variant
+        ),
     }
     runs = {label: made[label]() for label in labels}
     with tempfile.TemporaryDirectory(prefix="lightship-bench-") as tmp:
         measured = [
             bench_model(
-                label, rd, variant, concurrency, duration, rounds, Path(tmp), threads, instances
+                label,
+                rd,
+                variant,
+                concurrency,
+                duration,
+                rounds,
+                Path(tmp),
+                threads,
+                instances,
+                device,
             )
             for label, rd in runs.items()
         ]
     results = {
         "cpu": cpu.as_dict(target=True),  # as report.json names it
         "cores": os.cpu_count(),
+        "device": device,
+        "gpu": gpu_name(device),
         "python": platform.python_version(),
         "duration_s": duration,
         "rounds": rounds,

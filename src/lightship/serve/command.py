@@ -234,6 +234,14 @@ def bench_serve(
     instances: Annotated[
         int, typer.Option(help="model instances in the server (and in-process callers)")
     ] = 1,
+    variant: Annotated[
+        str,
+        typer.Option(
+            help="variant to serve and time in-process (made in the run when missing); auto: "
+            "the report's recommendation, onnx-fp32 on a GPU"
+        ),
+    ] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N, for both")] = "cpu",
     out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
         "runs/bench/serve.json"
     ),
@@ -264,4 +272,6 @@ def bench_serve(
         models=models,
         threads=threads,
         instances=instances,
+        variant=variant,
+        device=device,
     )
