@@ -7,8 +7,9 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 import numpy as np
@@ -321,6 +322,38 @@ def test_markdown_names_the_gpu_beside_the_cpu_when_the_model_ran_on_one() -> No
     assert ", 2 cores; GPU: NVIDIA H200; one image per request" in gpu
     unnamed = bench.markdown(results | {"device": "cuda:1", "gpu": None}).splitlines()[0]
     assert "; GPU: cuda:1; " in unnamed  # nvidia-smi could not tell
+
+
+def test_the_first_answer_is_right_by_label_and_logits_within_the_devices_tolerance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    import httpx
+
+    expected = np.array([0.5, 2.0, -1.0], np.float32)
+    served: list[float] = []
+    answer = lambda *args, **kwargs: httpx.Response(  # noqa: E731
+        200, json={"outputs": [{"name": "logits", "data": served}]}
+    )
+    monkeypatch.setattr(httpx, "post", answer)
+    proc = cast(bench._Process, types.SimpleNamespace(spawned=time.monotonic()))
+
+    def first(logits: list[float], atol: float) -> dict[str, Any]:
+        served[:] = logits
+        return bench._first_answer(proc, "http://x/infer", b"{}", expected, atol)
+
+    near = [0.505, 2.0, -1.0]  # TF32 on a GPU: off by 5e-3
+    assert first(near, bench.FIRST_ANSWER_ATOL["cpu"])["correct"] is False
+    tf32 = first(near, bench.FIRST_ANSWER_ATOL["cuda"])
+    assert tf32["correct"] is True and tf32["max_abs_logit_diff"] == pytest.approx(5e-3, abs=1e-6)
+    assert first([2.0, 0.5, -1.0], 10.0)["correct"] is False  # another label: wrong at any atol
+    assert first([0.5, 2.0, -1.0], 1e-4) == {
+        "seconds": pytest.approx(0, abs=5),
+        "status": 200,
+        "correct": True,
+        "max_abs_logit_diff": 0.0,
+    }
 
 
 def test_a_ceiling_not_measured_prints_as_a_dash() -> None:
