@@ -2326,6 +2326,41 @@ def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
     assert any(line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404') for line in lines)
 
 
+@pytest.mark.parametrize(
+    ("allowed", "client"),
+    [("127.0.0.1", "203.0.113.7"), ("10.0.0.1", "127.0.0.1")],
+    ids=["from a trusted proxy", "from an untrusted one"],
+)
+def test_the_access_log_names_a_trusted_proxys_client_on_both_ways_in(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    allowed: str,
+    client: str,
+) -> None:
+    """As uvicorn's proxy-headers middleware does for ASGI: the tensor route (answered by the
+    protocol) and the ASGI one name the same client."""
+    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "propagate", True)
+    app, _ = make_app(tmp_path)
+    forwarded = {"x-forwarded-for": "198.51.100.2, 203.0.113.7"}
+
+    async def main() -> None:
+        config = {"access_log": True, "log_config": None, "log_level": None}
+        async with raw_http(app, forwarded_allow_ips=allowed, **config) as (_, _, http):
+            r = await http.post(INFER, json=v2_json(X), headers=forwarded)
+            assert r.status_code == 200
+            assert (await http.get("/v2/health/live", headers=forwarded)).status_code == 200
+
+    with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+        run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    hosts = {line.split(" - ")[1].split('"')[1]: line.split(":")[0] for line in lines}
+    assert hosts == {
+        "POST /v2/models/hand/infer HTTP/1.1": client,
+        "GET /v2/health/live HTTP/1.1": client,
+    }
+
+
 LONG = 8 * 1024 * 1024  # far more than the sockets' buffers hold
 
 

@@ -21,6 +21,7 @@ read the answer (`LightshipProtocol._close`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -146,6 +147,7 @@ class _TensorCycle:
 
     __slots__ = (
         "_chunks",
+        "_client",
         "_expect_100",
         "_head",
         "_name",
@@ -176,8 +178,10 @@ class _TensorCycle:
         version: str,
         keep_alive: bool,
         expect_100: bool,
+        client: tuple[str, int] | None = None,  # for the access log: behind a proxy, its client
     ) -> None:
         self._protocol = protocol
+        self._client = client
         self._routes = routes
         self._name = name
         self._params = params
@@ -312,7 +316,7 @@ class _TensorCycle:
         transport.write_now(b"".join(parts))
         self.response_complete = True
         if protocol.access_log:
-            client = protocol.client
+            client = self._client
             protocol.access_logger.info(
                 '%s - "POST %s HTTP/%s" %d',
                 f"{client[0]}:{client[1]}" if client else "",
@@ -331,6 +335,29 @@ _STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode("latin-1"))
     for status in HTTPStatus
 }
+
+
+@functools.cache
+def _trusted_hosts(allowed: str | tuple[str, ...]) -> Any:
+    from uvicorn.middleware.proxy_headers import _TrustedHosts
+
+    return _TrustedHosts(list(allowed) if isinstance(allowed, tuple) else allowed)
+
+
+def forwarded_client(
+    client: tuple[str, int], headers: list[tuple[bytes, bytes]], allowed: str | list[str]
+) -> tuple[str, int]:
+    """The client the access log names, as uvicorn's proxy-headers middleware (which only ASGI
+    requests pass) names it: from X-Forwarded-For when the connection comes from a trusted
+    proxy (`--forwarded-allow-ips`, FORWARDED_ALLOW_IPS; uvicorn's default 127.0.0.1)."""
+    trusted = _trusted_hosts(tuple(allowed) if isinstance(allowed, list) else allowed)
+    if client[0] not in trusted:
+        return client
+    forwarded = [value for name, value in headers if name == b"x-forwarded-for"]
+    if not forwarded:
+        return client
+    host, port = trusted.get_trusted_client_address(b", ".join(forwarded).decode("latin1"))
+    return (host, port) if host else client
 
 
 def http_protocol(routes: TensorRoutes | None = None) -> Any:
@@ -426,6 +453,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 return False
             target = path if not url.query else f"{path}?{url.query.decode('latin-1')}"
             version = parser.get_http_version()
+            client = self.client
+            if self.access_log and client and self.config.proxy_headers:
+                client = forwarded_client(client, self.headers, self.config.forwarded_allow_ips)
             cycle = _TensorCycle(
                 self,
                 routes,
@@ -435,6 +465,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 version=version,
                 keep_alive=version != "1.0" and parser.should_keep_alive(),
                 expect_100=self.expect_100_continue,
+                client=client,
             )
             previous, self.cycle = self.cycle, cycle  # type: ignore[assignment]
             if previous is None or previous.response_complete:
