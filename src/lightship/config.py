@@ -10,7 +10,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -19,9 +19,11 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from lightship.errors import ConfigError, LightshipError
 
@@ -29,6 +31,17 @@ from lightship.errors import ConfigError, LightshipError
 class Section(BaseModel):
     # allow_inf_nan=False: `--set optim.lr=.inf` would train a model that only outputs NaN.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes YAML's true as the number 1 (`--set trainer.max_epochs=true` trained
+        one epoch): a number or a name is not a yes or no."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in (annotation, *get_args(annotation)):
+                raise PydanticCustomError("bool_type", "Input should be a number, not true/false")
+        return value
 
 
 class DataConfig(Section):

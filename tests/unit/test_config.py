@@ -64,6 +64,17 @@ def test_wrong_type_names_key_value_and_fix() -> None:
     assert "integer" in msg and "--set trainer.max_epochs=" in msg
 
 
+@pytest.mark.parametrize("key", ["trainer.max_epochs", "optim.lr", "trainer.devices", "seed"])
+def test_true_or_false_for_a_number_is_refused_not_taken_as_1_or_0(key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=true"])
+    assert str(err.value) == (
+        f"--set: '{key}' = True: Input should be a number, not true/false; fix it with "
+        f"--set {key}=..."
+    )
+    assert load_config(None, ["data.augment=false"]).data.augment is False  # a yes/no key
+
+
 def test_bad_literal_lists_choices() -> None:
     with pytest.raises(ConfigError, match="'32', 'bf16-mixed' or '16-mixed'"):
         load_config(None, ["trainer.precision=64"])
