@@ -651,10 +651,11 @@ class RunDir:
         stage = _stage_of(variant)
         if stage == "train":
             return self.train_command()
+        run = shlex.quote(str(self.root))
         if stage == "quantize":
             method = variant.removeprefix("onnx-int8-")
-            return f"`lightship quantize --run {self.root} --methods {method}`"
-        return f"`lightship export --run {self.root} --formats {variant.removesuffix('-fp32')}`"
+            return f"`lightship quantize --run {run} --methods {method}`"
+        return f"`lightship export --run {run} --formats {variant.removesuffix('-fp32')}`"
 
     def make_hint(self, variant: str) -> str:
         """How to make a missing `variant` of this run, for a message's fix: run its stage,

@@ -816,3 +816,8 @@ def test_commands_in_messages_run_from_where_the_user_is(
     assert run.train_command() == f"`lightship train --run {run.root} --resume`"
     assert run.remake_command("checkpoint") == run.remake_command("eager") == run.train_command()
     assert RunDir(Path("my run")).command("export") == "`lightship export --run 'my run'`"
+    spaced = RunDir(Path("my run"))  # a path a shell splits is quoted in every command
+    assert spaced.remake_command("onnx-fp32") == "`lightship export --run 'my run' --formats onnx`"
+    assert spaced.remake_command("onnx-int8-qat") == (
+        "`lightship quantize --run 'my run' --methods qat`"
+    )
