@@ -364,6 +364,11 @@ def load_config(
                 f"config {path} is a folder, not a YAML file: "
                 "pass a file, e.g. --config configs/digits.yaml"
             )
+        if path.exists() and not path.is_file():  # /dev/null, a FIFO: reading could block
+            raise ConfigError(
+                f"config {path} is not a regular file: pass a YAML file, e.g. --config "
+                "configs/digits.yaml"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {path} not found: pass --config configs/digits.yaml")
         try:

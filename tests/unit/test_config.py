@@ -253,6 +253,20 @@ def test_config_path_that_is_a_folder(tmp_path: Path) -> None:
         load_config(tmp_path)
 
 
+def test_config_path_that_is_no_regular_file_is_not_called_missing(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # read, it would block until a writer came
+    for path in (fifo, Path("/dev/null")):
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert str(err.value) == (
+            f"config {path} is not a regular file: pass a YAML file, e.g. --config "
+            "configs/digits.yaml"
+        )
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
 def test_malformed_yaml_in_set_names_the_set() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.kwargs={x: 1"])
