@@ -1905,7 +1905,9 @@ def test_the_start_up_log_says_what_is_served_on_which_cpu_and_why(
         lines[1],
     ), lines
     (run / "report").mkdir()
-    (run / "report" / "report.json").write_text(json.dumps({"recommended": "onnx-fp32"}))
+    (run / "report" / "report.json").write_text(
+        json.dumps({"recommended": "onnx-fp32", "variants": []})
+    )
     lines = start_up_log(ServeSettings(run=run, port=0, threads=1), monkeypatch, caplog)
     assert re.fullmatch(
         served.format(", the report's recommendation") + r" at http://127\.0\.0\.1:\d+ .*", lines[1]

@@ -366,7 +366,14 @@ def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
     (run / "report" / "report.json").write_text("{oops")
     with pytest.raises(RunError, match="report.json is unreadable"):
         choose(ServeSettings(run=run))
-    (run / "report" / "report.json").write_text(json.dumps({"recommended": "torchscript"}))
+    (run / "report" / "report.json").write_text("{}")
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run))
+    assert str(err.value).startswith(
+        f"{run}/report/report.json is unreadable (it lists no measured variants): re-run "
+    )
+    recommends = {"recommended": "torchscript", "variants": []}
+    (run / "report" / "report.json").write_text(json.dumps(recommends))
     with pytest.raises(RunError, match="recommends torchscript, which the manifest no longer"):
         choose(ServeSettings(run=run))
     (tmp_path / "notes.txt").write_text("hi")

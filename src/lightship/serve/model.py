@@ -93,8 +93,10 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     try:
         report = json.loads(path.read_text())
         recommended = report.get("recommended")
-        measured = {(str(v["file"]), v["bytes"]) for v in report.get("variants", [])}
-    except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+        if "variants" not in report:  # `{}`: not "older than" every variant, as it was called
+            raise ValueError("it lists no measured variants")
+        measured = {(str(v["file"]), v["bytes"]) for v in report["variants"]}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
             f"{path} is unreadable ({exc}): re-run {run.command('report')} "
             "or serve an explicit --variant"
