@@ -334,6 +334,14 @@ def run_path(value: str | Path) -> Path:
     string would silently mean the current folder, so it is refused."""
     if isinstance(value, str) and not value.strip():
         raise RunError("a run directory cannot be empty: give one, e.g. --run runs/default")
+    try:
+        str(value).encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are no UTF-8, as Python decodes argv
+        shown = str(value).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise RunError(
+            f"run directory {shown} is not UTF-8 text: TensorBoard's logs and manifest.json keep "
+            "its path as UTF-8; name it in UTF-8, e.g. --run runs/default"
+        ) from None
     return Path(value)
 
 

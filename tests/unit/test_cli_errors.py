@@ -245,6 +245,18 @@ def test_empty_run_directory_is_refused(argv: list[str]) -> None:
         cli._invoke(argv)
 
 
+@pytest.mark.parametrize("stage", ["train", "export", "quantize", "report"])
+def test_a_run_directory_named_in_bytes_that_are_no_utf8_is_refused_by_name(stage: str) -> None:
+    # `--run $'runs/r\xff'`: Python decodes the byte to a lone surrogate, which TensorBoard's
+    # writer then failed to encode, a traceback after the data had loaded
+    with pytest.raises(RunError) as err:
+        cli._invoke([stage, "--run", "runs/r\udcff"])
+    assert str(err.value) == (
+        "run directory runs/r\\xff is not UTF-8 text: TensorBoard's logs and manifest.json keep "
+        "its path as UTF-8; name it in UTF-8, e.g. --run runs/default"
+    )
+
+
 def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "train.json"
