@@ -488,6 +488,17 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
         f"cannot resume {tiny_run}: it was trained with a different model/data (data images "
         f"{n} -> 9, or changed): put the data back as it was, or train afresh without --resume"
     )
+    # resumed with the run's own config.yaml, which the checkpoint disagrees with: to offer
+    # "resume with the run's config" would be to offer what was just refused
+    wider = SimpleNamespace(hparams={**hparams, "data_spec": {**spec, "image_size": 20}})
+    with pytest.raises(ConfigError) as err:
+        _check_resume_matches(hparams, wider, RunDir(tiny_run), own_config=True)  # type: ignore[arg-type]
+    assert str(err.value).endswith(
+        "its config.yaml and checkpoints/last.ckpt disagree: put back the config.yaml or "
+        "last.ckpt the run trained with, or train afresh without --resume"
+    )
+    with pytest.raises(ConfigError, match=r"resume with the run's config \("):
+        _check_resume_matches(hparams, wider, RunDir(tiny_run))  # type: ignore[arg-type]
     # a run recorded before fingerprints were kept resumes on the data as it is
     old = {**hparams, "data_spec": {k: v for k, v in spec.items() if k != "fingerprint"}}
     _check_resume_matches(old, SimpleNamespace(hparams=hparams), RunDir(tiny_run))  # type: ignore[arg-type]

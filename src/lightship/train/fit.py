@@ -135,9 +135,12 @@ def _changes(old: Any, new: Any, key: str) -> list[str]:
     return [] if old == new else [f"{key} {old!r} -> {new!r}"]
 
 
-def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunDir) -> None:
+def _check_resume_matches(
+    hparams: dict[str, Any], lit: LitClassifier, run: RunDir, own_config: bool = False
+) -> None:
     """Refuse a resume whose model or data differ from the checkpoint's (weights would not fit,
-    or would silently continue on other data)."""
+    or would silently continue on other data). `own_config`: the config is the run's own
+    config.yaml as it is, so that is no fix to offer."""
     diffs: list[str] = []
     data_changed = False
     for key, name in _RESUME_HPARAMS.items():
@@ -163,6 +166,9 @@ def _check_resume_matches(hparams: dict[str, Any], lit: LitClassifier, run: RunD
             + (
                 "put the data back as it was, or train afresh without --resume"
                 if data_changed
+                else f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
+                "config.yaml or last.ckpt the run trained with, or train afresh without --resume"
+                if own_config
                 else f"train without --resume, or resume with the run's config ({run.config})"
             )
         )
@@ -477,7 +483,10 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         raise _unknown_kwargs(cfg, exc) from None
     _check_model_trains(lit.model, cfg, len(splits.labels))
     if resumed is not None:
-        _check_resume_matches(resumed["hyper_parameters"], lit, run)
+        given = cfg.sources
+        own = given.file is not None and not given.overrides and run.config.is_file()
+        own = own and Path(str(given.file)).resolve() == run.config.resolve()
+        _check_resume_matches(resumed["hyper_parameters"], lit, run, own_config=own)
     if cfg.trainer.compile:
         lit.model.compile()
 
