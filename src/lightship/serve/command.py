@@ -131,7 +131,10 @@ def serve(
     ] = None,
     threads: Annotated[
         int | None,
-        typer.Option(help=f"threads per model instance (cores / instances) ({ENV}THREADS)"),
+        typer.Option(
+            help="threads per model instance (cores / instances; 1 for a torch model on a GPU) "
+            f"({ENV}THREADS)"
+        ),
     ] = None,
     instances: Annotated[
         int | None,
