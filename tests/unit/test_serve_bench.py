@@ -356,6 +356,19 @@ def test_the_first_answer_is_right_by_label_and_logits_within_the_devices_tolera
     }
 
 
+def test_the_gpu_is_named_by_nvidia_smi_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$2" = 1 ] && exit 6\necho "NVIDIA Test $2"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert bench.gpu_name("cuda") == "NVIDIA Test 0"  # -i 0
+    assert bench.gpu_name("cuda:2") == "NVIDIA Test 2"
+    assert bench.gpu_name("cuda:1") is None  # nvidia-smi failed: no name, no error
+    assert bench.gpu_name("cpu") is None
+
+
 def test_a_ceiling_not_measured_prints_as_a_dash() -> None:
     cells = [_cell(bench.SERVER, "json", 16, 0, 1000.0), _cell(bench.FASTAPI, "json", 16, 0, 2e3)]
     assert "| - / 2000 | - | 0.50 |" in _table(cells, [1000.0], 1)

@@ -816,8 +816,13 @@ def gpu_name(device: str) -> str | None:
         return None
     index = device.partition(":")[2] or "0"
     query = ["nvidia-smi", "-i", index, "--query-gpu=name", "--format=csv,noheader"]
-    done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def bench(
