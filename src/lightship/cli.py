@@ -354,14 +354,15 @@ from lightship.serve.command import bench_serve, serve  # noqa: E402  (commands 
 
 app.command()(serve)
 # What the options do not say: the second file, the time the defaults take (per model: 3
-# endpoints x 2 protocols x 3 connection counts, each --duration long, every round) and the
-# runs it makes for itself.
+# endpoints x 2 protocols x 3 connection counts, each --duration long, every round, and 1 s
+# in-process before each server cell) and the runs it makes for itself.
 bench_app.command(
     "serve",
     epilog="Writes OUT and a Markdown table beside it (OUT with .md). The defaults measure for "
-    "about 7 minutes: 4 s x 3 rounds x 18 cells (the server, its same-path no-model ceiling and "
+    "about 8 minutes: 4 s x 3 rounds x 18 cells (the server, its same-path no-model ceiling and "
     "the FastAPI no-model endpoint; JSON and binary; 3 connection counts) for each of the two "
-    "models. On first use it also makes its own runs, "
+    "models, and before each of the server's cells 1 s of the in-process ceiling it is held to. "
+    "On first use it also makes its own runs, "
     "runs/bench/digits (configs/digits.yaml) and runs/bench/resnet (configs/resnet.yaml, 1 "
     "epoch): training, ONNX export, static int8 and the report, a few minutes more on 2 cores. "
     "Needs wrk.",

@@ -175,6 +175,23 @@ def test_ratios_are_taken_within_each_round_then_the_median() -> None:
     assert json_cell["failed"] == 0
 
 
+def test_the_server_is_held_to_the_in_process_ceiling_measured_just_before_its_cell() -> None:
+    # Round 1's in-process figure came in a slow patch that had passed by the binary cell
+    cells = []
+    for r, (json_beside, binary_beside) in enumerate([(1000.0, 1000.0), (500.0, 1000.0)]):
+        for protocol, beside in (("json", json_beside), ("binary", binary_beside)):
+            cell = _cell(bench.SERVER, protocol, 16, r, 900.0)
+            cell.in_process_rows_per_s = beside
+            cells.append(cell)
+    cells.append(_cell(bench.SERVER, "json", 64, 0, 800.0))  # none measured: its round's
+    load, ratios, ranges = bench.summarise(cells, [1000.0, 500.0], [16, 64])
+    assert ranges["server_vs_in_process"]["binary"]["16"] == [0.9, 0.9]  # not 0.9 and 1.8
+    assert ranges["server_vs_in_process"]["json"]["16"] == [0.9, 1.8]
+    assert ratios["server_vs_in_process"]["json"]["64"] == 0.8
+    binary = next(x for x in load if x["protocol"] == "binary")
+    assert binary["in_process_rows_per_s"] == 1000.0  # the median of the cell's own figures
+
+
 def test_a_missing_round_is_left_out_of_the_ratio_not_counted_as_zero() -> None:
     cells = [
         _cell(bench.SERVER, "json", 1, 0, 500.0),
@@ -671,6 +688,7 @@ def test_bench_serve_help_says_what_it_writes_how_long_and_where_it_trains() -> 
     # the time it states follows from the defaults: every cell of every model, every round
     cells = len(bench.ENDPOINTS) * len(bench.PROTOCOLS) * len(defaults["concurrency"].split(","))
     per_model = defaults["duration"] * defaults["rounds"] * cells
+    per_model += 1.0 * defaults["rounds"] * cells / len(bench.ENDPOINTS)  # in-process, 1 s
     assert f"{defaults['duration']:g} s x {defaults['rounds']} rounds x {cells} cells" in text
     minutes = round(len(defaults["models"].split(",")) * per_model / 60)
     assert f"about {minutes} minutes" in text, text

@@ -105,6 +105,8 @@ class LoadResult:
     loop_us_per_request: float | None = None  # the endpoint's event loop (main thread) CPU
     other_threads_cores: float | None = None  # its other threads: inference, ORT's pool
     machine_busy: float | None = None  # share of all cores busy (wrk, server, anything else)
+    # The server's cells only: the in-process ceiling measured just before the cell
+    in_process_rows_per_s: float | None = None
 
     @property
     def failed(self) -> int:
@@ -395,7 +397,12 @@ def summarise(
                 "mean_batch_rows": _median_of(runs, "mean_batch_rows", 2),
                 **{
                     key: _median_of(runs, key)
-                    for key in ("loop_us_per_request", "other_threads_cores", "machine_busy")
+                    for key in (
+                        "loop_us_per_request",
+                        "other_threads_cores",
+                        "machine_busy",
+                        "in_process_rows_per_s",
+                    )
                 },
             }
         )
@@ -405,6 +412,9 @@ def summarise(
     for key, runs in by_key.items():
         per_round = {x.round: x.req_per_s for x in runs}
         series[key] = [per_round.get(r, math.nan) for r in rounds]
+        if key[0] == SERVER:  # the ceiling measured beside the cell, else beside its round
+            beside = {x.round: x.in_process_rows_per_s for x in runs}
+            series[("in-process", *key[1:])] = [beside.get(r) or in_process[r] for r in rounds]
 
     kinds = ("server_vs_in_process", *CEILINGS, "binary_vs_json")
     ratios: dict[str, dict[str, dict[str, float]]] = {k: {} for k in kinds}
@@ -420,7 +430,7 @@ def summarise(
     for c in concurrency:
         for protocol in PROTOCOLS:
             server = (SERVER, protocol, c)
-            ratio("server_vs_in_process", protocol, str(c), server, "in-process")
+            ratio("server_vs_in_process", protocol, str(c), server, ("in-process", protocol, c))
             for kind, ceiling in CEILINGS.items():
                 ratio(kind, protocol, str(c), server, (ceiling, protocol, c))
         for endpoint in ENDPOINTS:
@@ -556,6 +566,9 @@ def bench_model(
             console.print(f"  round {r + 1}/{rounds}: in-process {in_process[-1]:.0f} rows/s")
             for endpoint, protocol, conc in cells_of_round:
                 body_path, hlen = bodies[protocol]
+                beside = None
+                if endpoint == SERVER:  # the ceiling just before: a machine's pace drifts
+                    beside = round(_rows_per_s(predictor, best_x, 1.0, instances), 1)
                 cell = _cell(
                     label,
                     endpoint,
@@ -568,6 +581,7 @@ def bench_model(
                     hlen,
                     duration,
                 )
+                cell.in_process_rows_per_s = beside
                 cells.append(cell)
                 console.print("    " + _cell_line(cell))
     finally:
@@ -715,7 +729,9 @@ def markdown(results: dict[str, Any]) -> str:
         " and greatest round). Same-path no-model: this server with a batcher that answers at"
         " once, no model; FastAPI no-model: a FastAPI route that parses the same request (the"
         " serving issue's yardstick; the server's tensor routes skip FastAPI, so it is no"
-        " ceiling of the server's path). Event loop: CPU its thread spent per answered request,"
+        " ceiling of the server's path). × in-process: against the model's in-process rate at"
+        " its best batch, measured for 1 s just before the cell. Event loop: CPU its thread"
+        " spent per answered request,"
         " server / same path / FastAPI; model threads: cores the server's other threads used;"
         " machine: share of all cores busy while wrk ran.",
         "",
