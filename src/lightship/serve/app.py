@@ -15,7 +15,6 @@ import functools
 import gc
 import logging
 import math
-import pathlib
 import re
 import signal
 import socket
@@ -1172,12 +1171,11 @@ def serve(settings: ServeSettings) -> None:
     served = choose(settings)
     verify(served, settings.isa_check)
     cores = physical_cores()
-    # before the sessions open their threads
-    if warning := _oversubscribed(settings, cores, served.path):
+    threads = settings.model_threads(served.path)
+    if warning := _oversubscribed(settings, cores, threads):  # before the sessions open them
         log.warning("%s", warning)
     if warning := _batch_dependent(served, settings):
         log.warning("%s", warning)
-    threads = settings.model_threads(served.path)
     predictor = served.load(settings.device, threads, settings.split_batches)
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
@@ -1223,10 +1221,10 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _oversubscribed(settings: ServeSettings, cores: int, model: pathlib.Path) -> str | None:
-    """A warning when the model instances run more threads than there are cores: a batch's
-    parallel work ends with its last thread, and a thread left waiting for a core holds it up."""
-    threads = settings.model_threads(model)
+def _oversubscribed(settings: ServeSettings, cores: int, threads: int) -> str | None:
+    """A warning when the model instances, `threads` each, run more threads than there are
+    cores: a batch's parallel work ends with its last thread, and a thread left waiting for a
+    core holds it up."""
     total = settings.instances * threads
     if total <= cores:
         return None
