@@ -576,9 +576,9 @@ def test_bad_benchmark_arguments_get_one_line_that_says_how_to_fix() -> None:
     )
 
 
-def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendation(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def fake_stages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """`bench._lightship` replaced by stages that only record what they would make: the
+    arguments of each call, in order, are in the list returned."""
     from lightship.runs import RunDir
 
     calls: list[tuple[str, ...]] = []
@@ -590,14 +590,22 @@ def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendatio
             run.root.mkdir(parents=True)
             (run.root / "best.ckpt").write_bytes(b"x")
         elif args[0] == "export":
-            run.record("onnx-fp32", {"file": "export/model.onnx"})
+            name = {"onnx": "onnx-fp32"}.get(args[4], args[4])
+            run.record(name, {"file": f"export/{name}"})
         elif args[0] == "quantize":
-            run.record("onnx-int8-static", {"file": "quantize/model.int8-static.onnx"})
+            run.record(f"onnx-int8-{args[4]}", {"file": f"quantize/{args[4]}.onnx"})
         elif args[0] == "report":
             run.report_dir.mkdir(parents=True, exist_ok=True)
             (run.report_dir / "report.json").write_text("{}")
 
     monkeypatch.setattr(bench, "_lightship", fake)
+    return calls
+
+
+def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = fake_stages(monkeypatch)
     run = tmp_path / "r"
     bench.ensure_run(run, "configs/resnet.yaml", "trainer.max_epochs=1")
     assert [c[0] for c in calls] == ["train", "export", "quantize", "report"]
@@ -614,20 +622,7 @@ def test_the_benchmark_makes_what_its_runs_lack_so_auto_serves_the_recommendatio
 def test_a_named_variant_gets_just_the_stages_that_make_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightship.runs import RunDir
-
-    calls: list[tuple[str, ...]] = []
-
-    def fake(*args: str) -> None:
-        calls.append(args)
-        run = RunDir(Path(args[2]))
-        if args[0] == "export":
-            name = {"onnx": "onnx-fp32"}.get(args[4], args[4])
-            run.record(name, {"file": f"export/{name}"})
-        elif args[0] == "quantize":
-            run.record(f"onnx-int8-{args[4]}", {"file": f"quantize/{args[4]}.onnx"})
-
-    monkeypatch.setattr(bench, "_lightship", fake)
+    calls = fake_stages(monkeypatch)
     run = tmp_path / "r"
     run.mkdir()
     (run / "best.ckpt").write_bytes(b"x")
