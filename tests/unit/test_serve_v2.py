@@ -179,6 +179,17 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
             None,
             "malformed JSON: number is infinity when parsed as double",
         ),
+        # json.dumps (tritonclient's encoder) writes non-finite floats as bare tokens
+        (
+            json_request([0, float("nan"), 0, 0], [1, 1, 2, 2], "FP32"),
+            None,
+            re.escape("the body contains NaN (line 1 column 86), which JSON does not allow"),
+        ),
+        (
+            json_request([0, 0, float("-inf"), 0], [1, 1, 2, 2], "FP32"),
+            None,
+            re.escape("the body contains Infinity (line 1 column 90), which JSON does not allow"),
+        ),
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2], "BYTES"),
             None,
@@ -327,6 +338,7 @@ def test_v1_instances_and_predictions() -> None:
     ("body", "message"),
     [
         (b'{"instances": [}', "malformed JSON"),
+        (b'{"instances": [[[[0, NaN]]]]}', r"contains NaN \(line 1 column 22\).*finite numbers"),
         (b'{"images": []}', "instances"),
         (b'{"instances": []}', "empty batch"),
         (b'{"instances": [[[1, 2], [3]]]}', "ragged"),

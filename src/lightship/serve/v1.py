@@ -13,7 +13,7 @@ import orjson
 from lightship.data import images
 from lightship.runtime.base import softmax
 from lightship.serve.batcher import TooManyRows
-from lightship.serve.v2 import ProtocolError, holds_bool
+from lightship.serve.v2 import ProtocolError, holds_bool, json_error
 
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
 # huge canvas: a decompression bomb). Far above any classifier's input.
@@ -28,7 +28,7 @@ def decode_instances(
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"malformed JSON: {exc}") from None
+        raise json_error(exc) from None
     if not isinstance(doc, dict) or "instances" not in doc:
         v2_hint = (
             '; a V2 body ({"inputs": [...]}) goes to /v2/models/{name}/infer'

@@ -77,17 +77,35 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+# Python's json.dumps, and so tritonclient, writes a NaN or infinite float as these bare tokens;
+# they are not JSON, and orjson's own message points at a column without naming them.
+_NON_FINITE = ("NaN", "Infinity")
+
+
+def json_error(exc: orjson.JSONDecodeError) -> ProtocolError:
+    """The 400 for a body orjson could not parse: NaN and Infinity, which Python's json writes
+    for non-finite floats, said as what they are."""
+    if exc.doc[exc.pos : exc.pos + 8].startswith(_NON_FINITE):
+        token = "NaN" if exc.doc.startswith("NaN", exc.pos) else "Infinity"
+        return ProtocolError(
+            f"the body contains {token} (line {exc.lineno} column {exc.colno}), which JSON does"
+            " not allow: send finite numbers (pixels are 0..255)"
+        )
+    return ProtocolError(f"malformed JSON: {exc}")
+
+
 def _parse_json(raw: bytes | memoryview, header_length: str | None = None) -> dict[str, Any]:
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        error = json_error(exc)
         hint = ""
         if header_length is None and b'"binary_data_size"' in bytes(raw):
             # orjson says "unexpected content after document", or "not valid UTF-8"
             hint = (
                 f" (binary tensors follow the JSON: say its length in the {HEADER_LENGTH} header)"
             )
-        raise ProtocolError(f"malformed JSON: {exc}{hint}") from None
+        raise ProtocolError(f"{error}{hint}") from None
     return _object(doc, "request body")
 
 
