@@ -142,6 +142,9 @@ def test_tritonclient_reads_metadata_and_readiness(hand: Server) -> None:
     assert meta["inputs"] == [{"name": "input", "datatype": "UINT8", "shape": [-1, 1, 2, 2]}]
     assert [o["name"] for o in meta["outputs"]] == ["logits", "probabilities"]
     assert c.get_model_metadata("hand", model_version="1")["name"] == "hand"
+    config = c.get_model_config("hand")  # Triton's model configuration, as perf_analyzer reads it
+    assert config["max_batch_size"] == 64 and config["input"][0]["dims"] == [1, 2, 2]
+    assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 5000}
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])

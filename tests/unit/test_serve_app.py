@@ -1026,12 +1026,23 @@ def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
             assert (await client.get("/v2")).json()["extensions"] == [
                 "binary_tensor_data",
                 "classification",
+                "model_configuration",
             ]
             meta = (await client.get("/v2/models/hand")).json()
             assert meta["inputs"] == [
                 {"name": "input", "datatype": "UINT8", "shape": [-1, 1, 2, 2]}
             ]
             assert meta["parameters"]["labels"] == ["bright", "dark"]
+            assert meta["parameters"]["max_batch_size"] == 64
+            for path in ("/v2/models/hand/config", "/v2/models/hand/versions/1/config"):
+                config = (await client.get(path)).json()
+                assert config["max_batch_size"] == 64, path
+                assert config["input"][0]["dims"] == [1, 2, 2]
+                assert config["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
+            missing = await client.get("/v2/models/other/config")
+            assert missing.status_code == 404 and "unknown model 'other'" in missing.json()["error"]
+            stats = await client.get("/v2/models/stats")  # tritonclient's statistics call
+            assert stats.status_code == 404 and "/metrics" in stats.json()["error"]
             await client.post(INFER, json=v2_json(X))
             text = (await client.get("/metrics")).text
             for name in (
@@ -1062,6 +1073,19 @@ def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
                 "/v2/health/ready",
             ):
                 assert route in paths
+            # what the infer route takes is the served model's, as the server checks it
+            infer = paths["/v2/models/{model_name}/infer"]["post"]
+            schema = infer["requestBody"]["content"]["application/json"]["schema"]
+            tensor = schema["properties"]["inputs"]
+            assert (tensor["minItems"], tensor["maxItems"]) == (1, 1)
+            assert "BOOL" not in tensor["items"]["properties"]["datatype"]["enum"]
+            shape = tensor["items"]["properties"]["shape"]["description"]
+            assert shape.startswith("[N, 1, 2, 2] with N from 1 to 64")
+            headers = {p["name"] for p in infer["parameters"] if p["in"] == "header"}
+            assert headers == {"Inference-Header-Content-Length", "x-request-timeout-ms"}
+            meta = paths["/v2/models/{model_name}"]["get"]["responses"]["200"]
+            meta_schema = meta["content"]["application/json"]["schema"]
+            assert "max_batch_size" in meta_schema["properties"]["parameters"]["properties"]
 
     run(main())
 

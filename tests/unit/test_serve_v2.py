@@ -316,9 +316,21 @@ def test_binary_response_layout_and_classification_strings() -> None:
 
 
 def test_model_metadata_shape_has_a_dynamic_batch() -> None:
-    meta = v2.model_metadata("m", "onnxruntime_onnx", "input", (1, 28, 28), ["x", "y"])
+    meta = v2.model_metadata("m", "onnxruntime_onnx", "input", (1, 28, 28), ["x", "y"], 32)
     assert meta["inputs"] == [{"name": "input", "datatype": "UINT8", "shape": [-1, 1, 28, 28]}]
     assert meta["outputs"][0] == {"name": "logits", "datatype": "FP32", "shape": [-1, 2]}
+    assert meta["parameters"] == {"labels": ["x", "y"], "max_batch_size": 32}
+
+
+def test_model_config_in_tritons_form() -> None:
+    config = v2.model_config("m", "pytorch_libtorch", "input", (3, 8, 8), 5, 16, 2.5, 2, True)
+    assert config["max_batch_size"] == 16 and config["backend"] == "pytorch"
+    assert config["input"] == [
+        {"name": "input", "data_type": "TYPE_UINT8", "format": "FORMAT_NCHW", "dims": [3, 8, 8]}
+    ]
+    assert config["output"][1] == {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [5]}
+    assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 2500}
+    assert config["instance_group"] == [{"count": 2, "kind": "KIND_GPU"}]
 
 
 def test_v1_instances_and_predictions() -> None:

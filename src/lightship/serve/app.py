@@ -226,6 +226,12 @@ class Service:
 
     def check_model(self, name: str, version: str | None = None) -> None:
         if name != self.name:
+            if name == "stats":  # GET /v2/models/stats: tritonclient's get_inference_statistics
+                raise ProtocolError(
+                    "the statistics extension is not served here: this server's request, queue"
+                    " and batch figures are Prometheus metrics at /metrics",
+                    404,
+                )
             raise ProtocolError(f"unknown model '{name}': this server serves '{self.name}'", 404)
         if version is not None and version != v2.VERSION:
             raise ProtocolError(
@@ -851,7 +857,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         return {
             "name": "lightship",
             "version": __version__,
-            "extensions": ["binary_tensor_data", "classification"],
+            "extensions": ["binary_tensor_data", "classification", "model_configuration"],
         }
 
     @app.get("/v2/health/live", tags=["v2"], responses=openapi.errors(503))
@@ -877,21 +883,68 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             service.input_name,
             service.chw,
             service.labels,
+            settings.max_batch_rows,
         )
 
-    @app.get("/v2/models/{model_name}", tags=["v2"], responses=openapi.errors(404))
+    def config() -> dict[str, Any]:
+        return v2.model_config(
+            service.name,
+            PLATFORMS.get(predictor.kind, predictor.kind),
+            service.input_name,
+            service.chw,
+            len(service.labels),
+            settings.max_batch_rows,
+            settings.max_wait_ms,
+            settings.instances,
+            predictor.device.startswith("cuda"),
+        )
+
+    model_doc = openapi.response(openapi.V2_MODEL_METADATA, "inputs, outputs and labels")
+    config_doc = openapi.response(openapi.V2_MODEL_CONFIG, "Triton's model configuration")
+
+    @app.get(
+        "/v2/models/{model_name}",
+        tags=["v2"],
+        summary="Model metadata",
+        responses={**model_doc, **openapi.errors(404)},
+    )
     async def v2_model(model_name: str = name_param) -> dict[str, Any]:
         service.check_model(model_name)
         return metadata()
 
     @app.get(
-        "/v2/models/{model_name}/versions/{version}", tags=["v2"], responses=openapi.errors(404)
+        "/v2/models/{model_name}/versions/{version}",
+        tags=["v2"],
+        summary="Model metadata",
+        responses={**model_doc, **openapi.errors(404)},
     )
     async def v2_model_version(
         model_name: str = name_param, version: str = version_param
     ) -> dict[str, Any]:
         service.check_model(model_name, version)
         return metadata()
+
+    @app.get(
+        "/v2/models/{model_name}/config",
+        tags=["v2"],
+        summary="Model configuration (Triton's extension: max_batch_size, dims)",
+        responses={**config_doc, **openapi.errors(404)},
+    )
+    async def v2_model_config(model_name: str = name_param) -> dict[str, Any]:
+        service.check_model(model_name)
+        return config()
+
+    @app.get(
+        "/v2/models/{model_name}/versions/{version}/config",
+        tags=["v2"],
+        summary="Model configuration (Triton's extension: max_batch_size, dims)",
+        responses={**config_doc, **openapi.errors(404)},
+    )
+    async def v2_model_version_config(
+        model_name: str = name_param, version: str = version_param
+    ) -> dict[str, Any]:
+        service.check_model(model_name, version)
+        return config()
 
     @app.get("/v2/models/{model_name}/ready", tags=["v2"], responses=openapi.errors(404, 503))
     async def v2_model_ready(model_name: str = name_param) -> Response:

@@ -48,14 +48,27 @@ def v1_request(chw: tuple[int, int, int], max_rows: int) -> dict[str, Any]:
     }
 
 
-def v2_request(input_name: str) -> dict[str, Any]:
+def v2_request(input_name: str, chw: tuple[int, int, int], max_rows: int) -> dict[str, Any]:
+    c, h, w = chw
     tensor = {
         "type": "object",
         "required": ["name", "shape", "datatype"],
         "properties": {
             "name": {"type": "string", "enum": [input_name]},
-            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "datatype": {"type": "string", "enum": list(v2.ALL_DATATYPES)},
+            "shape": {
+                "type": "array",
+                "minItems": 3,
+                "maxItems": 4,
+                "items": {"type": "integer", "minimum": 0},
+                "description": f"[N, {c}, {h}, {w}] with N from 1 to {max_rows}; "
+                f"[{c}, {h}, {w}] is one image",
+            },
+            "datatype": {
+                "type": "string",
+                "enum": list(v2.DATATYPES),
+                "description": "any numeric type holding pixel values 0..255 (the model "
+                "takes UINT8); BOOL, BYTES and BF16 are refused",
+            },
             "parameters": {
                 "type": "object",
                 "properties": {"binary_data_size": {"type": "integer", "minimum": 0}},
@@ -93,7 +106,7 @@ def v2_request(input_name: str) -> dict[str, Any]:
                     },
                 },
             },
-            "inputs": {"type": "array", "items": tensor},
+            "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": tensor},
             "outputs": {"type": "array", "items": output},
         },
     }
@@ -137,6 +150,11 @@ def drop_validation_errors(schema: dict[str, Any]) -> None:
         schemas.pop(name, None)
     if schema.get("components") == {"schemas": {}}:
         del schema["components"]
+
+
+def response(schema: dict[str, Any], description: str) -> dict[int | str, dict[str, Any]]:
+    """`responses` of a route whose 200 is a plain dict: documented by `schema`."""
+    return {200: {"description": description, "content": {"application/json": {"schema": schema}}}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -197,6 +215,61 @@ V2_RESPONSE: dict[str, Any] = {
 }
 
 
+def _tensors(datatype: str) -> dict[str, Any]:
+    return {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "datatype": {"type": "string", "enum": [datatype]},
+                "shape": {
+                    "type": "array",
+                    "items": {"type": "integer"},
+                    "description": "-1: the batch dimension",
+                },
+            },
+        },
+    }
+
+
+V2_MODEL_METADATA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "versions", "platform", "inputs", "outputs"],
+    "properties": {
+        "name": {"type": "string"},
+        "versions": {"type": "array", "items": {"type": "string"}},
+        "platform": {"type": "string", "description": "onnxruntime_onnx, pytorch_libtorch, ..."},
+        "inputs": {**_tensors("UINT8"), "description": "the image batch [-1, C, H, W]"},
+        "outputs": {
+            **_tensors("FP32"),
+            "description": "logits and probabilities (their softmax), [-1, classes]",
+        },
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "labels": {"type": "array", "items": {"type": "string"}},
+                "max_batch_size": {"type": "integer", "description": "rows one request may carry"},
+            },
+        },
+    },
+}
+V2_MODEL_CONFIG: dict[str, Any] = {
+    "type": "object",
+    "description": "the subset of Triton's model configuration this server can state",
+    "properties": {
+        "name": {"type": "string"},
+        "platform": {"type": "string"},
+        "backend": {"type": "string"},
+        "max_batch_size": {"type": "integer", "description": "rows one request may carry"},
+        "input": {"type": "array", "items": {"type": "object"}},
+        "output": {"type": "array", "items": {"type": "object"}},
+        "dynamic_batching": {"type": "object"},
+        "instance_group": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
 def _compressed_answers(min_bytes: int) -> str:
     """What the server's `compress_min_bytes` makes of a client's Accept-Encoding, said."""
     if min_bytes == 0:
@@ -236,7 +309,15 @@ def raw_paths(
     version = _path_param("version", v2.VERSION, "model version")
     infer_responses = {
         "200": {
-            "description": "outputs (binary ones after a JSON header, as in the request)",
+            "description": "outputs (binary ones after a JSON header, as in the request): "
+            "logits and probabilities, or with parameters.classification k, the top k as "
+            'BYTES "score:index:label"',
+            "headers": {
+                v2.HEADER_LENGTH: {
+                    "description": "bytes of JSON before the binary outputs, when there are any",
+                    "schema": {"type": "integer", "minimum": 0},
+                }
+            },
             "content": {
                 "application/json": {"schema": V2_RESPONSE},
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
@@ -250,15 +331,36 @@ def raw_paths(
         "description": "KServe V2 inference. Shorten the deadline with x-request-timeout-ms "
         "or parameters.timeout (µs). Bodies may come gzip or deflate compressed "
         f"(Content-Encoding). {compressed}",
-        **body(v2_request(input_name), binary=True),
+        **body(v2_request(input_name, chw, max_rows), binary=True),
         "responses": infer_responses,
     }
+    headers = [
+        {
+            "name": v2.HEADER_LENGTH,
+            "in": "header",
+            "required": False,
+            "description": "binary tensor extension: bytes of JSON before the binary tensors "
+            "(required with an application/octet-stream body)",
+            "schema": {"type": "integer", "minimum": 0},
+        },
+        {
+            "name": "x-request-timeout-ms",
+            "in": "header",
+            "required": False,
+            "description": "shortens the server's deadline for this request (504 past it)",
+            "schema": {"type": "number", "exclusiveMinimum": 0},
+        },
+    ]
     return {
         "/v2/models/{model_name}/infer": {
-            "post": {**infer, "operationId": "v2_infer", "parameters": [name]}
+            "post": {**infer, "operationId": "v2_infer", "parameters": [name, *headers]}
         },
         "/v2/models/{model_name}/versions/{version}/infer": {
-            "post": {**infer, "operationId": "v2_infer_version", "parameters": [name, version]}
+            "post": {
+                **infer,
+                "operationId": "v2_infer_version",
+                "parameters": [name, version, *headers],
+            }
         },
         "/v1/predict": {
             "post": {

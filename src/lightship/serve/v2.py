@@ -448,9 +448,15 @@ def encode_response(
 
 
 def model_metadata(
-    name: str, platform: str, input_name: str, chw: tuple[int, int, int], labels: list[str]
+    name: str,
+    platform: str,
+    input_name: str,
+    chw: tuple[int, int, int],
+    labels: list[str],
+    max_rows: int,
 ) -> dict[str, Any]:
-    """`GET /v2/models/{name}`: inputs and outputs with -1 for the batch dimension."""
+    """`GET /v2/models/{name}`: inputs and outputs with -1 for the batch dimension, and the
+    rows one request may carry (`max_batch_size`, as Triton's model configuration names it)."""
     return {
         "name": name,
         "versions": [VERSION],
@@ -459,7 +465,35 @@ def model_metadata(
         "outputs": [
             {"name": out, "datatype": "FP32", "shape": [-1, len(labels)]} for out in OUTPUTS
         ],
-        "parameters": {"labels": labels},
+        "parameters": {"labels": labels, "max_batch_size": max_rows},
+    }
+
+
+def model_config(
+    name: str,
+    platform: str,
+    input_name: str,
+    chw: tuple[int, int, int],
+    classes: int,
+    max_rows: int,
+    max_wait_ms: float,
+    instances: int,
+    gpu: bool,
+) -> dict[str, Any]:
+    """`GET /v2/models/{name}/config`, Triton's model configuration extension, in the JSON
+    form Triton answers (dims without the batch dimension, `max_batch_size` > 0 for a model
+    that batches), as `tritonclient`'s `get_model_config` returns it."""
+    return {
+        "name": name,
+        "platform": platform,
+        "backend": "onnxruntime" if platform.startswith("onnxruntime") else "pytorch",
+        "max_batch_size": max_rows,
+        "input": [
+            {"name": input_name, "data_type": "TYPE_UINT8", "format": "FORMAT_NCHW", "dims": [*chw]}
+        ],
+        "output": [{"name": out, "data_type": "TYPE_FP32", "dims": [classes]} for out in OUTPUTS],
+        "dynamic_batching": {"max_queue_delay_microseconds": round(max_wait_ms * 1000)},
+        "instance_group": [{"count": instances, "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
 
 
