@@ -30,6 +30,7 @@ import pytest
 from fastapi import FastAPI
 from PIL import Image
 from starlette.types import Message
+from uvicorn.logging import AccessFormatter
 
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
@@ -2347,9 +2348,18 @@ def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
 
     with caplog.at_level(logging.INFO, logger="uvicorn.access"):
         run(main())
-    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
-    assert any(line.endswith('"POST /v2/models/hand/infer?trace=1 HTTP/1.1" 200') for line in lines)
-    assert any(line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404') for line in lines)
+    # formatted as `lightship serve` formats them: uvicorn's AccessFormatter, which reads the
+    # record's arguments by position (four instead of five was a traceback for each request)
+    formatter = AccessFormatter(
+        '%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False
+    )
+    lines = [formatter.format(r) for r in caplog.records if r.name == "uvicorn.access"]
+    assert any(
+        line.endswith('"POST /v2/models/hand/infer?trace=1 HTTP/1.1" 200 OK') for line in lines
+    )
+    assert any(
+        line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404 Not Found') for line in lines
+    )
 
 
 @pytest.mark.parametrize(

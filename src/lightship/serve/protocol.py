@@ -317,9 +317,11 @@ class _TensorCycle:
         self.response_complete = True
         if protocol.access_log:
             client = self._client
+            # uvicorn's own five arguments: its AccessFormatter unpacks them by position
             protocol.access_logger.info(
-                '%s - "POST %s HTTP/%s" %d',
+                '%s - "%s %s HTTP/%s" %d',
                 f"{client[0]}:{client[1]}" if client else "",
+                "POST",
                 self._target,
                 self._version,
                 status,
