@@ -2195,6 +2195,31 @@ def test_tensor_routes_over_http_are_answered_without_asgi(tmp_path: Path) -> No
         assert metric(text, f'lightship_requests_total{{route="{route}",status="200"}}') == count
 
 
+@pytest.mark.parametrize("path", [INFER, "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"])
+def test_whitespace_after_a_header_value_is_not_part_of_it(tmp_path: Path, path: str) -> None:
+    """RFC 9110 5.5; httptools trims it before a value only. A Content-Length of "N " was
+    refused as over the limit (413), the other two headers as malformed (400)."""
+    app, _ = make_app(tmp_path)
+    binary, headers = v2_binary(X)
+    (length,) = headers.values()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-length: {len(binary)} \r\n"
+        f"inference-header-content-length: {length}\t\r\nx-request-timeout-ms: 5000 \r\n"
+        "connection: close\r\n\r\n"
+    )
+
+    async def main() -> Exchange:
+        async with raw_http(app) as (connect, _, _):
+            return await exchange(connect, head.encode(), binary)
+
+    status, answer_headers, answer, _ = run(main())
+    assert status == 200, answer
+    split = int(answer_headers["inference-header-content-length"])
+    np.testing.assert_array_equal(
+        np.frombuffer(answer[split:], "<f4").reshape(2, 2), expected_logits(X)
+    )
+
+
 @pytest.mark.parametrize("deadline", ["server's", "client's"])
 def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection_closed(
     tmp_path: Path, deadline: str

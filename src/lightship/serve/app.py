@@ -335,6 +335,9 @@ class Head:
     accept: str | None  # Accept-Encoding
 
 
+_OWS = (b" ", b"\t")
+
+
 def read_head(headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float) -> Head:
     """The `Head` of a request whose (lower-case) headers are `headers`, arriving now, on a
     server that takes bodies of up to `limit` bytes and waits `timeout_s` for an answer."""
@@ -342,6 +345,10 @@ def read_head(headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: flo
     clients = too_large = False
     bad_timeout = encoding = header_length = accept = None
     for key, value in headers:
+        # httptools trims the whitespace before a value, not after it (RFC 9110 5.5: neither
+        # is part of it); a "Content-Length: 12 " was refused as too large
+        if value[-1:] in _OWS:
+            value = value.rstrip(b" \t")
         if key == TIMEOUT_HEADER_BYTES:
             client_s = _client_timeout_s(value)
             if client_s is None:
