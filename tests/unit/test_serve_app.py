@@ -2220,6 +2220,59 @@ def test_whitespace_after_a_header_value_is_not_part_of_it(tmp_path: Path, path:
     )
 
 
+H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")
+
+
+@pytest.mark.parametrize("path", [INFER, "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"])
+@pytest.mark.parametrize("writes", ["one write", "head, then body"])
+def test_an_upgrade_to_http2_is_ignored_and_the_request_answered_over_http1(
+    tmp_path: Path, path: str, writes: str
+) -> None:
+    """As `curl --http2 http://...` sends it. llhttp reads no body after an Upgrade head:
+    uvicorn answered the request as empty (400) and read its body as the next request. Here a
+    GET with the same Upgrade (no body) and a GET behind it follow on the connection."""
+    app, _ = make_app(tmp_path)
+    binary, headers = v2_binary(X)
+    (length,) = headers.values()
+    infer = post(path, binary, f"inference-header-content-length: {length}", *H2C)
+    split = len(infer) - len(binary) if writes == "head, then body" else len(infer)
+    get = ("\r\n".join(["GET /v2/health/ready HTTP/1.1", "host: t", *H2C]) + "\r\n\r\n").encode()
+    last = b"GET /v2/models/hand HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+
+    async def main() -> list[tuple[int, dict[str, str], bytes]]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(infer[:split])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(infer[split:] + get + last)
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # and nothing more
+            writer.close()
+            return answers
+
+    (status, answer_headers, answer), ready, meta = run(main())
+    assert status == 200, answer
+    header_length = int(answer_headers["inference-header-content-length"])
+    logits = np.frombuffer(answer[header_length:], "<f4").reshape(2, 2)
+    np.testing.assert_array_equal(logits, expected_logits(X))
+    assert ready[0] == 200 and json.loads(ready[2]) == {"ready": True}
+    assert meta[0] == 200 and json.loads(meta[2])["name"] == "hand"
+
+
+def test_an_upgrade_with_a_chunked_body_is_refused_in_json(tmp_path: Path) -> None:
+    app, _ = make_app(tmp_path)
+    head = "\r\n".join([f"POST {INFER} HTTP/1.1", "host: t", "transfer-encoding: chunked", *H2C])
+
+    async def main() -> Exchange:
+        async with raw_http(app) as (connect, _, _):
+            return await exchange(connect, (head + "\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode())
+
+    status, headers, answer, rest = run(main())
+    assert status == 400 and headers["connection"] == "close" and rest == b""
+    assert "Upgrade and a chunked body" in json.loads(answer)["error"]
+
+
 @pytest.mark.parametrize("deadline", ["server's", "client's"])
 def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection_closed(
     tmp_path: Path, deadline: str

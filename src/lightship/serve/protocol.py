@@ -11,11 +11,13 @@ same `TensorRoutes` object that the ASGI app answers them with (`app.py`): the s
 body limit, deadlines, error table and metrics. Every other request, and any request this
 protocol does not answer itself, goes to uvicorn's ASGI cycle as before.
 
-Beyond that, four things that uvicorn's protocol does not do: a request it cannot parse is
+Beyond that, five things that uvicorn's protocol does not do: a request it cannot parse is
 answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, what is written
-during one turn of the event loop leaves in one write (`_CoalescingTransport`), and a
+during one turn of the event loop leaves in one write (`_CoalescingTransport`), a
 connection closed while the client is still sending its request lingers until the client has
-read the answer (`LightshipProtocol._close`).
+read the answer (`LightshipProtocol._close`), and a request asking to upgrade to another
+protocol than a WebSocket (`curl --http2` asks for h2c) is answered over HTTP/1.1 with its
+body (`LightshipProtocol._ignore_upgrade`).
 """
 
 from __future__ import annotations
@@ -377,6 +379,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _in_head = True
         _broken = False  # a head refused (431) or that did not parse (400): no request to read
         _linger: asyncio.TimerHandle | None = None  # closing: reading what still comes
+        # Body bytes still to come of a request whose Upgrade (h2c, ...) is ignored: llhttp
+        # hands everything after such a head to the new protocol, so they are read here
+        _upgrade_body: int | None = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -417,12 +422,38 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def data_received(self, data: bytes) -> None:
             if self._linger is not None:
                 return  # the rest of a request already answered: thrown away
+            if self._upgrade_body is not None:
+                data = self._upgraded_body(data)
+                if not data:
+                    return
             # httptools sets no limit on a request's head and joins its pieces by copying:
             # a 100 MB header held the event loop for seconds. Counted as it arrives, the
             # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
             if self._in_head:
                 self._head_bytes += len(data)
-            HttpToolsProtocol.data_received(self, data)
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+                return
+            except httptools.HttpParserUpgrade as exc:
+                if self._broken:  # refused at its head
+                    return
+                if self._upgrade_body is None:  # to a WebSocket: uvicorn's own
+                    if self._should_upgrade():
+                        self.handle_websocket_upgrade()
+                    else:
+                        self._unsupported_upgrade_warning()
+                    return
+                # llhttp stops after the head: what follows is the body, then HTTP again
+                self.parser = httptools.HttpRequestParser(self)
+                if self._upgrade_body == 0:  # no body: llhttp has ended the request
+                    self._upgrade_body = None
+                if rest := data[exc.args[0] :]:
+                    self.data_received(rest)
+                return
             over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
             if over and not self.transport.is_closing():
                 self._send_error(
@@ -432,8 +463,47 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            if self.parser.should_upgrade() and not self._should_upgrade():
+                self._ignore_upgrade()
+                if self._broken:
+                    return
             if routes is None or not self._answer_here():
                 HttpToolsProtocol.on_headers_complete(self)
+
+        def _ignore_upgrade(self) -> None:
+            """A request asking for another protocol than a WebSocket (curl --http2 sends
+            `Upgrade: h2c`) is answered over HTTP/1.1, as RFC 9110 7.8 lets a server do. llhttp
+            reads no body after such a head: its Content-Length is read here
+            (`_upgraded_body`). uvicorn lost the body, answered the request as empty and read
+            a body sent later as the next request."""
+            length, chunked = 0, False
+            for name, value in self.headers:
+                if name == b"content-length":
+                    value = value.strip(b" \t")
+                    length = int(value) if value.isdigit() else -1
+                elif name == b"transfer-encoding":
+                    chunked = True
+            if chunked or length < 0:
+                self._send_error(
+                    b"400 Bad Request",
+                    "a request with Upgrade and a chunked body is not taken: send it with a "
+                    "Content-Length, or without Upgrade (curl: --http1.1)",
+                )
+                return
+            self._upgrade_body = length
+
+        def _upgraded_body(self, data: bytes) -> bytes:
+            """Hand the body of a request whose Upgrade is ignored to its cycle, end the
+            request when it is whole; what comes after it, a request pipelined behind."""
+            left = self._upgrade_body
+            assert left  # > 0: a request without a body ended at its head
+            body, data = data[:left], data[left:]
+            self._upgrade_body = left = left - len(body)
+            self.on_body(body)
+            if left == 0:
+                self._upgrade_body = None
+                self.on_message_complete()
+            return data
 
         def _answer_here(self) -> bool:
             """Start (or queue behind a pipelined one) a `_TensorCycle` for a POST to a
@@ -442,7 +512,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             parser = self.parser
             if (
                 parser.get_method() != b"POST"
-                or parser.should_upgrade()
+                or (parser.should_upgrade() and self._upgrade_body is None)  # a WebSocket's
                 or self.limit_concurrency is not None  # uvicorn's 503 for it: not set here
             ):
                 return False
@@ -485,6 +555,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 HttpToolsProtocol.on_body(self, body)
 
         def on_message_complete(self) -> None:
+            if self._upgrade_body:  # llhttp ends it at its head: the body is still to come
+                return
             cycle = self.cycle
             if type(cycle) is _TensorCycle:
                 cycle.complete()
