@@ -2220,6 +2220,39 @@ def test_whitespace_after_a_header_value_is_not_part_of_it(tmp_path: Path, path:
     )
 
 
+def test_a_head_that_never_ends_is_answered_408_and_a_silent_connection_closed(
+    tmp_path: Path,
+) -> None:
+    """At the server's request deadline. uvicorn's keep-alive timer stops at the first byte and
+    starts only after an answer: a partial head, or a connection that sent nothing, held its
+    socket for good. A connection idle between requests is the keep-alive timer's (5 s)."""
+    app, _ = make_app(tmp_path, timeout_ms=300)
+    request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
+
+    async def main() -> tuple[Exchange, bytes, list[int], float]:
+        async with raw_http(app) as (connect, _, _):
+            t0 = time.monotonic()
+            partial = await exchange(connect, f"POST {INFER} HTTP/1.1\r\nhost: t\r\nx-a: ".encode())
+            reader, writer = await connect()  # sends nothing
+            silent = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            took = time.monotonic() - t0
+            reader, writer = await connect()  # two requests 0.5 s apart: both answered
+            statuses = []
+            for _ in range(2):
+                writer.write(request)
+                statuses.append((await asyncio.wait_for(read_answer(reader), 5))[0])
+                await asyncio.sleep(0.5)
+            writer.close()
+            return partial, silent, statuses, took
+
+    (status, headers, answer, rest), silent, statuses, took = run(main())
+    assert status == 408 and headers["connection"] == "close" and rest == b""
+    assert json.loads(answer)["error"].startswith("request head incomplete after 0.3 s")
+    assert silent == b"" and took < 3
+    assert statuses == [200, 200]
+
+
 H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")
 
 

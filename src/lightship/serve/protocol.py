@@ -11,8 +11,9 @@ same `TensorRoutes` object that the ASGI app answers them with (`app.py`): the s
 body limit, deadlines, error table and metrics. Every other request, and any request this
 protocol does not answer itself, goes to uvicorn's ASGI cycle as before.
 
-Beyond that, five things that uvicorn's protocol does not do: a request it cannot parse is
-answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, what is written
+Beyond that, six things that uvicorn's protocol does not do: a request it cannot parse is
+answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, and one that has not
+arrived whole by the server's request deadline is answered 408 (`_head_late`), what is written
 during one turn of the event loop leaves in one write (`_CoalescingTransport`), a
 connection closed while the client is still sending its request lingers until the client has
 read the answer (`LightshipProtocol._close`), and a request asking to upgrade to another
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # A request's URL and headers together; more is answered 431 (uvicorn's h11 protocol: 16 KiB)
 MAX_HEAD_BYTES = 64 * 1024
+# How long a request's head may take to arrive when the server has no deadline of its own to
+# give it (no tensor routes); with them, the server's request deadline (--timeout-ms)
+HEAD_TIMEOUT_S = 10.0
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
 # the client still sends, so that the client reads the answer (`LightshipProtocol._close`).
@@ -373,6 +377,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
     except ImportError:  # no httptools: uvicorn's h11 protocol and its text answers
         return "auto"
 
+    head_timeout_s = routes.timeout_s if routes is not None else HEAD_TIMEOUT_S
+
     class LightshipProtocol(HttpToolsProtocol):
         # Bytes received since the last request's head ended: its URL and headers so far
         _head_bytes = 0
@@ -382,11 +388,31 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # Body bytes still to come of a request whose Upgrade (h2c, ...) is ignored: llhttp
         # hands everything after such a head to the new protocol, so they are read here
         _upgrade_body: int | None = None
+        # Armed while a request's head is incomplete (and on a new connection): uvicorn's
+        # keep-alive timer stops at the first byte, so a head that never ends held its
+        # connection open for good
+        _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
             self._out = _CoalescingTransport(transport, self.loop, self._close)
             super().connection_made(self._out)  # type: ignore[arg-type]
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def _head_late(self) -> None:
+            """The head has not arrived in time: a partial one is answered 408, a connection
+            that sent nothing is closed, as an idle keep-alive one is."""
+            self._head_timer = None
+            if self._linger is not None or self._out.is_closing() or not self._in_head:
+                return
+            if self._head_bytes:
+                self._send_error(
+                    b"408 Request Timeout",
+                    f"request head incomplete after {head_timeout_s:g} s: send the request "
+                    "line and headers at once",
+                )
+            elif self.cycle is None:
+                self._out.close_now()
 
         def _close(self) -> None:
             """Close the connection: at once, or, while the client may still be sending the
@@ -434,6 +460,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self._unset_keepalive_if_required()
             try:
                 self.parser.feed_data(data)
+                if self._in_head and self._head_bytes and self._head_timer is None:
+                    self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
             except httptools.HttpParserError:
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
@@ -463,6 +491,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             if self.parser.should_upgrade() and not self._should_upgrade():
                 self._ignore_upgrade()
                 if self._broken:
@@ -567,6 +598,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._linger is not None:
                 self._linger.cancel()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
             cycle = self.cycle
             if type(cycle) is _TensorCycle:
                 cycle.lost()
