@@ -2253,6 +2253,41 @@ def test_a_head_that_never_ends_is_answered_408_and_a_silent_connection_closed(
     assert statuses == [200, 200]
 
 
+@pytest.mark.parametrize("path", [INFER, "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"])
+@pytest.mark.parametrize("bad", ["garbage", "head too large"])
+def test_a_request_that_cannot_be_read_is_answered_after_those_pipelined_ahead_of_it(
+    tmp_path: Path, path: str, bad: str
+) -> None:
+    """RFC 9112 9.3.2: answers in the order of the requests. The 400 (or 431) used to be
+    written at once and the connection closed, cutting off the answers still being computed."""
+    app, _ = make_app(tmp_path, max_wait_ms=200)  # the two requests ahead are still queued
+    request = post(path, json.dumps(v2_json(X)).encode(), "content-type: application/json")
+    after = (
+        b"\x00garbage\r\n\r\n" if bad == "garbage" else b"GET / HTTP/1.1\r\nx-a: " + b"a" * 70_000
+    )
+
+    async def main() -> tuple[list[tuple[int, dict[str, str], bytes]], bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(request + request)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # read apart: the server counts a head from a read's start
+            writer.write(after)
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
+            rest = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return answers, rest
+
+    answers, rest = run(main())
+    for status, _, answer in answers[:2]:
+        assert status == 200
+        out = {o["name"]: o for o in json.loads(answer)["outputs"]}["logits"]
+        assert out["data"] == expected_logits(X).ravel().tolist()
+    status, headers, answer = answers[2]
+    assert (status, headers["connection"], rest) == (400 if bad == "garbage" else 431, "close", b"")
+    assert "error" in json.loads(answer)
+
+
 H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")
 
 

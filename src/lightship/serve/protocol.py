@@ -392,6 +392,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # keep-alive timer stops at the first byte, so a head that never ends held its
         # connection open for good
         _head_timer: asyncio.TimerHandle | None = None
+        # The answer to a request that could not be read, while those ahead of it are running
+        _deferred_error: tuple[bytes, str] | None = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -608,8 +610,27 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def send_400_response(self, msg: str) -> None:
             self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
 
+        def on_response_complete(self) -> None:
+            deferred = self._deferred_error
+            if deferred is not None and self.cycle.response_complete:  # the last before it
+                self.server_state.total_requests += 1
+                self._deferred_error = None
+                if not self._out.is_closing():  # unless that answer closed the connection
+                    self._send_error(*deferred)
+            else:
+                HttpToolsProtocol.on_response_complete(self)
+
         def _send_error(self, status: bytes, message: str) -> None:
+            """Answer a request that cannot be read, and close: once the requests pipelined
+            ahead of it are answered (`on_response_complete`), whose answers the close would
+            otherwise cut off."""
             self._broken = True
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                if self._deferred_error is None:
+                    self._deferred_error = (status, message)
+                    self.flow.pause_reading()
+                return
             body = error_body(message)
             head = [b"HTTP/1.1 " + status + b"\r\n"]
             head += [
