@@ -2288,6 +2288,24 @@ def test_a_request_that_cannot_be_read_is_answered_after_those_pipelined_ahead_o
     assert "error" in json.loads(answer)
 
 
+@pytest.mark.parametrize("path", [INFER, "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"])
+def test_a_malformed_chunked_body_is_answered_400_at_once(tmp_path: Path, path: str) -> None:
+    """The error is the request's own, still arriving: not held for it to be answered."""
+    app, _ = make_app(tmp_path)
+    head = f"POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def main() -> tuple[Exchange, float]:
+        async with raw_http(app) as (connect, _, _):
+            t0 = time.monotonic()
+            answer = await exchange(connect, head.encode(), b"2\r\n{}\r\nzz\r\n")
+            return answer, time.monotonic() - t0
+
+    (status, headers, answer, rest), took = run(main())
+    assert (status, headers["connection"], rest) == (400, "close", b"")
+    assert json.loads(answer)["error"].startswith("malformed HTTP request")
+    assert took < 2  # not the 10 s deadline
+
+
 H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")
 
 

@@ -626,7 +626,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             otherwise cut off."""
             self._broken = True
             cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:
+            # a request read whole and not yet answered: this error is a later request's (one
+            # still arriving, a malformed chunked body say, is answered and closed at once)
+            if cycle is not None and not (cycle.response_complete or cycle.more_body):
                 if self._deferred_error is None:
                     self._deferred_error = (status, message)
                     self.flow.pause_reading()
