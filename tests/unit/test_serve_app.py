@@ -2346,6 +2346,22 @@ def test_an_upgrade_to_http2_is_ignored_and_the_request_answered_over_http1(
     assert meta[0] == 200 and json.loads(meta[2])["name"] == "hand"
 
 
+@pytest.mark.parametrize("path", [INFER, "/v1/predict/image"], ids=["protocol", "asgi"])
+def test_a_websocket_upgrade_on_a_post_is_refused_in_json(tmp_path: Path, path: str) -> None:
+    """uvicorn handed it to its WebSocket protocol, which never answered a POST."""
+    app, _ = make_app(tmp_path)
+    ws = ("connection: Upgrade", "upgrade: websocket", "sec-websocket-version: 13")
+    key = "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ=="
+
+    async def main() -> Exchange:
+        async with raw_http(app) as (connect, _, _):
+            return await exchange(connect, post(path, b"{}", *ws, key))
+
+    status, headers, answer, rest = run(main())
+    assert (status, headers["connection"], rest) == (400, "close", b"")
+    assert "WebSocket handshake is a GET" in json.loads(answer)["error"]
+
+
 def test_an_upgrade_with_a_chunked_body_is_refused_in_json(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     head = "\r\n".join([f"POST {INFER} HTTP/1.1", "host: t", "transfer-encoding: chunked", *H2C])

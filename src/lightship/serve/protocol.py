@@ -496,8 +496,15 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-            if self.parser.should_upgrade() and not self._should_upgrade():
-                self._ignore_upgrade()
+            if self.parser.should_upgrade():
+                if not self._should_upgrade():
+                    self._ignore_upgrade()
+                elif self.parser.get_method() != b"GET":  # uvicorn's WebSocket never answered
+                    self._send_error(
+                        b"400 Bad Request",
+                        "a WebSocket handshake is a GET (RFC 6455 4.1), and this server has no "
+                        "WebSocket routes: send the request without Upgrade",
+                    )
                 if self._broken:
                     return
             if routes is None or not self._answer_here():
