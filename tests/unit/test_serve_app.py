@@ -583,9 +583,9 @@ BAD_V2: list[tuple[str, dict[str, Any], int, str]] = [
             f"timeout header {value}",
             {"json": v2_json(X), "headers": {"X-Request-Timeout-Ms": value}},
             400,
-            f"x-request-timeout-ms must be a positive number of milliseconds, got '{value}'",
+            f"x-request-timeout-ms must be a positive decimal number of milliseconds (digits and a point: 250, 1.5), got '{value}'",
         )
-        for value in ("1_000", "inf", "1e400", "0")
+        for value in ("1_000", "inf", "1e400", "1e9", "0")
     ),
     (
         "unknown encoding",

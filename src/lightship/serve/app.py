@@ -246,8 +246,8 @@ class Service:
             return self.settings.timeout_ms / 1000
         if head.bad_timeout is not None:
             raise ProtocolError(
-                f"{TIMEOUT_HEADER} must be a positive number of milliseconds, got "
-                f"{head.bad_timeout!r}"
+                f"{TIMEOUT_HEADER} must be a positive decimal number of milliseconds (digits "
+                f"and a point: 250, 1.5), got {head.bad_timeout!r}"
             )
         deadline = head.deadline
         if requested_s is not None:
