@@ -2229,8 +2229,8 @@ def test_a_head_that_never_ends_is_answered_408_and_a_silent_connection_closed(
     app, _ = make_app(tmp_path, timeout_ms=300)
     request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
 
-    async def main() -> tuple[Exchange, bytes, list[int], float]:
-        async with raw_http(app) as (connect, _, _):
+    async def main() -> tuple[Exchange, bytes, list[int], float, str]:
+        async with raw_http(app) as (connect, _, http):
             t0 = time.monotonic()
             partial = await exchange(connect, f"POST {INFER} HTTP/1.1\r\nhost: t\r\nx-a: ".encode())
             reader, writer = await connect()  # sends nothing
@@ -2244,10 +2244,11 @@ def test_a_head_that_never_ends_is_answered_408_and_a_silent_connection_closed(
                 statuses.append((await asyncio.wait_for(read_answer(reader), 5))[0])
                 await asyncio.sleep(0.5)
             writer.close()
-            return partial, silent, statuses, took
+            return partial, silent, statuses, took, (await http.get("/metrics")).text
 
-    (status, headers, answer, rest), silent, statuses, took = run(main())
+    (status, headers, answer, rest), silent, statuses, took, text = run(main())
     assert status == 408 and headers["connection"] == "close" and rest == b""
+    assert metric(text, 'lightship_rejections_total{reason="head_timeout"}') == 1
     assert json.loads(answer)["error"].startswith("request head incomplete after 0.3 s")
     assert silent == b"" and took < 3
     assert statuses == [200, 200]
@@ -2266,8 +2267,8 @@ def test_a_request_that_cannot_be_read_is_answered_after_those_pipelined_ahead_o
         b"\x00garbage\r\n\r\n" if bad == "garbage" else b"GET / HTTP/1.1\r\nx-a: " + b"a" * 70_000
     )
 
-    async def main() -> tuple[list[tuple[int, dict[str, str], bytes]], bytes]:
-        async with raw_http(app) as (connect, _, _):
+    async def main() -> tuple[list[tuple[int, dict[str, str], bytes]], bytes, str]:
+        async with raw_http(app) as (connect, _, http):
             reader, writer = await connect()
             writer.write(request + request)
             await writer.drain()
@@ -2276,9 +2277,11 @@ def test_a_request_that_cannot_be_read_is_answered_after_those_pipelined_ahead_o
             answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
             rest = await asyncio.wait_for(reader.read(), 10)
             writer.close()
-            return answers, rest
+            return answers, rest, (await http.get("/metrics")).text
 
-    answers, rest = run(main())
+    answers, rest, text = run(main())
+    reason = "bad_http" if bad == "garbage" else "head_too_large"
+    assert metric(text, f'lightship_rejections_total{{reason="{reason}"}}') == 1
     for status, _, answer in answers[:2]:
         assert status == 200
         out = {o["name"]: o for o in json.loads(answer)["outputs"]}["logits"]

@@ -41,6 +41,10 @@ REJECTION_REASONS = (
     "body_timeout",
     "not_ready",
     "worker_died",
+    # refused by the HTTP protocol before there was a request to route (`protocol.py`)
+    "bad_http",
+    "head_too_large",
+    "head_timeout",
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -408,7 +408,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if self._linger is not None or self._out.is_closing() or not self._in_head:
                 return
             if self._head_bytes:
-                self._send_error(
+                self._refuse(
+                    "head_timeout",
                     b"408 Request Timeout",
                     f"request head incomplete after {head_timeout_s:g} s: send the request "
                     "line and headers at once",
@@ -486,7 +487,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 return
             over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
             if over and not self.transport.is_closing():
-                self._send_error(
+                self._refuse(
+                    "head_too_large",
                     b"431 Request Header Fields Too Large",
                     f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
                 )
@@ -500,7 +502,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if not self._should_upgrade():
                     self._ignore_upgrade()
                 elif self.parser.get_method() != b"GET":  # uvicorn's WebSocket never answered
-                    self._send_error(
+                    self._refuse(
+                        "bad_http",
                         b"400 Bad Request",
                         "a WebSocket handshake is a GET (RFC 6455 4.1), and this server has no "
                         "WebSocket routes: send the request without Upgrade",
@@ -524,7 +527,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 elif name == b"transfer-encoding":
                     chunked = True
             if chunked or length < 0:
-                self._send_error(
+                self._refuse(
+                    "bad_http",
                     b"400 Bad Request",
                     "a request with Upgrade and a chunked body is not taken: send it with a "
                     "Content-Length, or without Upgrade (curl: --http1.1)",
@@ -615,7 +619,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             HttpToolsProtocol.connection_lost(self, exc)
 
         def send_400_response(self, msg: str) -> None:
-            self._send_error(b"400 Bad Request", f"malformed HTTP request: {msg.rstrip('.')}")
+            message = f"malformed HTTP request: {msg.rstrip('.')}"
+            self._refuse("bad_http", b"400 Bad Request", message)
 
         def on_response_complete(self) -> None:
             deferred = self._deferred_error
@@ -626,6 +631,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     self._send_error(*deferred)
             else:
                 HttpToolsProtocol.on_response_complete(self)
+
+        def _refuse(self, reason: str, status: bytes, message: str) -> None:
+            """Answer a request that cannot be read (`_send_error`), counted in the metrics'
+            rejections by `reason`: it has no route to be counted under."""
+            if routes is not None and not self._broken:  # once a connection
+                routes.metrics.rejected(reason)
+            self._send_error(status, message)
 
         def _send_error(self, status: bytes, message: str) -> None:
             """Answer a request that cannot be read, and close: once the requests pipelined
