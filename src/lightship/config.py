@@ -421,5 +421,6 @@ def parse_choices(
     if not items:
         raise error(f"no {what} given: choose from {','.join(allowed)}")
     if unknown:
-        raise error(f"unknown {what} {unknown!r}: choose from {','.join(allowed)}")
+        listed = ", ".join(map(repr, unknown))  # not a Python list: ['tflite']
+        raise error(f"unknown {what} {listed}: choose from {','.join(allowed)}")
     return list(dict.fromkeys(items))

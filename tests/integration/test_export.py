@@ -179,7 +179,7 @@ def test_bad_inputs_exit_with_one_line(tmp_path: Path, tiny_run: Path) -> None:
     proc = run_cli("export", "--run", str(tiny_run), "--formats", "onnx,tflite")
     assert proc.returncode == 4
     assert last_line(proc.stderr) == (
-        "error: unknown export format ['tflite']: choose from onnx,torchscript,pt2"
+        "error: unknown export format 'tflite': choose from onnx,torchscript,pt2"
     )
 
 

@@ -288,7 +288,7 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
     assert proc.returncode == 4 and "make export" in last_line(proc.stderr)
     cases = [
         (["--calibration-samples", "0"], "empty calibration set"),
-        (["--methods", "static,fp4"], "unknown quantization method ['fp4']"),
+        (["--methods", "static,fp4"], "unknown quantization method 'fp4'"),
         (["--target", "sse"], "unknown target 'sse'"),
         (["--calibration-method", "mse"], "unknown calibration method 'mse'"),
     ]

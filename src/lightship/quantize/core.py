@@ -273,6 +273,7 @@ class Quantizer:
     ) -> None:
         self.run = run
         self.settings = settings
+        self.methods = list(methods)
         self.fp32 = run.export_dir / "model.onnx"
         if not run.root.is_dir():
             raise RunError(
@@ -559,7 +560,7 @@ class Quantizer:
                 step,
                 NOISE_RULE,
                 ", ".join(noise),
-                self.run.command("quantize"),
+                f"`{_command(self.run, 'quantize', self.methods)}`",  # the methods asked for
             )
         return before, after
 
