@@ -50,6 +50,9 @@ help: ## list the targets
 	@echo "  IMAGE=lightship-serve         docker, docker-gpu: the image's name (tag VERSION from pyproject.toml);"
 	@echo "                                docker-model: tagged with RUN's name"
 	@echo "  BENCH_SERVE_ARGS='--duration 2 --rounds 1'   bench-serve (\`lightship bench serve --help\`)"
+	@echo "  TORCH='torch==2.13.0'         setup: the torch requirement, installed first; where the plain pin"
+	@echo "                                pulls a CUDA build, add --index-url https://download.pytorch.org/whl/cpu"
+	@echo "  PYTHON=python3.11             setup: the interpreter .venv is made with (default: python3.11, else python3)"
 
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
 # this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
