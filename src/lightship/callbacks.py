@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,29 @@ class WarmupEMA(WeightAveraging):
         super().__init__(avg_fn=functools.partial(warmup_ema, decay))
 
 
+def _moved_state(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """ModelCheckpoint's `state` saved in folder `old`, re-rooted in `new`: a path in `old`
+    becomes the same name in `new`; a top-k entry whose file is not in `new` is dropped."""
+
+    def here(path: str) -> str:
+        if not path or os.path.dirname(path) != old:
+            return path
+        return os.path.join(new, os.path.basename(path))
+
+    best_k = {here(p): v for p, v in (state.get("best_k_models") or {}).items()}
+    best_k = {p: v for p, v in best_k.items() if os.path.isfile(p)}
+    kth = here(state.get("kth_best_model_path") or "")
+    return {
+        **state,
+        "dirpath": new,
+        "best_model_path": here(state.get("best_model_path") or ""),
+        "last_model_path": here(state.get("last_model_path") or ""),
+        "best_k_models": best_k,
+        # the worst kept; Lightning picks it again once the top k is full
+        "kth_best_model_path": kth if kth in best_k else "",
+    }
+
+
 class LatestBestCheckpoint(ModelCheckpoint):
     """ModelCheckpoint where a tie with the best score goes to the newer checkpoint, and
     last.ckpt (with `save_last`) is written at the end of every epoch.
@@ -107,6 +131,19 @@ class LatestBestCheckpoint(ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run copied or moved (`cp -r`) resumes with its checkpoints where they are now.
+
+        Lightning keeps only `best_model_path` of a state saved in another folder: it forgot
+        the top-k it kept, so the old ones were never deleted (four files for top 2), and its
+        last.ckpt, so the new one went to last-v1.ckpt while the next `--resume` read the stale
+        last.ckpt and trained the same epochs again. The state's paths in its old folder are
+        taken as the same names in this one, where those files are."""
+        old, new = state_dict.get("dirpath"), self.dirpath
+        if old and new and old != new:
+            state_dict = _moved_state(state_dict, str(old), str(new))
+        super().load_state_dict(state_dict)
 
     def check_monitor_top_k(self, trainer: pl.Trainer, current: torch.Tensor | None = None) -> bool:
         if current is None or self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:

@@ -525,6 +525,25 @@ def test_resume_a_copied_run_keeps_to_its_own_checkpoints(tiny_run: Path, tmp_pa
     assert (run / "best.ckpt").read_bytes() == (run / source).read_bytes()
 
 
+def test_a_copied_run_resumes_into_its_own_last_ckpt_and_top_k(tmp_path: Path) -> None:
+    """Lightning forgot a moved run's top k and last.ckpt: the old top-k files stayed beside
+    the new ones, the new state went to last-v1.ckpt, and the next --resume read the stale
+    last.ckpt and trained the same epoch again."""
+    first, run = tmp_path / "first", tmp_path / "copy"
+    plain = ["--set", "optim.scheduler=none"]  # onecycle's schedule cannot be lengthened
+    run_cli("train", "--run", str(first), "--config", TINY, *plain, "--set",
+            "trainer.max_epochs=2", "--set", "checkpoint.save_top_k=1", check=True)  # fmt: skip
+    shutil.copytree(first, run)
+    more = ["--resume", "--set", "trainer.max_epochs=3"]
+    proc = run_cli("train", "--run", str(run), *more, check=True)
+    assert "dirpath has changed" not in proc.stderr
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(names) == 2 and names[-1] == "last.ckpt", names  # top 1 and last.ckpt
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 2
+    again = run_cli("train", "--run", str(run), *more, check=True)
+    assert "nothing to train" in again.stdout, again.stdout
+
+
 def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> None:
     run = tmp_path / "untrainable"
     cases = [
