@@ -809,6 +809,23 @@ class RunDir:
             self._save(data)
         return listed
 
+    def unlisted_derived(self) -> list[str]:
+        """Run-relative files that `discard_derived` deletes without a manifest entry naming
+        them: the report's, and what export or quantize left unlisted (a run whose
+        manifest.json was lost)."""
+        listed = {
+            value
+            for entry in self.manifest()["artifacts"].values()
+            for field, value in entry.items()
+            if field.startswith("file") and isinstance(value, str)
+        }
+        return [
+            rel
+            for pattern in DERIVED_FILES
+            for path in sorted(self.root.glob(pattern))
+            if path.is_file() and (rel := path.relative_to(self.root).as_posix()) not in listed
+        ]
+
     def discard_derived(self) -> list[str]:
         """Everything made from best.ckpt goes, before a new best.ckpt replaces it: every entry
         but the checkpoint is discarded, with any unlisted leftover of export, quantize or report

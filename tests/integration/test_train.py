@@ -429,6 +429,42 @@ def test_resuming_puts_back_a_lost_best_checkpoint_and_keeps_what_was_made_from_
     assert {p: p.read_bytes() for p in before} == before  # best.ckpt as it was, exports, report
 
 
+def test_a_resume_that_cannot_load_its_best_checkpoint_loses_nothing(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """best.ckpt gone and the top-k checkpoint it came from corrupt: the resume fails, and
+    exports, int8 models and report stay (they were deleted before the load failed)."""
+    run = tmp_path / "corrupt-top"
+    shutil.copytree(exported_run, run)
+    downstream = fake_downstream(run)
+    before = {p: p.read_bytes() for p in [run / "manifest.json", *downstream]}
+    (run / "best.ckpt").unlink()
+    top = run / manifest(run)["checkpoint"]["source_checkpoint"]
+    top.write_bytes(top.read_bytes()[:1000])
+    proc = run_cli("train", "--run", str(run), "--resume")
+    assert proc.returncode == 4, proc.stderr
+    assert "is corrupt" in last_line(proc.stderr) and "outdates" not in proc.stdout
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_a_finished_run_that_lost_its_manifest_says_what_its_resume_deletes(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """Nothing lists the exports any more, so they go with the best.ckpt made again: said,
+    file by file, not silently."""
+    run = tmp_path / "no-manifest"
+    shutil.copytree(exported_run, run)
+    fake_downstream(run)
+    (run / "manifest.json").unlink()
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    said = next(line for line in proc.stdout.splitlines() if "outdates" in line)
+    for gone in ("export/model.onnx", "quantize/model.int8-static.onnx"):
+        assert gone in said and not (run / gone).exists(), said
+    assert "the report" in said and not (run / "report" / "report.json").exists()
+    assert "best.ckpt made again from checkpoints/" in proc.stdout, proc.stdout
+    assert manifest(run)["checkpoint"]["train_seconds"] is None  # not this session's 0.2 s
+
+
 def test_make_resumes_a_run_that_lost_its_best_checkpoint(tiny_run: Path) -> None:
     # training anew with make's default config would replace the run with another model
     out = make_n("export", f"RUN={tiny_run}/nowhere", "CONFIG=configs/digits.yaml")

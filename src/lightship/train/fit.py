@@ -38,6 +38,7 @@ from lightship.data.module import ImageDataModule
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
 from lightship.runs import (
+    REPORT_FILES,
     RunDir,
     atomic_path,
     atomic_write_text,
@@ -314,10 +315,13 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
 def _discard_derived(run: RunDir) -> None:
     """A new best.ckpt outdates every artifact made from the old one: unlist them and delete
     their files, the report's and any unlisted leftover, so the disk matches the manifest."""
+    report = {f for f in REPORT_FILES if (run.root / f).is_file()}
+    unlisted = [f for f in run.unlisted_derived() if f not in REPORT_FILES]
     derived = run.discard_derived()
-    if derived:
+    gone = [*derived, *unlisted, *(["the report"] if report else [])]
+    if gone:
         print(
-            f"the new best.ckpt outdates {', '.join(derived)} of this run: re-run "
+            f"the new best.ckpt outdates {', '.join(gone)} of this run: deleted; re-run "
             f"{run.command('export', 'quantize')}",
             flush=True,
         )
@@ -583,9 +587,6 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # RUN/best.ckpt is, or becomes below, a copy of `best`: one hash serves the check and entry
     best_sha256 = sha256_file(best)
     unchanged, in_place = _best_state(run, best_sha256)
-    if not unchanged:
-        # The old artifacts go before the new best.ckpt arrives: never listed beside it.
-        _discard_derived(run)
     restored = f"best.ckpt restored from {run.relative(best)}"
     trained_nothing = resumed is not None and trainer.global_step == resumed_from_step
     finished = (
@@ -600,8 +601,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         print(f"{finished}; best.ckpt, exports, quantized models and report kept", flush=True)
         return run
     # Evaluated from its source in checkpoints/, before RUN/best.ckpt is replaced, so that
-    # the copy and its manifest entry land together below.
+    # the copy and its manifest entry land together below. Loaded before anything made from
+    # the old best.ckpt goes: a corrupt checkpoint fails here and loses nothing.
     loaded = load_checkpoint(best)
+    if not unchanged:
+        # The old artifacts go before the new best.ckpt arrives: never listed beside it.
+        _discard_derived(run)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
     entry = {
@@ -623,7 +628,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         "stopped_early": bool(early is not None and early.stopped_epoch > 0),
         "global_step": trainer.global_step,
         "resumed_from_step": resumed_from_step,
-        "train_seconds": round(train_seconds, 2),
+        # a finished run's entry made again: its training time is not known here
+        "train_seconds": None if trained_nothing else round(train_seconds, 2),
         "precision": t.precision,
         "devices": t.devices,
         "strategy": t.strategy,
@@ -650,8 +656,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             "report kept",
             flush=True,
         )
-    if trained_nothing:  # a finished run whose manifest lost its checkpoint entry
-        done = f"{finished}; its best.ckpt is recorded in manifest.json again"
+    if trained_nothing:  # a finished run whose best.ckpt, or its manifest entry, was lost
+        done = f"{finished}; best.ckpt made again from {run.relative(best)} and recorded"
     elif resumed is None:
         done = (
             f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
