@@ -465,6 +465,26 @@ def test_a_finished_run_that_lost_its_manifest_says_what_its_resume_deletes(
     assert manifest(run)["checkpoint"]["train_seconds"] is None  # not this session's 0.2 s
 
 
+def test_a_run_whose_config_yaml_is_broken_resumes_with_the_config_it_trained_with(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """As the error about the broken file advises. The onecycle check compared with
+    config.yaml, so that advice was refused too; the schedule's own length is checked now."""
+    run = tmp_path / "broken-config"
+    shutil.copytree(tiny_run, run)
+    with (run / "config.yaml").open("a") as f:
+        f.write("trainer: [\n")
+    refused = run_cli("train", "--run", str(run), "--resume")
+    assert refused.returncode == 2
+    assert "resume with the config the run was trained with" in last_line(refused.stderr)
+    proc = run_cli("train", "--run", str(run), "--resume", "--config", TINY, check=True)
+    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout, proc.stdout
+    longer = ["--resume", "--config", TINY, "--set", "trainer.max_epochs=5"]
+    proc = run_cli("train", "--run", str(run), *longer)
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(r"schedule was made for (\d+) steps, and these settings plan", proc.stderr)
+
+
 def test_make_resumes_a_run_that_lost_its_best_checkpoint(tiny_run: Path) -> None:
     # training anew with make's default config would replace the run with another model
     out = make_n("export", f"RUN={tiny_run}/nowhere", "CONFIG=configs/digits.yaml")

@@ -202,22 +202,20 @@ _SCHEDULE_KEYS = (
 )
 
 
-def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bool:
     """OneCycleLR stores its total_steps; a resume planning more steps fails mid-run, fewer
     would cut the cycle short. Compare with the run's previous config, read before it is
-    overwritten."""
+    overwritten. False where that config.yaml is missing or unreadable (the user gave the
+    config with --config): `_check_resume_steps` then checks the schedule's own length."""
     if (
         cfg.optim.scheduler != "onecycle"
         and ckpt["hyper_parameters"]["optim"].get("scheduler") != "onecycle"
     ):
-        return
+        return True
     try:
         prev = load_config(run.config, recorded=True)
     except ConfigError:
-        raise ConfigError(
-            f"cannot resume {run.root}: its {run.config.name} is missing or invalid, so the "
-            "onecycle schedule length cannot be checked: restore it, or train without --resume"
-        ) from None
+        return False
     # Fewer epochs is allowed: the restored schedule runs on as planned and stops early
     # (a killed 100-epoch run finished at 10). More would step past its end.
     diffs = []
@@ -232,6 +230,33 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> No
             f"cannot resume {run.root}: the onecycle learning-rate schedule cannot be stretched "
             f"or changed on resume ({'; '.join(diffs)}): keep the run's values, "
             "or train afresh without --resume"
+        )
+    return True
+
+
+def _check_resume_steps(
+    cfg: Config, ckpt: dict[str, Any], run: RunDir, batches_per_epoch: int
+) -> None:
+    """The onecycle check of a run without a readable config.yaml: the steps these settings
+    plan (as Lightning counts them for the schedule) against the total_steps the checkpoint's
+    OneCycleLR was made for. More would step past its end, mid-run."""
+    try:
+        planned = int(ckpt["lr_schedulers"][0]["total_steps"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ConfigError(
+            f"cannot resume {run.root}: its {run.config.name} is missing or invalid and "
+            "checkpoints/last.ckpt holds no onecycle schedule, so the schedule length cannot "
+            "be checked: restore config.yaml, or train without --resume"
+        ) from None
+    t = cfg.trainer
+    steps = math.ceil(batches_per_epoch / t.accumulate_grad_batches) * max(t.max_epochs, 1)
+    if cfg.optim.scheduler != "onecycle" or steps > planned:
+        raise ConfigError(
+            f"cannot resume {run.root}: its onecycle learning-rate schedule was made for "
+            f"{planned} steps, and these settings plan {steps} with optim.scheduler="
+            f"{cfg.optim.scheduler}: resume with the config the run trained with (its "
+            "trainer.max_epochs, data.batch_size, trainer.accumulate_grad_batches and "
+            "optim.scheduler), or train afresh without --resume"
         )
 
 
@@ -447,9 +472,10 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         print(note, flush=True)
     _check_runtime_config(cfg)
     resumed = _resume_checkpoint(run) if resume else None
+    schedule_checked = True
     if resumed is not None:
         _check_resume_epochs(cfg, resumed, run)
-        _check_resume_schedule(cfg, resumed, run)
+        schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     use_cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
@@ -560,9 +586,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # At most one epoch of a process's batches, known once the trainer counts its processes:
     # Lightning warns of a longer interval on every small data set. (A plain attribute that
     # Lightning sets from its argument and reads as it logs, untyped.)
+    batches_per_epoch = _train_batches(cfg, len(splits.train_y), trainer.world_size)
     trainer.log_every_n_steps = min(  # type: ignore[attr-defined]
-        t.log_every_n_steps, _train_batches(cfg, len(splits.train_y), trainer.world_size)
+        t.log_every_n_steps, batches_per_epoch
     )
+    if resumed is not None and not schedule_checked:
+        _check_resume_steps(cfg, resumed, run, batches_per_epoch)
     resumed_from_step = 0
     ckpt_path = None
     if resumed is not None:
