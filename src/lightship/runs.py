@@ -369,12 +369,14 @@ def stage_on(
     option: str = "",
     some: Sequence[str] = (),
     every: Sequence[str] = (),
+    flags: Sequence[str] = (),
 ) -> str:
     """`stage` on `run` as a command that runs from here, `env` (PYTHONPATH=...) first; with
-    `--option a,b` (make: `STAGE_ARGS='--option a,b'`) when `some` is not all of `every`."""
+    `--option a,b` (make: `STAGE_ARGS='--option a,b'`) when `some` is not all of `every`,
+    then `flags` (plain words: options and numbers)."""
     q = shlex.quote(str(run))
     chosen = ",".join(some) if some and set(some) != set(every) else ""
-    flag = f"--{option} {chosen}" if chosen else ""
+    flag = " ".join([*([f"--{option}", chosen] if chosen else []), *flags])
     return stage_command(
         f"{env}make {stage} RUN={q}" + (f" {stage.upper()}_ARGS='{flag}'" if flag else ""),
         f"{env}lightship {stage} --run {q}" + (f" {flag}" if flag else ""),

@@ -489,6 +489,7 @@ def test_an_ab_timing_too_noisy_to_trust_is_a_warning(
     q = quantize_core.Quantizer.__new__(quantize_core.Quantizer)  # only what the A/B reads
     q.run = RunDir(tmp_path)
     q.methods = ["static", "dynamic"]  # asked for: the command to repeat names them, not QAT
+    q.repeat = ["--gate", "0.98"]  # and the options given
     val_x = np.zeros((4, 1, 2, 2), np.uint8)
     q.splits = cast(Splits, SimpleNamespace(val_x=val_x, test_x=np.ones((4, 1, 2, 2), np.uint8)))
     timings = {
@@ -515,10 +516,10 @@ def test_an_ab_timing_too_noisy_to_trust_is_a_warning(
             "batch-1 p90 over 3x p50, or the middle half of the rounds over ±20% from their "
             f"median): {warned}. The machine was busy "
             "while quantize timed it, so whether it is kept may be wrong: quantize again when "
-            f"it is quiet (`{quantize_core._command(q.run, 'quantize', q.methods)}`)"
+            f"it is quiet (`{quantize_core._command(q.run, 'quantize', q.methods, q.repeat)}`)"
         ]
     )
-    assert warned is None or "--methods static,dynamic" in caplog.messages[0]
+    assert warned is None or "--methods static,dynamic --gate 0.98" in caplog.messages[0]
 
 
 def test_an_ab_timing_on_a_busy_machine_is_a_warning_however_steady(
@@ -529,7 +530,7 @@ def test_an_ab_timing_on_a_busy_machine_is_a_warning_however_steady(
 
     q = quantize_core.Quantizer.__new__(quantize_core.Quantizer)
     q.run = RunDir(tmp_path)
-    q.methods = list(quantize_core.METHODS)
+    q.methods, q.repeat = list(quantize_core.METHODS), []
     q.splits = cast(Splits, SimpleNamespace(val_x=np.zeros((4, 1, 2, 2), np.uint8)))
     timings = {  # others used 45 % of the machine while either was timed
         "current": Timing(throughput=[1000.0] * 4, others_cpu_s=0.9, machine_cpu_s=2.0),
@@ -733,13 +734,17 @@ def test_a_quantize_stopped_names_what_it_kept_the_rest_and_the_report_it_took(
 
     monkeypatch.setattr(quantize_core.Quantizer, "dynamic", dynamic)
     monkeypatch.setattr(quantize_core.Quantizer, "static", static)
-    argv = ["quantize", "--run", str(run), "--methods", "dynamic,static,qat"]
+    # the options given come again in the command that makes the rest: a QAT model of other
+    # settings than the static one beside it would be a mixed run
+    given = ["--target", "avx2", "--no-per-channel", "--gate", "0.98", "--qat-epochs", "5"]
+    argv = ["quantize", "--run", str(run), "--methods", "dynamic,static,qat", *given]
     assert cli._invoke(argv) == 128 + getattr(signal, sig)
+    again = "--methods static,qat " + " ".join(given)
     assert capsys.readouterr().err.splitlines()[-1] == (
         "interrupted: dynamic made and kept; make the rest with `"
         + stage_command(
-            f"make quantize RUN={run} QUANTIZE_ARGS='--methods static,qat'",
-            f"lightship quantize --run {run} --methods static,qat",
+            f"make quantize RUN={run} QUANTIZE_ARGS='{again}'",
+            f"lightship quantize --run {run} {again}",
         )
         + f"`; {run / 'report'} went with the variants it measured: write it again with `"
         + stage_command(f"make report RUN={run}", f"lightship report --run {run}")

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +99,23 @@ class QuantizeSettings:
     qat_epochs: int = 3
     qat_lr: float = 1e-4
     seed: int = 0
+
+    def flags(self) -> list[str]:
+        """`lightship quantize` options that give these settings where they are not the
+        defaults: for a command that repeats this quantize (calibration_chunk and seed have
+        no option)."""
+        default = QuantizeSettings()
+        out: list[str] = []
+        for name in (f.name for f in fields(self)):
+            value = getattr(self, name)
+            if name in ("calibration_chunk", "seed") or value == getattr(default, name):
+                continue
+            option = name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(f"--{option}" if value else f"--no-{option}")
+            else:
+                out += [f"--{option}", f"{value:g}" if isinstance(value, float) else str(value)]
+        return out
 
     def __post_init__(self) -> None:
         fallback.check_gate(self.gate, "quantize")
@@ -274,6 +291,7 @@ class Quantizer:
         self.run = run
         self.settings = settings
         self.methods = list(methods)
+        self.repeat = _repeat_flags(target, settings)  # for a command that quantizes again
         self.fp32 = run.export_dir / "model.onnx"
         if not run.root.is_dir():
             raise RunError(
@@ -560,7 +578,7 @@ class Quantizer:
                 step,
                 NOISE_RULE,
                 ", ".join(noise),
-                f"`{_command(self.run, 'quantize', self.methods)}`",  # the methods asked for
+                f"`{_command(self.run, 'quantize', self.methods, self.repeat)}`",  # as asked
             )
         return before, after
 
@@ -737,10 +755,13 @@ class Quantizer:
 
 
 @contextlib.contextmanager
-def _noted_when_stopped(run: RunDir, chosen: Sequence[str]) -> Iterator[None]:
+def _noted_when_stopped(
+    run: RunDir, chosen: Sequence[str], repeat: Sequence[str] = ()
+) -> Iterator[None]:
     """Stopped (Ctrl-C, SIGTERM), the CLI's last line says which of the `chosen` methods were
     made and kept (a variant is kept once its entry is recorded: `then_held`), the command
-    that makes the rest and, where a replaced variant took the report with it
+    that makes the rest (with the options of this one, `repeat`) and, where a replaced
+    variant took the report with it
     (`RunDir.record`), that the report must be written again."""
 
     def variants() -> dict[str, Any]:
@@ -758,7 +779,7 @@ def _noted_when_stopped(run: RunDir, chosen: Sequence[str]) -> Iterator[None]:
             notes = [f"{', '.join(made)} made and kept"] if made else []
             if rest:
                 again = "make the rest with" if made else "quantize again with"
-                notes.append(f"{again} `{_command(run, 'quantize', rest)}`")
+                notes.append(f"{again} `{_command(run, 'quantize', rest, repeat)}`")
             if had_report and not report.is_file():
                 notes.append(
                     f"{run.report_dir} went with the variants it measured: write it again "
@@ -768,11 +789,18 @@ def _noted_when_stopped(run: RunDir, chosen: Sequence[str]) -> Iterator[None]:
         raise
 
 
-def _command(run: RunDir, stage: str, methods: Sequence[str] = ()) -> str:
+def _command(
+    run: RunDir, stage: str, methods: Sequence[str] = (), flags: Sequence[str] = ()
+) -> str:
     """`stage` on `run` as a command that runs from here, with the PYTHONPATH its model's
     module needs (QAT and the report import it); for quantize, `methods` when they are not
-    all of them."""
-    return stage_on(run.root, stage, run.pythonpath(), "methods", methods, METHODS)
+    all of them, and `flags`."""
+    return stage_on(run.root, stage, run.pythonpath(), "methods", methods, METHODS, flags)
+
+
+def _repeat_flags(target: str, settings: QuantizeSettings) -> list[str]:
+    """The options a quantize was given that a command repeating it must give again."""
+    return [*(["--target", target] if target != "auto" else []), *settings.flags()]
 
 
 def quantize(
@@ -802,7 +830,7 @@ def quantize(
     with (
         lock_run(run.root, "lightship quantize"),
         _cut_short_by_a_full_disk(run, "qat" in chosen),
-        _noted_when_stopped(run, chosen),
+        _noted_when_stopped(run, chosen, _repeat_flags(target, settings)),
     ):
         q = Quantizer(run, target, settings, chosen)
         try:
