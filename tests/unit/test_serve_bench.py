@@ -68,7 +68,9 @@ def test_cpu_sample_tells_the_main_thread_from_the_others() -> None:
     assert second.others_s - first.others_s >= 0.38
     assert second.main_s - first.main_s < 0.2  # the main thread only waited
     assert third.main_s - second.main_s >= 0.28
-    assert 0 < third.busy - first.busy <= third.total - first.total
+    # the machine's busy and total seconds: equal on a machine busy throughout (as under a
+    # loaded CI run), where the float differences may then part in their last bit
+    assert 0 < third.busy - first.busy <= third.total - first.total + 1e-6
     assert bench.cpu_sample(2**22 + 7) is None  # no such process
 
 
