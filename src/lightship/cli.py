@@ -6,9 +6,12 @@ and `lightship serve` on an ONNX model never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import shlex
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -394,10 +397,28 @@ def _invoke(argv: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
+def _done(code: int) -> None:
+    """The command has finished with `code`, its output written: Ctrl-C or SIGTERM from now on
+    ends the process at once with that code. The interpreter's teardown after a stage (torch's
+    and Lightning's threads) takes about a second, and a Ctrl-C in it made a finished export
+    exit 130 below its `next:` line."""
+
+    def leave(signum: int, frame: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    signal.signal(signal.SIGINT, leave)
+    signal.signal(signal.SIGTERM, leave)
+
+
 def main() -> None:
     watch_interrupts()
     try:
-        sys.exit(_invoke())
+        code = _invoke()
+        _done(code)
+        sys.exit(code)
     except LightshipError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

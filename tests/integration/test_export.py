@@ -635,3 +635,25 @@ def test_a_checkpoint_its_manifest_does_not_record_is_recorded_before_export(
     assert RunDir(run).artifact("checkpoint") is not None
     run_cli("export", "--run", str(run), "--formats", "onnx", check=True)
     assert RunDir(run).data_spec() == RunDir(tiny_run).data_spec()
+
+
+def test_ctrl_c_after_a_finished_export_leaves_it_finished(tiny_run: Path, tmp_path: Path) -> None:
+    """A Ctrl-C in the second of interpreter teardown after the `next:` line printed a
+    KeyboardInterrupt traceback (and could exit 130) under a finished export; it now ends the
+    process at once, with the command's own code."""
+    run = tmp_path / "done"
+    shutil.copytree(tiny_run, run)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightship", "export", "--run", str(run), "--formats", "onnx"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if line.startswith("next:"):
+            proc.send_signal(signal.SIGINT)
+            break
+    assert proc.wait(timeout=60) == 0
+    err = proc.stderr.read()
+    assert "KeyboardInterrupt" not in err and "interrupted" not in err, err
+    assert (run / "export" / "model.onnx").is_file()
