@@ -248,7 +248,7 @@ def test_a_gate_decided_by_one_image_is_said_once(
     assert fallback.few_images_warning(1.0, 1.0, 4) is None
 
 
-CPU = "Xeon (x86_64; avx512_vnni), int8 target vnni"  # report_dict's, as `isa.describe` says it
+CPU = "Xeon (x86_64; avx512_vnni), this CPU's int8 target vnni"  # report_dict's, as `isa.describe` says it
 
 
 def test_report_md_names_the_cpu_with_its_int8_flags_and_target() -> None:

@@ -1919,7 +1919,7 @@ def test_the_start_up_log_says_what_is_served_on_which_cpu_and_why(
         "onnx-fp32", {"file": "export/m.onnx", "format": "onnx", "sha256": sha256_file(path)}
     )
     monkeypatch.setattr(serve_app, "physical_cores", lambda: 2)
-    cpu = f"CPU: {host_cpu().describe()}, int8 target {host_cpu().target}; 2 cores for this process"
+    cpu = f"CPU: {host_cpu().describe()}, this CPU's int8 target {host_cpu().target}; 2 cores for this process"
     served = rf"serving 'my-run' \(onnx-fp32{{}}: {re.escape(str(path))}; 1 instance x 1 thread\)"
 
     lines = start_up_log(ServeSettings(run=run, host="::", port=0, threads=1), monkeypatch, caplog)

@@ -273,7 +273,7 @@ def test_markdown_shows_each_server_row_beside_both_no_model_endpoints_and_the_r
     table = bench.markdown(_results(cells))
     # the CPU as report.md names it, int8 flags and all: the model served may be int8
     assert table.startswith(
-        "CPU: Test CPU (x86_64; avx2 avx512_vnni amx_int8), int8 target vnni, 2 cores; one "
+        "CPU: Test CPU (x86_64; avx2 avx512_vnni amx_int8), this CPU's int8 target vnni, 2 cores; one "
         "image per request;"
     )
     header = table.splitlines()[2]
@@ -667,7 +667,7 @@ def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
     assert json.loads(out.read_text())["cpu"] == cpu  # report.json's `cpu`, flags and all
     header = out.with_suffix(".md").read_text().splitlines()[0]
     assert header.startswith(
-        "CPU: Test CPU (x86_64; avx2 avx512f avx512bw avx512_vnni), int8 target vnni, "
+        "CPU: Test CPU (x86_64; avx2 avx512f avx512bw avx512_vnni), this CPU's int8 target vnni, "
         f"{os.cpu_count()} cores;"
     )
 

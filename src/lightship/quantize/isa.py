@@ -107,10 +107,11 @@ class CpuInfo:
 
 
 def describe(cpu: dict[str, Any]) -> str:
-    """`Xeon (x86_64; avx2 avx512_vnni), int8 target vnni`: a recorded CPU (`CpuInfo.as_dict`)
-    as `CpuInfo.describe` says it, with its target where the record has one, for every line
+    """`Xeon (x86_64; avx2 avx512_vnni), this CPU's int8 target vnni`: a recorded CPU
+    (`CpuInfo.as_dict`) as `CpuInfo.describe` says it, with the target it would quantize for
+    where the record has one (not what the models measured were made for), for every line
     that prints an int8 figure."""
-    target = f", int8 target {cpu['target']}" if "target" in cpu else ""
+    target = f", this CPU's int8 target {cpu['target']}" if "target" in cpu else ""
     return CpuInfo.from_dict(cpu).describe() + target
 
 

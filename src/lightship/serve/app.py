@@ -1258,7 +1258,10 @@ def serve(settings: ServeSettings) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
     log.info(
-        "CPU: %s, int8 target %s; %d cores for this process", cpu.describe(), cpu.target, cores
+        "CPU: %s, this CPU's int8 target %s; %d cores for this process",
+        cpu.describe(),
+        cpu.target,
+        cores,
     )
     log.info(
         "serving '%s' (%s%s: %s; %s) at %s  (docs at /docs)",
