@@ -125,6 +125,17 @@ class TrainerConfig(Section):
     def _precision_as_text(cls, v: Any) -> Any:
         return str(v) if isinstance(v, int) else v
 
+    @model_validator(mode="after")
+    def _epochs_in_order(self) -> TrainerConfig:
+        # Lightning takes it and trains max_epochs, silently: the minimum was not what ran
+        if self.min_epochs > self.max_epochs:
+            raise ConfigError(
+                f"trainer.min_epochs={self.min_epochs} is more than trainer.max_epochs="
+                f"{self.max_epochs}: raise max_epochs to at least {self.min_epochs}, or lower "
+                "min_epochs"
+            )
+        return self
+
 
 # The epoch-level metrics the training module logs; Lightning would only find a typo once the
 # first validation ended, after the run directory had changed.

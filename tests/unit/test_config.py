@@ -334,3 +334,14 @@ def test_mean_and_std_in_0_to_1_are_refused_with_them_in_pixel_units() -> None:
         load_config(None, ["model.std=[0.5]"])
     raw = load_config(None, ["model.mean=[0]", "model.std=[1]"])  # no normalisation: taken
     assert (raw.model.mean, raw.model.std) == ([0.0], [1.0])
+
+
+def test_a_minimum_of_epochs_over_the_maximum_is_refused(tmp_path: Path) -> None:
+    # Lightning took it and trained max_epochs: the minimum asked for never ran
+    with pytest.raises(ConfigError, match="trainer.min_epochs=10 is more than trainer.max_epoch"):
+        load_config(None, ["trainer.min_epochs=10", "trainer.max_epochs=4"])
+    # judged on the whole config, not key by key: a file's 5..10 lowered to 2..4 is fine
+    path = tmp_path / "epochs.yaml"
+    path.write_text("trainer:\n  min_epochs: 5\n  max_epochs: 10\n")
+    cfg = load_config(path, ["trainer.max_epochs=4", "trainer.min_epochs=2"])
+    assert (cfg.trainer.min_epochs, cfg.trainer.max_epochs) == (2, 4)
