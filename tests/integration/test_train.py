@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -483,6 +484,24 @@ def test_a_run_whose_config_yaml_is_broken_resumes_with_the_config_it_trained_wi
     proc = run_cli("train", "--run", str(run), *longer)
     assert proc.returncode == 2, proc.stderr
     assert re.search(r"schedule was made for (\d+) steps, and these settings plan", proc.stderr)
+
+
+def test_a_resume_without_last_ckpt_offers_the_newest_checkpoint(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "no-last"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "last.ckpt").unlink()
+    proc = run_cli("train", "--run", str(run), "--resume")
+    assert proc.returncode == 4, proc.stderr
+    line = last_line(proc.stderr)
+    assert "train afresh with `" in line and "RESUME=1 / --resume" not in line, line
+    newest = max((run / "checkpoints").glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    cp = f"`cp {newest} {run / 'checkpoints' / 'last.ckpt'}`"
+    assert cp in line, line
+    subprocess.run(shlex.split(cp.strip("`")), check=True)  # as said: it resumes
+    again = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert "resuming" in again.stdout
 
 
 def test_make_resumes_a_run_that_lost_its_best_checkpoint(tiny_run: Path) -> None:

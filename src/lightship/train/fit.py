@@ -110,8 +110,17 @@ _RESUME_HPARAMS = {
 def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
     """last.ckpt, read and checked to be a lightship Lightning checkpoint, for `--resume`."""
     if not run.last_ckpt.is_file():
+        # a top-k checkpoint holds the same training state, as of its epoch
+        kept = sorted(run.checkpoints.glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
+        from_kept = (
+            f", or resume from its newest checkpoint: `cp {shlex.quote(str(kept[-1]))} "
+            f"{shlex.quote(str(run.last_ckpt))}`, then resume again"
+            if kept
+            else ""
+        )
         raise RunError(
-            f"cannot resume: no {run.last_ckpt}; train without RESUME=1 / --resume to start the run"
+            f"cannot resume: no {run.last_ckpt}: train afresh with "
+            f"{run.train_command(afresh=True)}{from_kept}"
         )
     ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
     hparams = ckpt.get("hyper_parameters")
