@@ -54,6 +54,10 @@ def test_config_rejects_non_finite_floats(value: str, shown: str, tmp_path: Path
             ["--gate", "5"],
             "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 5: did you mean 0.95?",
         ),
+        (  # a percentage kept, not 99 points lost (that guess was 0.01)
+            ["--gate", "99"],
+            "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 99: did you mean 0.99?",
+        ),
         (
             ["--gate", "1.5"],
             "quantize --gate is the fraction of fp32 accuracy an int8 variant keeps, in (0, 1.1] (e.g. 0.99), got 1.5: did you mean 0.985?",

@@ -31,7 +31,9 @@ def check_gate(gate: float, command: str) -> None:
     95 %) would fail every variant and replace good int8 models with failed ones."""
     if math.isfinite(gate) and 0 < gate <= GATE_MAX:
         return
-    hint = f": did you mean {1 - gate / 100:g}?" if 1 < gate < 100 else ""
+    # 99 reads as a percentage kept (0.99), 5 as points lost (0.95)
+    guess = gate / 100 if 50 <= gate <= 100 else 1 - gate / 100
+    hint = f": did you mean {guess:g}?" if 1 < gate <= 100 else ""
     raise ConfigError(
         f"{command} --gate is the fraction of fp32 accuracy an int8 variant keeps, "
         f"in (0, {GATE_MAX:g}] (e.g. 0.99), got {gate:g}{hint}"
