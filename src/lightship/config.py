@@ -381,7 +381,11 @@ def load_config(
                 "configs/digits.yaml"
             )
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found: pass --config configs/digits.yaml")
+            # (configs/ is the checkout's: a relative path to it means nothing elsewhere)
+            raise ConfigError(
+                f"config file {path} not found: pass an existing YAML file, or leave --config "
+                "out for the defaults (configs/digits.yaml's)"
+            )
         try:
             loaded = _load_yaml(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as exc:

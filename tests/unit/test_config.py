@@ -263,8 +263,13 @@ def test_config_path_that_is_no_regular_file_is_not_called_missing(tmp_path: Pat
             f"config {path} is not a regular file: pass a YAML file, e.g. --config "
             "configs/digits.yaml"
         )
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "missing.yaml")
+    # no relative configs/digits.yaml, which exists only in the checkout
+    assert str(err.value) == (
+        f"config file {tmp_path / 'missing.yaml'} not found: pass an existing YAML file, or "
+        "leave --config out for the defaults (configs/digits.yaml's)"
+    )
 
 
 def test_malformed_yaml_in_set_names_the_set() -> None:
