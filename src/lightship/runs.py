@@ -323,9 +323,13 @@ def check_space(folder: Path, needed: int, what: str) -> None:
     probe = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
     free = shutil.disk_usage(probe).free
     if free < needed:
+
+        def size(n: int) -> str:  # a tiny run's needs are kilobytes: not "0 MB"
+            return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
         raise RunError(
-            f"{what} needs about {needed / 1e6:.0f} MB in {folder} but {free / 1e6:.0f} MB are "
-            "free: make room and run again"
+            f"{what} needs about {size(needed)} in {folder} but {size(free)} are free: make "
+            "room and run again"
         )
 
 

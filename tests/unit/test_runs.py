@@ -318,6 +318,15 @@ def test_check_space_says_how_much_is_needed(tmp_path: Path) -> None:
         check_space(tmp_path, 1 << 60, "export")
 
 
+def test_check_space_says_kilobytes_below_a_megabyte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usage = shutil.disk_usage(tmp_path)._replace(free=200_000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(RunError, match=r"needs about 400 kB in .* but 200 kB are free"):
+        check_space(tmp_path, 400_000, "export")  # it said "0 MB are free"
+
+
 def test_manifest_record_and_sha(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "r")
     run.root.mkdir()
