@@ -346,7 +346,10 @@ def test_refused_settings_change_nothing_and_a_new_best_deletes_old_artifacts(
     proc = run_cli(
         "train", "--run", str(run), "--config", TINY, "--set", "trainer.max_epochs=1", check=True
     )
-    assert "the new best.ckpt outdates onnx-fp32, onnx-int8-qat of this run" in proc.stdout
+    assert (  # the int8 model a re-export unlisted, named as it goes
+        "the new best.ckpt outdates onnx-fp32, onnx-int8-qat, quantize/model.int8-static.onnx, "
+        "the report of this run: deleted; re-run"
+    ) in proc.stdout
     assert list(manifest(run)) == ["checkpoint"]
     new_sha = manifest(run)["checkpoint"]["sha256"]
     assert new_sha != old_sha and new_sha == sha256_file(run / "best.ckpt")
@@ -391,6 +394,7 @@ def test_resuming_a_finished_run_without_its_manifest_records_it_and_trains_noth
     assert "trained digits_cnn" not in proc.stdout
     again = manifest(run)["checkpoint"]
     assert (again["sha256"], again["global_step"]) == (entry["sha256"], entry["global_step"])
+    assert again["train_seconds"] is None  # the manifest that knew it is gone
 
 
 def test_resuming_a_finished_run_keeps_its_exports_and_report(
@@ -448,21 +452,42 @@ def test_a_resume_that_cannot_load_its_best_checkpoint_loses_nothing(
     assert {p: p.read_bytes() for p in before} == before
 
 
+def test_a_finished_run_that_lost_best_ckpt_and_its_source_makes_it_from_last_ckpt(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """The same weights, maybe, but another file than the exports were made from: they go,
+    named, and the last line says where best.ckpt came from."""
+    run = tmp_path / "from-last"
+    shutil.copytree(exported_run, run)
+    fake_downstream(run)
+    (run / "best.ckpt").unlink()
+    for top in (run / "checkpoints").glob("epoch=*.ckpt"):
+        top.unlink()
+    last = run / "checkpoints" / "last.ckpt"  # tiny's best is its last epoch: made another file
+    torch.save({**torch.load(last, weights_only=False), "note": "rewritten"}, last)
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert "the new best.ckpt outdates onnx-fp32, " in proc.stdout, proc.stdout
+    assert "best.ckpt made again from checkpoints/last.ckpt and recorded" in proc.stdout
+    entry = manifest(run)["checkpoint"]
+    assert entry["sha256"] == sha256_file(run / "best.ckpt") and entry["train_seconds"] is None
+
+
 def test_a_finished_run_that_lost_its_manifest_says_what_its_resume_deletes(
     exported_run: Path, tmp_path: Path
 ) -> None:
-    """Nothing lists the exports any more, so they go with the best.ckpt made again: said,
-    file by file, not silently."""
+    """Nothing records what the exports were made from any more, so they go: said, file by
+    file, not silently."""
     run = tmp_path / "no-manifest"
     shutil.copytree(exported_run, run)
     fake_downstream(run)
     (run / "manifest.json").unlink()
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
-    said = next(line for line in proc.stdout.splitlines() if "outdates" in line)
+    said = next(line for line in proc.stdout.splitlines() if "were made from" in line)
+    assert said.startswith("manifest.json does not record what export/model.onnx, "), said
     for gone in ("export/model.onnx", "quantize/model.int8-static.onnx"):
         assert gone in said and not (run / gone).exists(), said
     assert "the report" in said and not (run / "report" / "report.json").exists()
-    assert "best.ckpt made again from checkpoints/" in proc.stdout, proc.stdout
+    assert "its best.ckpt is recorded in manifest.json again" in proc.stdout, proc.stdout
     assert manifest(run)["checkpoint"]["train_seconds"] is None  # not this session's 0.2 s
 
 

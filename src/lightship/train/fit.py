@@ -346,19 +346,22 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
         raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
 
 
-def _discard_derived(run: RunDir) -> None:
+def _discard_derived(run: RunDir, new_best: bool = True) -> None:
     """A new best.ckpt outdates every artifact made from the old one: unlist them and delete
-    their files, the report's and any unlisted leftover, so the disk matches the manifest."""
+    their files, the report's and any unlisted leftover, so the disk matches the manifest.
+    Not `new_best`: best.ckpt stays, but the manifest that said what they were made from is
+    gone."""
     report = {f for f in REPORT_FILES if (run.root / f).is_file()}
     unlisted = [f for f in run.unlisted_derived() if f not in REPORT_FILES]
     derived = run.discard_derived()
     gone = [*derived, *unlisted, *(["the report"] if report else [])]
     if gone:
-        print(
-            f"the new best.ckpt outdates {', '.join(gone)} of this run: deleted; re-run "
-            f"{run.command('export', 'quantize')}",
-            flush=True,
+        why = (
+            f"the new best.ckpt outdates {', '.join(gone)} of this run"
+            if new_best
+            else f"manifest.json does not record what {', '.join(gone)} of this run were made from"
         )
+        print(f"{why}: deleted; re-run {run.command('export', 'quantize')}", flush=True)
 
 
 def _best_state(run: RunDir, best_sha256: str) -> tuple[bool, bool]:
@@ -452,15 +455,13 @@ def _own_best(run: RunDir, best_model_path: str) -> Path:
     """The best checkpoint in this run's own folder, or last.ckpt.
 
     Resuming a copied or moved run restores the best path recorded in the old place; the copy
-    of that file here, under the same name, is the one to use (never the old run's file).
+    of that file here, under the same name, is the one to use (never the old run's file). One
+    deleted since (by hand, in a run that finished) leaves last.ckpt.
     """
     if not best_model_path:
         return run.last_ckpt
-    best = Path(best_model_path)
-    if best.resolve().parent == run.checkpoints.resolve():
-        return best
-    here = run.checkpoints / best.name
-    return here if here.is_file() else run.last_ckpt
+    here = run.checkpoints / Path(best_model_path).name
+    return here if here.is_file() else run.last_ckpt  # deleted since: last.ckpt
 
 
 def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
@@ -638,13 +639,18 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             print(restored, flush=True)
         print(f"{finished}; best.ckpt, exports, quantized models and report kept", flush=True)
         return run
+    # RUN/best.ckpt already this file (a finished run whose manifest lost its entry), or made
+    # again from it below (its best.ckpt lost as well): what the last line says
+    was_there = in_place or (
+        trained_nothing and run.best_ckpt.is_file() and sha256_file(run.best_ckpt) == best_sha256
+    )
     # Evaluated from its source in checkpoints/, before RUN/best.ckpt is replaced, so that
     # the copy and its manifest entry land together below. Loaded before anything made from
     # the old best.ckpt goes: a corrupt checkpoint fails here and loses nothing.
     loaded = load_checkpoint(best)
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
-        _discard_derived(run)
+        _discard_derived(run, new_best=not was_there)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
     entry = {
@@ -695,7 +701,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             flush=True,
         )
     if trained_nothing:  # a finished run whose best.ckpt, or its manifest entry, was lost
-        done = f"{finished}; best.ckpt made again from {run.relative(best)} and recorded"
+        done = (
+            f"{finished}; its best.ckpt is recorded in manifest.json again"
+            if was_there
+            else f"{finished}; best.ckpt made again from {run.relative(best)} and recorded"
+        )
     elif resumed is None:
         done = (
             f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
