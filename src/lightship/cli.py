@@ -6,10 +6,8 @@ and `lightship serve` on an ONNX model never imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -397,27 +395,22 @@ def _invoke(argv: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
-def _done(code: int) -> None:
-    """The command has finished with `code`, its output written: Ctrl-C or SIGTERM from now on
-    ends the process at once with that code. The interpreter's teardown after a stage (torch's
-    and Lightning's threads) takes about a second, and a Ctrl-C in it made a finished export
-    exit 130 below its `next:` line."""
-
-    def leave(signum: int, frame: object) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-    signal.signal(signal.SIGINT, leave)
-    signal.signal(signal.SIGTERM, leave)
+def _done() -> None:
+    """The command has finished, its output written: Ctrl-C from now on is ignored. The
+    interpreter's teardown after a stage takes about a second, and a Ctrl-C in it raised
+    KeyboardInterrupt in the middle of it (a traceback under a finished export) or, later in
+    it, killed the process (exit 130 under its `next:` line). A Python handler would not do:
+    finalization puts the default one back before its slow part. SIGTERM keeps its default,
+    which stops a teardown that hangs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main() -> None:
     watch_interrupts()
     try:
         code = _invoke()
-        _done(code)
+        _done()
         sys.exit(code)
     except LightshipError as exc:
         print(f"error: {exc}", file=sys.stderr)

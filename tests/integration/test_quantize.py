@@ -560,7 +560,7 @@ def test_a_model_cut_short_is_a_full_disk_only_when_the_disk_is_full(
         quantize(RunDir(run), "dynamic")
     if not room:
         assert str(err.value).startswith("quantize needs about 4 MB in ")
-        assert str(err.value).endswith("but 0 MB are free: make room and run again")
+        assert str(err.value).endswith("but 0 kB are free: make room and run again")
     assert filled and not list(run.glob(".quantize.*"))
 
 
