@@ -654,7 +654,7 @@ def test_ctrl_c_after_a_finished_export_leaves_it_finished(tiny_run: Path, tmp_p
         if line.startswith("next:"):
             # into the teardown (about a second), past the few statements between the line
             # and the command's return, where Ctrl-C still interrupts the command itself
-            time.sleep(0.2)
+            time.sleep(0.4)
             proc.send_signal(signal.SIGINT)
             break
     assert proc.wait(timeout=60) == 0
