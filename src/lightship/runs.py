@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,6 +295,16 @@ def sweep_temporaries(root: Path) -> list[Path]:
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def _entry_files(entries: Iterable[dict[str, Any]]) -> list[str]:
+    """The run-relative files manifest entries list (every `file*` field)."""
+    return [
+        value
+        for entry in entries
+        for field, value in entry.items()
+        if field.startswith("file") and isinstance(value, str)
+    ]
 
 
 def check_writable(*paths: Path) -> None:
@@ -801,12 +811,7 @@ class RunDir:
         data = self.manifest()
         listed = [k for k in keys if k in data["artifacts"]]
         if listed:
-            files = [
-                value
-                for k in listed
-                for field, value in data["artifacts"][k].items()
-                if field.startswith("file") and isinstance(value, str)
-            ]
+            files = _entry_files(data["artifacts"][k] for k in listed)
             # Files first: interrupted here, the manifest still lists what is missing, which the
             # stages report and `make` rebuilds; never a stale file left on disk unlisted.
             self._remove(*REPORT_FILES, *(glob.escape(f) for f in files))
@@ -819,12 +824,7 @@ class RunDir:
         """Run-relative files that `discard_derived` deletes without a manifest entry naming
         them: the report's, and what export or quantize left unlisted (a run whose
         manifest.json was lost)."""
-        listed = {
-            value
-            for entry in self.manifest()["artifacts"].values()
-            for field, value in entry.items()
-            if field.startswith("file") and isinstance(value, str)
-        }
+        listed = set(_entry_files(self.manifest()["artifacts"].values()))
         return [
             rel
             for pattern in DERIVED_FILES

@@ -351,10 +351,10 @@ def _discard_derived(run: RunDir, new_best: bool = True) -> None:
     their files, the report's and any unlisted leftover, so the disk matches the manifest.
     Not `new_best`: best.ckpt stays, but the manifest that said what they were made from is
     gone."""
-    report = {f for f in REPORT_FILES if (run.root / f).is_file()}
-    unlisted = [f for f in run.unlisted_derived() if f not in REPORT_FILES]
-    derived = run.discard_derived()
-    gone = [*derived, *unlisted, *(["the report"] if report else [])]
+    unlisted = run.unlisted_derived()  # the report's files among them: never listed
+    exports = [f for f in unlisted if f not in REPORT_FILES]
+    report = ["the report"] if len(exports) < len(unlisted) else []
+    gone = [*run.discard_derived(), *exports, *report]
     if gone:
         why = (
             f"the new best.ckpt outdates {', '.join(gone)} of this run"
