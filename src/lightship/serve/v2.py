@@ -85,8 +85,8 @@ _NON_FINITE = ("NaN", "Infinity")
 def json_error(exc: orjson.JSONDecodeError) -> ProtocolError:
     """The 400 for a body orjson could not parse: NaN and Infinity, which Python's json writes
     for non-finite floats, said as what they are."""
-    if exc.doc[exc.pos : exc.pos + 8].startswith(_NON_FINITE):
-        token = "NaN" if exc.doc.startswith("NaN", exc.pos) else "Infinity"
+    token = next((t for t in _NON_FINITE if exc.doc.startswith(t, exc.pos)), None)
+    if token is not None:
         return ProtocolError(
             f"the body contains {token} (line {exc.lineno} column {exc.colno}), which JSON does"
             " not allow: send finite numbers (pixels are 0..255)"
