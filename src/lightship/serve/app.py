@@ -883,10 +883,12 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     async def v2_ready() -> Response:
         return ready_response()
 
+    platform = PLATFORMS.get(predictor.kind, predictor.kind)
+
     def metadata() -> dict[str, Any]:
         return v2.model_metadata(
             service.name,
-            PLATFORMS.get(predictor.kind, predictor.kind),
+            platform,
             service.input_name,
             service.chw,
             service.labels,
@@ -896,7 +898,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     def config() -> dict[str, Any]:
         return v2.model_config(
             service.name,
-            PLATFORMS.get(predictor.kind, predictor.kind),
+            platform,
             service.input_name,
             service.chw,
             len(service.labels),
