@@ -547,8 +547,13 @@ def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
     config = (run / "config.yaml").read_text()
     cases = [
         (["--set", "data.image_size=20"], "different model/data (data.image_size 16 -> 20;"),
-        (["--set", "data.split_seed=3"], "different model/data (data.split_seed 0 -> 3;"),
+        (["--set", "data.split_seed=3"], "different model/data (data.split_seed 0 -> 3):"),
         (["--set", "model.kwargs.stages=[[4]]"], "model.kwargs.stages [[8], [16]] -> [[4]]"),
+        # another model's config: its model is what is wrong, not the max_epochs it also sets
+        (
+            ["--set", "trainer.max_epochs=1", "--set", "data.image_size=20"],
+            "different model/data (data.image_size 16 -> 20; model.image_size 16 -> 20):",
+        ),
         (
             ["--set", "trainer.max_epochs=6"],
             "the onecycle learning-rate schedule cannot be stretched or changed on resume "

@@ -34,7 +34,7 @@ from lightship.callbacks import (
     progress,
 )
 from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
-from lightship.data.module import ImageDataModule
+from lightship.data.module import ImageDataModule, spec_from_config
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import load_checkpoint, read_checkpoint
 from lightship.runs import (
@@ -170,18 +170,52 @@ def _check_resume_matches(
         else:
             diffs += _changes(old, new, name)
     if diffs:
-        shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
-        raise ConfigError(
-            f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
-            + (
-                "put the data back as it was, or train afresh without --resume"
-                if data_changed
-                else f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
-                "config.yaml or last.ckpt the run trained with, or train afresh without --resume"
-                if own_config
-                else f"train without --resume, or resume with the run's config ({run.config})"
-            )
+        raise _other_model_data(run, diffs, data_changed, own_config)
+
+
+def _other_model_data(
+    run: RunDir, diffs: list[str], data_changed: bool, own_config: bool
+) -> ConfigError:
+    shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    return ConfigError(
+        f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
+        + (
+            "put the data back as it was, or train afresh without --resume"
+            if data_changed
+            else f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
+            "config.yaml or last.ckpt the run trained with, or train afresh without --resume"
+            if own_config
+            else f"train without --resume, or resume with the run's config ({run.config})"
         )
+    )
+
+
+def _check_resume_config(
+    cfg: Config, hparams: dict[str, Any], run: RunDir, own_config: bool
+) -> None:
+    """What `_check_resume_matches` refuses that the config alone shows (the data's settings,
+    the model's name and size), checked before the epochs and the schedule: resumed with
+    another model's config, the first refusal was of its max_epochs, and the next, once that
+    was changed as told, of the model."""
+    data = spec_from_config(cfg.data).to_dict()
+    model = {
+        "name": cfg.model.name,
+        "kwargs": dict(cfg.model.kwargs),
+        "in_channels": cfg.data.channels,
+        "image_size": cfg.data.image_size,
+    }
+    was_data = dict(without_unread_path(hparams["data_spec"]))
+    was_model = hparams["model_spec"]
+    diffs = [
+        *_changes(
+            {k: was_data.get(k) for k in data if k != "fingerprint"},
+            {k: v for k, v in data.items() if k != "fingerprint"},
+            "data",
+        ),
+        *_changes({k: was_model.get(k) for k in model}, model, "model"),
+    ]
+    if diffs:
+        raise _other_model_data(run, diffs, False, own_config)
 
 
 def _check_resume_epochs(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
@@ -483,7 +517,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     _check_runtime_config(cfg)
     resumed = _resume_checkpoint(run) if resume else None
     schedule_checked = True
+    own = False  # resumed with the run's own config.yaml, as it is
     if resumed is not None:
+        given = cfg.sources
+        own = given.file is not None and not given.overrides and run.config.is_file()
+        own = own and Path(str(given.file)).resolve() == run.config.resolve()
+        _check_resume_config(cfg, resumed["hyper_parameters"], run, own)
         _check_resume_epochs(cfg, resumed, run)
         schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -523,9 +562,6 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         raise _unknown_kwargs(cfg, exc) from None
     _check_model_trains(lit.model, cfg, len(splits.labels))
     if resumed is not None:
-        given = cfg.sources
-        own = given.file is not None and not given.overrides and run.config.is_file()
-        own = own and Path(str(given.file)).resolve() == run.config.resolve()
         _check_resume_matches(resumed["hyper_parameters"], lit, run, own_config=own)
     if cfg.trainer.compile:
         lit.model.compile()
