@@ -588,6 +588,30 @@ def test_an_artifact_its_runtime_cannot_run_is_one_error(
     assert not list((run / "export").glob("*")) and "onnx-fp32" not in artifacts(run)
 
 
+def test_a_failed_export_says_the_earlier_file_stays(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "again"
+    shutil.copytree(tiny_run, run)
+    export(RunDir(run), "onnx")
+    earlier = (run / "export" / "model.onnx").read_bytes()
+    recorded = artifacts(run)["onnx-fp32"]
+
+    class Breaks:
+        def predict(self, x: np.ndarray) -> np.ndarray:
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : in Reshape")
+
+    monkeypatch.setattr(core, "load_predictor", lambda path, **_: Breaks())
+    with pytest.raises(ParityError) as failed:
+        export(RunDir(run), "onnx")
+    assert str(failed.value).startswith(
+        "model.onnx was exported but fails when run: RuntimeError: [ONNXRuntimeError] : 1 : FAIL "
+        ": in Reshape — the earlier model.onnx stays as it was; leave onnx out: `make export "
+    )
+    assert (run / "export" / "model.onnx").read_bytes() == earlier
+    assert artifacts(run)["onnx-fp32"] == recorded
+
+
 @pytest.mark.parametrize(("fmt", "runtime"), [("onnx", "onnxruntime"), ("torchscript", "torch")])
 def test_a_file_its_runtime_cannot_load_is_named_as_exported(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, runtime: str

@@ -232,6 +232,8 @@ def _export(
         for fmt in chosen:
             final = run.export_dir / FILENAMES[fmt]
             fix = _fix(run, loaded, fmt, chosen)
+            if final.exists():  # a failure keeps an earlier export: say so, not just "not written"
+                fix = f"the earlier {final.name} stays as it was; {fix}"
             with then_held() as then, atomic_path(final) as tmp:
                 with _failure(f"torch cannot export this model to {fmt}", fix):
                     info = writers[fmt](loaded.model, example, tmp, meta)
