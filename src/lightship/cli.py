@@ -103,6 +103,10 @@ def _root(
         ):
             logging.getLogger(name).setLevel(logging.ERROR)
         logging.getLogger("pytorch_lightning.utilities.rank_zero").setLevel(logging.WARNING)
+        # "[rank: 0] Received SIGTERM: 15" above our own last line for the same stop
+        logging.getLogger("pytorch_lightning.trainer.connectors.signal_connector").setLevel(
+            logging.WARNING
+        )
         warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\).*")
 
 
