@@ -357,10 +357,15 @@ def read_head(headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: flo
                 timeout_s, clients = client_s, True
         elif key == b"content-length":
             too_large = not value.isdigit() or int(value) > limit
+        # A repeated line joins the ones before it (RFC 9110 5.3), not replaces them: "gzip,
+        # gzip" is no encoding taken (415), "12, 12" no length (400). The server's own HTTP
+        # protocol refuses a repeat before (400, `protocol.py`); in-process ASGI and h11 do not.
         elif key == b"content-encoding":
-            encoding = value.decode("latin-1")
+            text = value.decode("latin-1")
+            encoding = text if encoding is None else f"{encoding}, {text}"
         elif key == HEADER_LENGTH_BYTES:
-            header_length = value.decode("latin-1")
+            text = value.decode("latin-1")
+            header_length = text if header_length is None else f"{header_length}, {text}"
         elif key == b"accept-encoding":
             accept = value.decode("latin-1")
     return Head(

@@ -11,14 +11,16 @@ same `TensorRoutes` object that the ASGI app answers them with (`app.py`): the s
 body limit, deadlines, error table and metrics. Every other request, and any request this
 protocol does not answer itself, goes to uvicorn's ASGI cycle as before.
 
-Beyond that, six things that uvicorn's protocol does not do: a request it cannot parse is
+Beyond that, seven things that uvicorn's protocol does not do: a request it cannot parse, or
+whose head breaks a rule of RFC 9112 that llhttp does not enforce (`_head_refusal`), is
 answered with a JSON body, a request head over MAX_HEAD_BYTES is refused, and one that has not
 arrived whole by the server's request deadline is answered 408 (`_head_late`), what is written
 during one turn of the event loop leaves in one write (`_CoalescingTransport`), a
 connection closed while the client is still sending its request lingers until the client has
-read the answer (`LightshipProtocol._close`), and a request asking to upgrade to another
+read the answer (`LightshipProtocol._close`), a request asking to upgrade to another
 protocol than a WebSocket (`curl --http2` asks for h2c) is answered over HTTP/1.1 with its
-body (`LightshipProtocol._ignore_upgrade`).
+body (`LightshipProtocol._ignore_upgrade`), and a WebSocket handshake is refused in JSON (the
+server has no WebSocket routes; uvicorn's WebSocket protocol answered a GET with a bare 403).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect
 
-from lightship.serve.v2 import error_body
+from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
     from lightship.serve.app import Head, TensorRoutes
@@ -50,6 +52,27 @@ HEAD_TIMEOUT_S = 10.0
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
 # the client still sends, so that the client reads the answer (`LightshipProtocol._close`).
 LINGER_S = 5.0
+# Headers a request may hold once: a repeated line was read as its last (`_head_refusal`)
+_ONE_LINE = {b"content-encoding": "Content-Encoding", HEADER_LENGTH.lower().encode(): HEADER_LENGTH}
+# llhttp's refusals of a version (HTTP/1.2, 3.0) and of the HTTP/2 preface (`PRI * HTTP/2.0`:
+# `curl --http2-prior-knowledge`), answered 505 as the versions it takes and this server does
+# not (0.9, 2.0) are; by the version the message names
+_VERSION_ERRORS = {
+    "Invalid HTTP version": "the request's HTTP version",
+    "Pause on PRI/Upgrade": "HTTP/2",
+}
+
+
+class _Refused(Exception):
+    """Raised by a parser callback that refused the request: llhttp stops reading, so nothing
+    after the head (its body, a request pipelined behind it) is taken as a request."""
+
+
+def _version_refused(version: str) -> tuple[bytes, str]:
+    return (
+        b"505 HTTP Version Not Supported",
+        f"{version} is not supported, only HTTP/1.1 and 1.0: send HTTP/1.1 (curl: --http1.1)",
+    )
 
 
 class _CoalescingTransport:
@@ -465,20 +488,20 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.parser.feed_data(data)
                 if self._in_head and self._head_bytes and self._head_timer is None:
                     self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
-            except httptools.HttpParserError:
+            except httptools.HttpParserError as exc:
+                if self._broken:  # refused at its head (`_Refused`)
+                    return
+                if (version := _VERSION_ERRORS.get(str(exc))) is not None:
+                    self._refuse("bad_http", *_version_refused(version))
+                    return
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
                 return
             except httptools.HttpParserUpgrade as exc:
-                if self._broken:  # refused at its head
+                if self._broken:  # refused at its head: a WebSocket's, say
                     return
-                if self._upgrade_body is None:  # to a WebSocket: uvicorn's own
-                    if self._should_upgrade():
-                        self.handle_websocket_upgrade()
-                    else:
-                        self._unsupported_upgrade_warning()
-                    return
-                # llhttp stops after the head: what follows is the body, then HTTP again
+                # an Upgrade ignored: llhttp stops after the head, and what follows is the
+                # body, then HTTP again
                 self.parser = httptools.HttpRequestParser(self)
                 if self._upgrade_body == 0:  # no body: llhttp has ended the request
                     self._upgrade_body = None
@@ -498,20 +521,81 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-            if self.parser.should_upgrade():
+            parser = self.parser
+            version = parser.get_http_version()
+            refusal = self._head_refusal(version)
+            if refusal is not None:
+                self._refuse("bad_http", *refusal)
+                raise _Refused
+            if version == "1.0":  # RFC 9110 10.1.1: no 100 (Continue) to an HTTP/1.0 client
+                self.expect_100_continue = False
+            if parser.should_upgrade():
                 if not self._should_upgrade():
                     self._ignore_upgrade()
-                elif self.parser.get_method() != b"GET":  # uvicorn's WebSocket never answered
+                elif parser.get_method() != b"GET":  # uvicorn's WebSocket never answered
                     self._refuse(
                         "bad_http",
                         b"400 Bad Request",
                         "a WebSocket handshake is a GET (RFC 6455 4.1), and this server has no "
                         "WebSocket routes: send the request without Upgrade",
                     )
+                else:  # uvicorn's WebSocket answered a bare 403 (RFC 6455 4.2.2's example)
+                    self._refuse(
+                        "bad_http",
+                        b"403 Forbidden",
+                        "this server has no WebSocket routes: send the request without Upgrade, "
+                        "as plain HTTP",
+                    )
                 if self._broken:
                     return
-            if routes is None or not self._answer_here():
+            if routes is None or not self._answer_here(version):
                 HttpToolsProtocol.on_headers_complete(self)
+
+        def _head_refusal(self, version: str) -> tuple[bytes, str] | None:
+            """The status line and message that refuse a head llhttp has taken, if RFC 9112
+            does not let it be answered: a version but 1.1 and 1.0 (505), Host missing from an
+            HTTP/1.1 request or repeated (3.2: 400), a Transfer-Encoding but chunked alone
+            (6.1: 501 when chunked ends it, 6.3: 400 when not), and a repeated header that
+            is read once (`_ONE_LINE`: 400). One pass over the headers."""
+            if version != "1.1" and version != "1.0":  # llhttp takes HTTP/0.9 and HTTP/2.0
+                return _version_refused(f"HTTP/{version}")
+            hosts = 0
+            codings = None
+            once: list[bytes] = []
+            for name, value in self.headers:
+                if name == b"host":
+                    hosts += 1
+                elif name in _ONE_LINE:
+                    once.append(name)
+                elif name == b"transfer-encoding":
+                    codings = value if codings is None else codings + b", " + value
+            if hosts > 1:
+                return b"400 Bad Request", f"{hosts} Host headers (RFC 9112 3.2): send one"
+            if hosts == 0 and version == "1.1":
+                return b"400 Bad Request", (
+                    "no Host header, which an HTTP/1.1 request needs (RFC 9112 3.2): send one "
+                    "naming the server and its port, as HTTP clients do"
+                )
+            if codings is not None:
+                listed = [c for c in (c.strip(b" \t").lower() for c in codings.split(b",")) if c]
+                if listed != [b"chunked"]:
+                    said = codings.decode("latin-1")
+                    if listed[-1:] != [b"chunked"]:
+                        return b"400 Bad Request", (
+                            f"Transfer-Encoding {said!r} does not end with chunked, so the "
+                            "body has no known length (RFC 9112 6.3): send it with a "
+                            "Content-Length, or chunked"
+                        )
+                    return b"501 Not Implemented", (
+                        f"Transfer-Encoding {said!r} is not supported, only chunked alone: "
+                        "send the body with a Content-Length, or chunked (compressed: "
+                        "Content-Encoding gzip)"
+                    )
+            if len(once) > 1:
+                for name, said in _ONE_LINE.items():
+                    if (count := once.count(name)) > 1:
+                        return b"400 Bad Request", f"{count} {said} headers: send one"
+            return None
 
         def _ignore_upgrade(self) -> None:
             """A request asking for another protocol than a WebSocket (curl --http2 sends
@@ -549,14 +633,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.on_message_complete()
             return data
 
-        def _answer_here(self) -> bool:
+        def _answer_here(self, version: str) -> bool:
             """Start (or queue behind a pipelined one) a `_TensorCycle` for a POST to a
             tensor route; False for any other request, which goes to ASGI."""
             assert routes is not None
             parser = self.parser
             if (
                 parser.get_method() != b"POST"
-                or (parser.should_upgrade() and self._upgrade_body is None)  # a WebSocket's
                 or self.limit_concurrency is not None  # uvicorn's 503 for it: not set here
             ):
                 return False
@@ -568,7 +651,6 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if (matched := routes.route(path)) is None:
                 return False
             target = path if not url.query else f"{path}?{url.query.decode('latin-1')}"
-            version = parser.get_http_version()
             client = self.client
             if self.access_log and client and self.config.proxy_headers:
                 client = forwarded_client(client, self.headers, self.config.forwarded_allow_ips)
