@@ -2445,6 +2445,47 @@ def test_a_client_leaving_over_http_is_dropped_from_the_queue_at_once(
     assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
 
 
+def test_an_upload_whose_client_left_is_dropped_from_the_queue_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image route comes in through ASGI, whose watch starts late for the other routes
+    (turned off here): an upload is watched from the start. It was computed and counted 200
+    when its client left within 50 ms."""
+    monkeypatch.setattr(serve_app._DisconnectWatch, "WATCH_AFTER_S", 3600)
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    upload = httpx.Request(
+        "POST", "http://t/", files=[("files", ("m.png", png(np.full((2, 2), 77, np.uint8))))]
+    )
+    form = upload.read()
+    kind = f"content-type: {upload.headers['content-type']}"
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            _, writer = await connect()
+            writer.write(post("/v1/predict/image", form, kind))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            writer.close()  # the client goes away while its upload waits for the model
+            for _ in range(500):
+                text = (await client.get("/metrics")).text
+                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
+                    break
+                await asyncio.sleep(0.01)
+            gate.open.set()
+            await held
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    route = 'route="/v1/predict/image",status='
+    assert metric(text, f'lightship_requests_total{{{route}"499"}}') == 1
+    assert f'{route}"200"' not in text
+    assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
+
+
 def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     binary, binary_headers = v2_binary(X[::-1])
