@@ -236,6 +236,41 @@ def test_abandoned_request_is_not_computed_and_others_are() -> None:
     assert rec.rejections == ["disconnected"]
 
 
+def test_rows_answered_without_the_model_leave_the_queue_count_at_once() -> None:
+    """A request abandoned or past its deadline stays queued until a worker pops it; its rows
+    counted until then, so the gauge said 8 rows waiting where 3 were, and a request that fit
+    beside the live ones got 429."""
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=4, max_wait_ms=0, max_queue_rows=8, observer=rec)
+        busy = b.submit(rows(1), 10)  # taken by the worker, which blocks in the model
+        await asyncio.to_thread(model.entered.wait, 10)
+        gone = b.submit(rows(5, 5, 5), 10)
+        late = b.submit(rows(7, 7), 0.02)
+        kept = b.submit(rows(3, 3, 3), 10)
+        assert b.queued_rows == 8 and rec.depths[-1] == 8
+        gone.abandon()
+        with pytest.raises(DeadlineExceeded):
+            await late.future
+        assert b.queued_rows == 3 and rec.depths[-1] == 3
+        fits = b.submit(rows(4, 4, 4, 4), 10)  # 3 + 4 <= 8: no queue_full
+        assert b.queued_rows == 7
+        gate.set()
+        await busy.future
+        assert (await kept.future).ravel().tolist() == [3, 3, 3]
+        assert (await fits.future).ravel().tolist() == [4, 4, 4, 4]
+        await b.aclose()
+        assert b.queued_rows == 0 and rec.depths[-1] == 0
+        assert b.dropped_rows == 5
+
+    run(main)
+    assert np.concatenate(model.batches).ravel().tolist() == [1, 3, 3, 3, 4, 4, 4, 4]
+    assert rec.rejections == ["disconnected", "deadline"]
+
+
 def test_results_go_only_to_futures_still_waiting() -> None:
     gate = threading.Event()
     model = SumModel(gate)

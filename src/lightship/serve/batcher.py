@@ -11,8 +11,9 @@
   wakes early during the wait when the batch fills, so an idle server costs no CPU.
 - `instances` workers (Triton's instance count) may each run a batch at the same time, on one
   shared model: its `run` must be thread-safe (ONNX Runtime sessions and TorchScript are).
-- Requests whose deadline passed or whose client left are dropped before compute; results go
-  only to futures still waiting.
+- Requests whose deadline passed or whose client left are dropped before compute, and their
+  rows leave the queue's count at once (room for others, the gauge); results go only to
+  futures still waiting.
 - A model error fails its batch only. A worker that dies anyway (an error outside that, a bug)
   fails every queued request and all later ones with `WorkerDied`, and `alive` turns false:
   nothing would run them, and the process should be restarted.
@@ -108,6 +109,7 @@ class _Item:
     deadline: float  # time.monotonic()
     future: asyncio.Future[np.ndarray]
     timer: asyncio.TimerHandle | None = None
+    queued: bool = True  # its rows are counted in the queue's (under the batcher's lock)
 
 
 class Ticket:
@@ -160,7 +162,10 @@ class Batcher:
         self.observer: Observer = observer or NullObserver()
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
-        self._rows = 0  # rows in _queue, abandoned ones included until the worker pops them
+        # rows in _queue of requests still waiting for an answer: one answered without the
+        # model (deadline, client gone) stays in _queue until a worker pops it, but its rows
+        # no longer count against max_queue_rows, the queue-depth gauge or a batch's fill
+        self._rows = 0
         self._draining = False  # no waiting for more rows: nothing new is coming
         self._closed = False  # no new requests; the worker exits once the queue is empty
         self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
@@ -226,7 +231,9 @@ class Batcher:
             # (and a worker that takes a batch wakes a peer for any rows it leaves).
             if was_empty or depth >= self.max_batch_rows or self._draining or not wait:
                 self._cond.notify()
-        self.observer.queue_depth(depth)
+            # under the lock, as every change of the count: set outside it, two setters (this
+            # loop and a worker) could leave the older count on the gauge
+            self.observer.queue_depth(depth)
         item.timer = loop.call_later(timeout_s, self._expire, item)
         return Ticket(self, item)
 
@@ -261,6 +268,11 @@ class Batcher:
             item.timer.cancel()
         item.future.set_exception(exc)
         self.observer.rejected(reason)
+        with self._cond:
+            if item.queued:  # a worker has not taken it yet: its rows leave the count now
+                item.queued = False
+                self._rows -= item.rows
+                self.observer.queue_depth(self._rows)
 
     def _deliver(self, items: list[_Item], y: np.ndarray | None, error: str | None) -> None:
         offset = 0
@@ -304,13 +316,16 @@ class Batcher:
             rows = 0
             while self._queue and rows + self._queue[0].rows <= self.max_batch_rows:
                 item = self._queue.popleft()
+                if not item.queued:  # answered without the model, its rows uncounted already
+                    self.dropped_rows += item.rows
+                    continue
+                item.queued = False
                 self._rows -= item.rows
                 batch.append(item)
                 rows += item.rows
-            depth = self._rows
             if self._queue and self.instances > 1:
                 self._cond.notify()  # rows left behind: an idle instance may take them
-        self.observer.queue_depth(depth)
+            self.observer.queue_depth(self._rows)
         return batch
 
     def _work(self) -> None:
@@ -364,8 +379,11 @@ class Batcher:
             self._closed = self._draining = True
             # A batch already handed to _deliver keeps its answers: the loop runs them first.
             items = [*batch, *self._queue]
+            for item in self._queue:
+                item.queued = False
             self._queue.clear()
             self._rows = 0
+            self.observer.queue_depth(0)
             self._cond.notify_all()
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
