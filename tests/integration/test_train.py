@@ -511,6 +511,27 @@ def test_a_run_whose_config_yaml_is_broken_resumes_with_the_config_it_trained_wi
     assert re.search(r"schedule was made for (\d+) steps, and these settings plan", proc.stderr)
 
 
+def test_a_broken_config_resume_counts_accumulated_steps_and_checks_the_scheduler(
+    tmp_path: Path,
+) -> None:
+    """Without config.yaml, the steps these settings plan (batches / accumulation x
+    epochs) are held to the checkpoint's OneCycleLR total_steps, and a resume that drops
+    onecycle is refused as well."""
+    run = tmp_path / "accumulated"
+    acc = ["--config", TINY, "--set", "trainer.accumulate_grad_batches=2"]
+    run_cli("train", "--run", str(run), *acc, check=True)
+    with (run / "config.yaml").open("a") as f:
+        f.write("trainer: [\n")
+    proc = run_cli("train", "--run", str(run), "--resume", *acc, check=True)
+    assert "nothing to train" in proc.stdout, proc.stdout
+    cosine = run_cli(
+        "train", "--run", str(run), "--resume", *acc, "--set", "optim.scheduler=cosine"
+    )
+    assert cosine.returncode == 2, cosine.stdout + cosine.stderr
+    assert "these settings plan" in last_line(cosine.stderr)
+    assert "optim.scheduler=cosine" in last_line(cosine.stderr)
+
+
 def test_a_resume_without_last_ckpt_offers_the_newest_checkpoint(
     tiny_run: Path, tmp_path: Path
 ) -> None:
@@ -524,6 +545,9 @@ def test_a_resume_without_last_ckpt_offers_the_newest_checkpoint(
     newest = max((run / "checkpoints").glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
     cp = f"`cp {newest} {run / 'checkpoints' / 'last.ckpt'}`"
     assert cp in line, line
+    # afresh with the run's own config, not make's default (which may be another model)
+    afresh = line.partition("train afresh with `")[2].partition("`")[0]
+    assert f"{run / 'config.yaml'}" in afresh, line
     subprocess.run(shlex.split(cp.strip("`")), check=True)  # as said: it resumes
     again = run_cli("train", "--run", str(run), "--resume", check=True)
     assert "resuming" in again.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -46,3 +47,33 @@ def test_the_progress_bar_counts_epochs_from_one() -> None:
     bar = EpochBar()
     bar._trainer = SimpleNamespace(max_epochs=3)  # type: ignore[assignment]
     assert bar._get_train_description(2) == "Epoch 3/3 "  # padded to "Validation"
+
+
+def test_a_moved_checkpoint_state_is_taken_in_its_new_folder(tmp_path: Path) -> None:
+    """Paths in the old folder become the same names in the new one; a top-k file
+    missing there is dropped, and with it a kth_best_model_path that named it."""
+    from lightship.callbacks import _moved_state
+
+    old, new = "/elsewhere/run/checkpoints", tmp_path / "checkpoints"
+    new.mkdir()
+    (new / "epoch=2.ckpt").write_bytes(b"x")  # epoch=1.ckpt was deleted by hand
+    state = {
+        "dirpath": old,
+        "monitor": "val/acc",
+        "best_model_path": f"{old}/epoch=2.ckpt",
+        "last_model_path": f"{old}/last.ckpt",
+        "best_k_models": {f"{old}/epoch=2.ckpt": 0.9, f"{old}/epoch=1.ckpt": 0.8},
+        "kth_best_model_path": f"{old}/epoch=1.ckpt",
+    }
+    assert _moved_state(state, old, str(new)) == {
+        "dirpath": str(new),
+        "monitor": "val/acc",
+        "best_model_path": str(new / "epoch=2.ckpt"),
+        "last_model_path": str(new / "last.ckpt"),
+        "best_k_models": {str(new / "epoch=2.ckpt"): 0.9},
+        "kth_best_model_path": "",
+    }
+    # a path outside the old folder is left as it is
+    assert _moved_state({"best_model_path": "/x/a.ckpt"}, old, str(new))["best_model_path"] == (
+        "/x/a.ckpt"
+    )

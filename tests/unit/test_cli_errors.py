@@ -485,3 +485,20 @@ def test_the_last_line_after_ctrl_c_says_how_to_resume(
     assert capsys.readouterr().err.endswith(
         f"\ninterrupted: resume with `make train RESUME=1 RUN={tmp_path}`\n"
     )
+
+
+@pytest.mark.usefixtures("signal_handlers")  # restores SIGINT and SIGTERM afterwards
+def test_a_finished_command_leaves_ctrl_c_ignored_and_sigterm_at_its_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the command returned, the teardown ignores Ctrl-C and SIGTERM
+    kills it as by default: not lightship's handler, whose KeyboardInterrupt would land in
+    the teardown. The command's own code is the exit code."""
+    import signal
+
+    monkeypatch.setattr(cli, "_invoke", lambda argv=None: 3)
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 3
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

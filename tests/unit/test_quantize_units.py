@@ -763,3 +763,21 @@ def test_a_quantize_stopped_names_what_it_kept_the_rest_and_the_report_it_took(
         + stage_command(f"make quantize RUN={run}", f"lightship quantize --run {run}")
         + "`"
     )
+
+
+@pytest.mark.parametrize(
+    ("gate", "guess"),
+    [(5, "0.95"), (49, "0.51"), (80, "0.8"), (99, "0.99"), (100, "1"), (101, None)],
+)
+def test_a_gate_given_in_points_or_percent_gets_its_guess(gate: float, guess: str | None) -> None:
+    """From 50 up (to 100) a gate reads as a percentage kept, below as points lost
+    (at 50 the two readings agree)."""
+    from lightship.quantize import fallback
+
+    with pytest.raises(ConfigError) as err:
+        fallback.check_gate(gate, "quantize")
+    message = str(err.value)
+    if guess is None:
+        assert "did you mean" not in message
+    else:
+        assert message.endswith(f"got {gate:g}: did you mean {guess}?"), message

@@ -2647,3 +2647,150 @@ def test_a_body_too_large_by_its_length_is_refused_and_the_client_reads_the_413(
     status, headers, answer, rest = run(main())
     assert status == 413 and headers["connection"] == "close" and rest == b""
     assert "over the limit of 4096 bytes (max_body_bytes)" in json.loads(answer)["error"]
+
+
+# -- mutation review: tests for behaviours no test pinned -------------------------------------
+
+
+def test_an_h2c_upgrade_whose_content_length_has_trailing_whitespace_is_answered(
+    tmp_path: Path,
+) -> None:
+    """`_ignore_upgrade` reads Content-Length itself; "N " is legal."""
+    app, _ = make_app(tmp_path)
+    binary, headers = v2_binary(X)
+    (length,) = headers.values()
+    head = "\r\n".join(
+        [f"POST {INFER} HTTP/1.1", "host: t", f"content-length: {len(binary)} ",
+         f"inference-header-content-length: {length}", "connection: close", *H2C]
+    )  # fmt: skip
+
+    async def main() -> Exchange:
+        async with raw_http(app) as (connect, _, _):
+            return await exchange(connect, (head + "\r\n\r\n").encode(), binary)
+
+    status, answer_headers, answer, _ = run(main())
+    assert status == 200, answer
+    split = int(answer_headers["inference-header-content-length"])
+    np.testing.assert_array_equal(
+        np.frombuffer(answer[split:], "<f4").reshape(2, 2), expected_logits(X)
+    )
+
+
+def test_an_h2c_upgrade_to_a_tensor_route_is_answered_without_asgi(tmp_path: Path) -> None:
+    """The protocol answers the tensor route itself, its Upgrade ignored."""
+    app, _ = make_app(tmp_path)
+    body = json.dumps(v2_json(X)).encode()
+    request = post(INFER, body, "content-type: application/json", "connection: close", *H2C)
+
+    async def main() -> tuple[Exchange, list[str]]:
+        async with raw_http(app) as (connect, counting, _):
+            answer = await exchange(connect, request)
+            return answer, list(counting.paths)
+
+    (status, _, answer, _), paths = run(main())
+    assert status == 200, answer
+    assert paths == []  # not through ASGI
+
+
+def test_a_later_head_that_never_ends_on_a_kept_alive_connection_is_answered_408(
+    tmp_path: Path,
+) -> None:
+    """The timer is armed again when a later request's head spans reads, not only
+    at connection_made (whose timer the first request's head cancelled)."""
+    app, _ = make_app(tmp_path, timeout_ms=300)
+    request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
+
+    async def main() -> tuple[int, int, bytes, str]:
+        async with raw_http(app) as (connect, _, http):
+            reader, writer = await connect()
+            writer.write(request)
+            first = (await asyncio.wait_for(read_answer(reader), 5))[0]
+            writer.write(f"POST {INFER} HTTP/1.1\r\nhost: t\r\nx-a: ".encode())
+            second, _, answer = await asyncio.wait_for(read_answer(reader), 3)
+            writer.close()
+            return first, second, answer, (await http.get("/metrics")).text
+
+    first, second, answer, text = run(main())
+    assert (first, second) == (200, 408)
+    assert json.loads(answer)["error"].startswith("request head incomplete after 0.3 s")
+    assert metric(text, 'lightship_rejections_total{reason="head_timeout"}') == 1
+
+
+@pytest.mark.parametrize("kind", ["websocket post", "upgrade chunked"])
+def test_refused_upgrades_count_as_bad_http(tmp_path: Path, kind: str) -> None:
+    """Every request refused before routing counts under its reason."""
+    app, _ = make_app(tmp_path)
+    if kind == "websocket post":
+        ws = ("connection: Upgrade", "upgrade: websocket", "sec-websocket-version: 13")
+        data = post(INFER, b"{}", *ws, "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==")
+    else:
+        head = "\r\n".join(
+            [f"POST {INFER} HTTP/1.1", "host: t", "transfer-encoding: chunked", *H2C]
+        )
+        data = (head + "\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode()
+
+    async def main() -> tuple[Exchange, str]:
+        async with raw_http(app) as (connect, _, http):
+            answer = await exchange(connect, data)
+            return answer, (await http.get("/metrics")).text
+
+    (status, _, _, _), text = run(main())
+    assert status == 400
+    assert metric(text, 'lightship_rejections_total{reason="bad_http"}') == 1
+
+
+def test_the_protocols_rejection_reasons_are_exported_from_the_start(tmp_path: Path) -> None:
+    """A rate() over them needs a series before the first refusal."""
+    app, _ = make_app(tmp_path)
+
+    async def main() -> str:
+        async with serving(app) as client:
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    for reason in ("bad_http", "head_too_large", "head_timeout"):
+        assert metric(text, f'lightship_rejections_total{{reason="{reason}"}}') == 0
+
+
+def test_the_config_route_checks_the_version_and_says_gpu_instances(tmp_path: Path) -> None:
+    """`versions/{version}/config` refuses another version, as the metadata route does;
+    instance_group says KIND_GPU for a model served on a GPU."""
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    predictor.device = "cuda:0"  # as the GPU predictor says it; nothing runs in this test
+    settings = ServeSettings(run=path, max_wait_ms=1, instances=2)
+    app = create_app(predictor, ServedModel("hand", "file", path, None), settings)
+
+    async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with serving(app, wait_ready=False) as client:
+            return (
+                await client.get(f"{HAND}/versions/2/config"),
+                await client.get(f"{HAND}/versions/2"),
+                await client.get(f"{HAND}/config"),
+            )
+
+    config_v2, meta_v2, config = run(main())
+    assert config_v2.status_code == meta_v2.status_code == 404
+    assert config_v2.json() == meta_v2.json()
+    assert config.json()["instance_group"] == [{"count": 2, "kind": "KIND_GPU"}]
+
+
+def test_the_docs_state_the_infer_shape_and_headers_on_both_infer_routes(tmp_path: Path) -> None:
+    """Shape [N, C, H, W] or [C, H, W]; the versioned route names the headers too."""
+    app, _ = make_app(tmp_path)
+
+    async def main() -> dict[str, Any]:
+        async with serving(app) as client:
+            return dict((await client.get("/openapi.json")).json()["paths"])
+
+    paths = run(main())
+    for route in (
+        "/v2/models/{model_name}/infer",
+        "/v2/models/{model_name}/versions/{version}/infer",
+    ):
+        infer = paths[route]["post"]
+        schema = infer["requestBody"]["content"]["application/json"]["schema"]
+        shape = schema["properties"]["inputs"]["items"]["properties"]["shape"]
+        assert (shape["minItems"], shape["maxItems"]) == (3, 4), route
+        headers = {p["name"] for p in infer["parameters"] if p["in"] == "header"}
+        assert headers == {"Inference-Header-Content-Length", "x-request-timeout-ms"}, route

@@ -712,3 +712,80 @@ def test_make_bench_serve_passes_bench_serve_args_and_only_its_options() -> None
     assert {w for w in shown.split() if w.startswith("--")} <= options, shown
     (args_line,) = [x for x in help_text.splitlines() if x.startswith("  ARGS=")]
     assert "bench-serve" not in args_line, args_line
+
+
+def test_a_broken_or_hanging_nvidia_smi_leaves_the_gpu_unnamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An nvidia-smi that cannot be run (OSError) or that hangs (TimeoutExpired) is
+    no name, not an error that stops the benchmark."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_bytes(b"\x7fELF broken")  # executable, but no program: Exec format error
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert bench.gpu_name("cuda") is None
+
+    def hangs(*args: Any, **kwargs: Any) -> Any:
+        raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout", 30))
+
+    monkeypatch.setattr(subprocess, "run", hangs)
+    assert bench.gpu_name("cuda:0") is None
+
+
+def test_each_server_cell_carries_the_in_process_rate_measured_just_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench_model` measures the in-process ceiling right before each of the server's
+    cells and keeps it on the cell; the no-model endpoints' cells get none. Servers, wrk and
+    timing are faked: only the order of the measurements is under test."""
+    from types import SimpleNamespace
+
+    from lightship.runs import RunDir
+    from lightship.runtime import load_predictor
+    from lightship.serve import model as serve_model
+
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path, threads=1)
+    spec = {"name": "input", "shape": ["batch", 1, 2, 2]}
+    served = SimpleNamespace(
+        variant="onnx-fp32",
+        path=path,
+        entry={"input_spec": spec, "labels": ["bright", "dark"]},
+        load=lambda device, threads: predictor,
+    )
+    monkeypatch.setattr(serve_model, "choose", lambda settings: served)
+
+    class Process:
+        def __init__(self, cmd: list[str], log: Path) -> None:
+            self.url = "http://127.0.0.1:1"
+
+        def stop(self) -> None:
+            pass
+
+    events: list[tuple[str, Any]] = []
+    rates = iter(float(n) for n in range(1, 1000))
+
+    def rows_per_s(*args: Any, **kwargs: Any) -> float:
+        events.append(("rate", rate := next(rates)))
+        return rate
+
+    def cell(label: str, endpoint: str, protocol: str, c: int, r: int, *rest: Any) -> Any:
+        made = _cell(endpoint, protocol, c, r, 50.0)
+        events.append(("cell", made))
+        return made
+
+    monkeypatch.setattr(bench, "_Process", Process)
+    monkeypatch.setattr(bench, "_first_answer", lambda *a, **k: {"seconds": 0.1, "correct": True})
+    monkeypatch.setattr(bench, "_wrk", lambda *a, **k: {})
+    monkeypatch.setattr(bench, "in_process_sweep", lambda *a, **k: {1: 100.0})
+    monkeypatch.setattr(bench, "_rows_per_s", rows_per_s)
+    monkeypatch.setattr(bench, "_cell", cell)
+    bench.bench_model("hand", RunDir(tmp_path), "onnx-fp32", [1], 0.1, 2, tmp_path, 1)
+
+    cells = [(i, x) for i, (kind, x) in enumerate(events) if kind == "cell"]
+    assert len(cells) == 2 * len(bench.ENDPOINTS) * len(bench.PROTOCOLS)
+    for i, made in cells:
+        if made.endpoint == bench.SERVER:
+            assert events[i - 1] == ("rate", made.in_process_rows_per_s), events[i - 1]
+        else:
+            assert made.in_process_rows_per_s is None
