@@ -781,3 +781,13 @@ def test_a_gate_given_in_points_or_percent_gets_its_guess(gate: float, guess: st
         assert "did you mean" not in message
     else:
         assert message.endswith(f"got {gate:g}: did you mean {guess}?"), message
+
+
+def test_repeated_options_keep_every_digit_given() -> None:
+    # `:g` kept six significant digits: a repeated --qat-lr 0.0001234567 made the rest of a
+    # run with 0.000123457, another setting than the models beside it
+    settings = quantize_core.QuantizeSettings(qat_lr=0.0001234567, gate=0.995, qat_epochs=5)
+    flags = settings.flags()
+    assert flags == ["--gate", "0.995", "--qat-epochs", "5", "--qat-lr", "0.0001234567"]
+    given = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert float(given["--qat-lr"]) == settings.qat_lr and float(given["--gate"]) == 0.995

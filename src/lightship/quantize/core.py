@@ -114,7 +114,7 @@ class QuantizeSettings:
             if isinstance(value, bool):
                 out.append(f"--{option}" if value else f"--no-{option}")
             else:
-                out += [f"--{option}", f"{value:g}" if isinstance(value, float) else str(value)]
+                out += [f"--{option}", repr(value) if isinstance(value, float) else str(value)]
         return out
 
     def __post_init__(self) -> None:
