@@ -2291,22 +2291,45 @@ def test_a_request_that_cannot_be_read_is_answered_after_those_pipelined_ahead_o
     assert "error" in json.loads(answer)
 
 
-@pytest.mark.parametrize("path", [INFER, "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"])
-def test_a_malformed_chunked_body_is_answered_400_at_once(tmp_path: Path, path: str) -> None:
-    """The error is the request's own, still arriving: not held for it to be answered."""
+@pytest.mark.parametrize(
+    ("path", "route"),
+    [
+        (INFER, "/v2/models/{model_name}/infer"),
+        ("/v2/models/h%61nd/infer", "/v2/models/{model_name}/infer"),
+        ("/nowhere", "unmatched"),
+    ],
+    ids=["protocol", "asgi", "no route"],
+)
+def test_a_malformed_chunked_body_is_answered_400_at_once(
+    tmp_path: Path, path: str, route: str
+) -> None:
+    """The error is the request's own, still arriving: not held for it to be answered. It is
+    counted once, under its route with the 400 it got: it was also counted 499 (or the 404
+    its route answered into the closed connection) and a bad_http rejection."""
     app, _ = make_app(tmp_path)
     head = f"POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+    counted = f'lightship_requests_total{{route="{route}",status="400"}}'
 
-    async def main() -> tuple[Exchange, float]:
-        async with raw_http(app) as (connect, _, _):
+    async def main() -> tuple[Exchange, float, str]:
+        async with raw_http(app) as (connect, _, client):
             t0 = time.monotonic()
             answer = await exchange(connect, head.encode(), b"2\r\n{}\r\nzz\r\n")
-            return answer, time.monotonic() - t0
+            took = time.monotonic() - t0
+            for _ in range(200):  # the request's task ends after the answer
+                text = (await client.get("/metrics")).text
+                if counted in text:
+                    break
+                await asyncio.sleep(0.01)
+            return answer, took, text
 
-    (status, headers, answer, rest), took = run(main())
+    (status, headers, answer, rest), took, text = run(main())
     assert (status, headers["connection"], rest) == (400, "close", b"")
     assert json.loads(answer)["error"].startswith("malformed HTTP request")
     assert took < 2  # not the 10 s deadline
+    assert metric(text, counted) == 1
+    assert metric(text, 'lightship_rejections_total{reason="bad_http"}') == 0
+    served = [line for line in text.splitlines() if line.startswith("lightship_requests_total{")]
+    assert served == [f"{counted} 1.0"], served  # the /metrics scrapes count after they answer
 
 
 H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")

@@ -47,6 +47,9 @@ REJECTION_REASONS = (
     "head_timeout",
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Scope key: the status the HTTP protocol answered a request with while its app still ran (a
+# malformed chunked body): counted in its place, since the app's answer never left
+REFUSED = "lightship.refused"
 
 
 def rows_buckets(max_batch_rows: int) -> tuple[int, ...]:
@@ -68,7 +71,7 @@ class Metrics:
         GCCollector(registry=r)
         self.request_seconds = Histogram(
             "lightship_request_duration_seconds",
-            "HTTP request latency, body read to response sent",
+            "HTTP request latency, from its head read to its answer sent (body upload included)",
             ["route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -81,7 +84,7 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "lightship_queue_wait_seconds",
-            "time a request waited for its batch to start",
+            "time a request waited for its batch to start (requests that reached the model)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -98,7 +101,8 @@ class Metrics:
         self.queue_rows = Gauge("lightship_queue_rows", "rows waiting for a batch", registry=r)
         self.rejections = Counter(
             "lightship_rejections",
-            "requests answered without the model, by reason",
+            "requests refused or given up, by reason (a deadline or a client gone while its "
+            "batch ran comes after the model)",
             ["reason"],
             registry=r,
         )
@@ -167,6 +171,7 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        given = scope
         if scope["method"] == "HEAD":
             # Answered as GET would be, without the body: FastAPI routes GET only, and `curl -I`
             # or a load balancer's HEAD probe got 405. The app sees a copy saying GET; uvicorn
@@ -193,6 +198,7 @@ class MetricsMiddleware:
                 # FastAPI's own /docs, /redoc, /openapi.json: plain routes, fixed paths
                 or (scope["path"] if endpoint is not None else self._unrouted(scope))
             )
+            status = given.get(REFUSED) or status
             self.metrics.request(path, status, time.perf_counter() - start)
 
     def _unrouted(self, scope: Scope) -> str:

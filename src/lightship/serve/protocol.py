@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect
 
+from lightship.serve.metrics import REFUSED
 from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class _TensorCycle:
         "disconnected",
         "keep_alive",
         "more_body",
+        "refused",
         "response_complete",
     )
     message_event = _NoEvent()
@@ -227,6 +229,7 @@ class _TensorCycle:
         self.more_body = True
         self.disconnected = False
         self.response_complete = False
+        self.refused: int | None = None  # the status the protocol answered it with (`_refuse`)
 
     # -- the parser's callbacks, in data_received -----------------------------------------
 
@@ -296,7 +299,7 @@ class _TensorCycle:
             status = response.status_code
             await self._send(status, response.raw_headers, bytes(response.body))
         finally:
-            routes.count(name, status, time.perf_counter() - start)
+            routes.count(name, self.refused or status, time.perf_counter() - start)
 
     async def _body(self) -> bytes:
         """The whole body, once it has arrived; the errors BodyLimit raises otherwise."""
@@ -716,8 +719,19 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def _refuse(self, reason: str, status: bytes, message: str) -> None:
             """Answer a request that cannot be read (`_send_error`), counted in the metrics'
-            rejections by `reason`: it has no route to be counted under."""
-            if routes is not None and not self._broken:  # once a connection
+            rejections by `reason`: it has no route to be counted under. Unless it is the
+            request in flight, whose body broke off (a malformed chunk): that one is counted
+            under its route, with this status, when its task ends (`REFUSED`); it counted a
+            499 or whatever its route answered into the closed connection, beside the
+            rejection."""
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_complete:
+                if type(cycle) is _TensorCycle:
+                    cycle.refused = int(status[:3])
+                else:  # uvicorn's: the metrics middleware reads its scope
+                    scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+                    scope[REFUSED] = int(status[:3])
+            elif routes is not None and not self._broken:  # once a connection
                 routes.metrics.rejected(reason)
             self._send_error(status, message)
 
