@@ -2332,6 +2332,31 @@ def test_a_malformed_chunked_body_is_answered_400_at_once(
     assert served == [f"{counted} 1.0"], served  # the /metrics scrapes count after they answer
 
 
+def test_a_chunked_body_that_breaks_off_after_its_answer_gets_no_second_answer(
+    tmp_path: Path,
+) -> None:
+    """A route that answers before reading the body (no route: 404); a malformed chunk after
+    that closes the connection. It was answered a second time, a 400 to no request, and counted
+    as a bad_http rejection beside the 404."""
+    app, _ = make_app(tmp_path)
+    head = b"POST /nowhere HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def main() -> tuple[int, bytes, str]:
+        async with raw_http(app) as (connect, _, client):
+            reader, writer = await connect()
+            writer.write(head + b"2\r\n{}\r\n")
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            writer.write(b"zz\r\n")
+            rest = await asyncio.wait_for(reader.read(), 5)  # b"": closed, nothing more
+            writer.close()
+            return status, rest, (await client.get("/metrics")).text
+
+    status, rest, text = run(main())
+    assert (status, rest) == (404, b"")
+    assert metric(text, 'lightship_requests_total{route="unmatched",status="404"}') == 1
+    assert metric(text, 'lightship_rejections_total{reason="bad_http"}') == 0
+
+
 H2C = ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c", "http2-settings: AAMAAABkAARAAAAA")
 
 

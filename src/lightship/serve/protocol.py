@@ -725,7 +725,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             499 or whatever its route answered into the closed connection, beside the
             rejection."""
             cycle = self.cycle
-            if cycle is not None and cycle.more_body and not cycle.response_complete:
+            if cycle is not None and cycle.more_body and cycle.response_complete:
+                # answered before its body was read (a 404): a second answer would be one to
+                # no request; the connection just closes
+                self._broken = True
+                self.transport.close()
+                return
+            if cycle is not None and cycle.more_body:
                 if type(cycle) is _TensorCycle:
                     cycle.refused = int(status[:3])
                 else:  # uvicorn's: the metrics middleware reads its scope
