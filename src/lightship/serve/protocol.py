@@ -719,11 +719,11 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def _refuse(self, reason: str, status: bytes, message: str) -> None:
             """Answer a request that cannot be read (`_send_error`), counted in the metrics'
-            rejections by `reason`: it has no route to be counted under. Unless it is the
-            request in flight, whose body broke off (a malformed chunk): that one is counted
-            under its route, with this status, when its task ends (`REFUSED`); it counted a
-            499 or whatever its route answered into the closed connection, beside the
-            rejection."""
+            rejections by `reason`: it has no route to be counted under. Unless the error is
+            in the body of the request in flight (a malformed chunk): not yet answered, it
+            is counted under its route with this status when its task ends (`REFUSED`), not
+            as the 499 (or whatever its route answered into the closed connection) it would
+            count; answered already, the connection closes without a second answer."""
             cycle = self.cycle
             if cycle is not None and cycle.more_body and cycle.response_complete:
                 # answered before its body was read (a 404): a second answer would be one to
