@@ -80,3 +80,33 @@ class Bessel(SmallCNN):
 
     def forward(self, x: Tensor) -> Tensor:
         return self[3](torch.special.bessel_j0(self[2](self[1](self[0](x)))))
+
+
+class Squeezes(SmallCNN):
+    """`squeeze()` where `flatten(1)` belongs: right for 2 images, [classes] for one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).squeeze()
+
+
+class KeepsSpatialAxes(SmallCNN):
+    """Logits as [N, classes, 1, 1], as a conv head without a flatten gives them."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x)[:, :, None, None]
+
+
+class AuxWhileTraining(SmallCNN):
+    """(logits, aux) in training mode, logits in eval mode, as torchvision's Inception."""
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        logits = super().forward(x)
+        return (logits, logits) if self.training else logits
+
+
+class AssertsItsWidth(SmallCNN):
+    """Its __init__ asserts on a keyword argument."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int) -> None:
+        assert width % 4 == 0, f"width must be a multiple of 4, got {width}"
+        super().__init__(in_channels, num_classes, image_size)

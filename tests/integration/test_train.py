@@ -689,7 +689,42 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
                 "--set",
                 "model.kwargs={in_features: 5, out_features: 10}",
             ],
-            "fails on a [2, 1, 16, 16] input: ",
+            "fails on a [2, 1, 16, 16] input: RuntimeError: ",
+        ),
+        # right for 2 images in eval mode only: export and the server failed on them later
+        (
+            ["--set", "model.name=tests.failing_models:Squeezes", "--set", "model.kwargs={}"],
+            "outputs [10] for 1 image, expected [1, 10] (one logit per class): flatten it to "
+            "[N, classes] with torch.flatten(x, 1)",
+        ),
+        (
+            [
+                "--set",
+                "model.name=tests.failing_models:KeepsSpatialAxes",
+                "--set",
+                "model.kwargs={}",
+            ],
+            "outputs [2, 10, 1, 1] for 2 images, expected [2, 10] (one logit per class): "
+            "flatten it",
+        ),
+        (
+            [
+                "--set",
+                "model.name=tests.failing_models:AuxWhileTraining",
+                "--set",
+                "model.kwargs={}",
+            ],
+            "outputs tuple for 2 images in training mode, expected [2, 10] (one logit per "
+            "class): return one tensor of logits, in training too",
+        ),
+        (
+            [
+                "--set",
+                "model.name=tests.failing_models:AssertsItsWidth",
+                "--set",
+                "model.kwargs={width: 6}",
+            ],
+            "AssertionError: width must be a multiple of 4, got 6; check model.kwargs",
         ),
     ]
     for extra, message in cases:

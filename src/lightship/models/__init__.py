@@ -158,9 +158,12 @@ def _call_with_known(
     kwargs.update(extra)
     try:
         model = builder(**kwargs)
-    except (TypeError, ValueError) as exc:  # unknown argument, or a value the model refuses
+    except Exception as exc:  # a value the model refuses (an assert, a format of it...)
+        reason = (str(exc).splitlines() or [""])[0][:200]
+        given = f"model.kwargs {extra}, and " if extra else ""
         raise ConfigError(
-            f"cannot build model with {sorted(kwargs)}: {exc}; check model.kwargs"
+            f"cannot build model {name} with {given}{sorted(set(kwargs) - set(extra))}: "
+            f"{type(exc).__name__}: {reason}; check model.kwargs"
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder returned {type(model).__name__}, not a torch.nn.Module")

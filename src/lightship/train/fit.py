@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -304,41 +305,66 @@ def _check_resume_steps(
 
 
 def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -> None:
-    """A model that builds may still be unable to train: catch it before anything is written."""
+    """A model that builds may still be unable to train: catch it before anything is written.
+    It runs on 2 images and on 1 (a `squeeze()` drops the batch axis of one image only:
+    export's and the server's batches of one) in eval mode, and on 2 in training mode, on a
+    copy (BatchNorm's running statistics move), where a model may return more than logits."""
     what = f"model.name={cfg.model.name} model.kwargs={dict(cfg.model.kwargs)}"
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{what} has no trainable parameters: choose a model that can learn")
     size, channels = cfg.data.image_size, cfg.data.channels
-    x = torch.zeros(2, channels, size, size, dtype=torch.uint8)
     was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
-            out = model(x)
-    except Exception as exc:  # any failure of user code: its message, on one line
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise ConfigError(
-            f"{what} fails on a [2, {channels}, {size}, {size}] input: {reason}; "
-            "fix model.kwargs or data.image_size/channels"
-        ) from None
+        for n, training in ((2, False), (1, False), (2, True)):
+            x = torch.zeros(n, channels, size, size, dtype=torch.uint8)
+            probe = copy.deepcopy(model) if training else model
+            probe.train(training)
+            mode = " in training mode" if training else ""
+            try:
+                with torch.no_grad():
+                    out = probe(x)
+            except Exception as exc:  # any failure of user code: its message, on one line
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+                raise ConfigError(
+                    f"{what} fails on a [{n}, {channels}, {size}, {size}] input{mode}: "
+                    f"{type(exc).__name__}: {reason}; fix the model, model.kwargs or "
+                    "data.image_size/channels"
+                ) from None
+            if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
+                raise _wrong_output(what, cfg, out, n, num_classes, mode)
     finally:
         model.train(was_training)
-    shape = list(getattr(out, "shape", []))
-    if not isinstance(out, torch.Tensor) or shape != [2, num_classes]:
-        if "num_classes" in cfg.model.kwargs:
-            fix = "drop num_classes from model.kwargs: lightship passes the data's class count"
-        elif models.takes_argument(cfg.model.name, "num_classes"):
-            fix = f"it was given num_classes={num_classes}: make its output width follow it"
-        else:
-            fix = (
-                f"it takes no num_classes argument, so it must output {num_classes} logits (the "
-                f"data has {num_classes} classes) itself: make its output {num_classes} wide, "
-                "or give its __init__ a num_classes argument"
-            )
-        raise ConfigError(
-            f"{what} outputs {shape or type(out).__name__} for 2 images, expected "
-            f"[2, {num_classes}] (one logit per class): {fix}"
+
+
+def _wrong_output(
+    what: str, cfg: Config, out: object, n: int, num_classes: int, mode: str
+) -> ConfigError:
+    """What is wrong with a model's output for `n` images, and how to fix it."""
+    images = f"{n} image" + ("s" if n > 1 else "")
+    shape = list(out.shape) if isinstance(out, torch.Tensor) else None
+    if shape is None:
+        fix = "return one tensor of logits" + (
+            ", in training too (an auxiliary output has no loss here)" if mode else ""
         )
+    elif math.prod(shape) == n * num_classes:
+        fix = (
+            "flatten it to [N, classes] with torch.flatten(x, 1) (squeeze() also drops the "
+            "batch axis of one image)"
+        )
+    elif "num_classes" in cfg.model.kwargs:
+        fix = "drop num_classes from model.kwargs: lightship passes the data's class count"
+    elif models.takes_argument(cfg.model.name, "num_classes"):
+        fix = f"it was given num_classes={num_classes}: make its output width follow it"
+    else:
+        fix = (
+            f"it takes no num_classes argument, so it must output {num_classes} logits (the "
+            f"data has {num_classes} classes) itself: make its output {num_classes} wide, "
+            "or give its __init__ a num_classes argument"
+        )
+    return ConfigError(
+        f"{what} outputs {shape or type(out).__name__} for {images}{mode}, expected "
+        f"[{n}, {num_classes}] (one logit per class): {fix}"
+    )
 
 
 def _unknown_kwargs(cfg: Config, exc: models.UnknownModelArguments) -> ConfigError:
