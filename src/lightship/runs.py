@@ -609,7 +609,7 @@ class RunDir:
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
 
-    def train_command(self, afresh: bool = False) -> str:
+    def train_command(self, afresh: bool = False, env: str = "") -> str:
         """The command that gives this run its best.ckpt again, quoted for a message. A run that
         trained before resumes: that puts back the best checkpoint it wrote (keeping what was
         made from it) and finishes the epochs left. Else, or `afresh` (its last.ckpt is what is
@@ -627,7 +627,7 @@ class RunDir:
             )
         else:
             command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
-        return f"`{command}`"
+        return f"`{env}{command}`"  # env: PYTHONPATH=... that a user's model needs
 
     def unrecorded(self, *then: str) -> RunError:
         """The error of a stage that needs the run's checkpoint entry (data spec, input spec)

@@ -917,3 +917,40 @@ def test_last_ckpt_holds_the_last_epoch_though_it_did_not_improve(tmp_path: Path
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
     assert f"nothing to train: {run} already finished 4 epochs (step 40)" in proc.stdout
     assert manifest(run)["checkpoint"] == entry
+
+
+def test_a_model_whose_code_changed_since_training_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # The module's layer grew after training: resume was Lightning's 65-line traceback, export
+    # "does not fit its model spec: Error(s) in loading state_dict for Classifier:", no more.
+    (tmp_path / "mm").mkdir()
+    module = tmp_path / "mm" / "mymodels.py"
+    module.write_text(USER_MODELS)
+    with_path = {"PYTHONPATH": "mm"}
+    net = ["--run", "runs/m", "--config", TINY, "--set", "model.name=mymodels:Net"]
+    net += ["--set", "model.kwargs={}", "--set", "trainer.max_epochs=1"]
+    run_cli("train", *net, cwd=tmp_path, env=with_path, check=True)
+    module.write_text(
+        USER_MODELS.replace(
+            "nn.Linear(in_channels * image_size**2, num_classes)",
+            "nn.Linear(in_channels * image_size**2, 8), nn.Linear(8, num_classes)",
+        )
+    )
+    afresh = "`PYTHONPATH=mm lightship train --run runs/m --config runs/m/config.yaml`"
+    proc = run_cli("train", "--run", "runs/m", "--resume", cwd=tmp_path, env=with_path)
+    assert proc.returncode == 4, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert last_line(proc.stderr) == (
+        "error: cannot resume runs/m: checkpoints/last.ckpt does not fit model mymodels:Net as "
+        'its code builds it now (Missing key(s) in state_dict: "net.2.weight", '
+        '"net.2.bias"; and 2 more): put back the model code it trained with, or train '
+        f"afresh: {afresh}"
+    )
+    proc = run_cli("export", "--run", "runs/m", cwd=tmp_path, env=with_path)
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr).startswith(
+        "error: checkpoint runs/m/best.ckpt does not fit model mymodels:Net as its code builds "
+        "it now (Missing key(s) in state_dict: "
+    )
+    assert last_line(proc.stderr).endswith(f"or train it afresh: {afresh}")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightship.errors import ConfigError, RunError
-from lightship.models import Classifier, create
+from lightship.models import Classifier, create, pythonpath_prefix
 from lightship.runs import RunDir, enclosing_run
 
 
@@ -42,6 +42,16 @@ def _reason(exc: Exception) -> str:
     text = str(exc).rpartition("WeightsUnpickler error:")[2].strip()
     first = re.split(r"(?<=\.)\s|\n", text, maxsplit=1)[0].rstrip(".")
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def state_mismatch(exc: RuntimeError) -> str:
+    """torch's refusal to load a state_dict into a model, in a line: its first problem (a
+    missing key, a size), and how many more. Its first line names only the model's class."""
+    problems = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+    if not problems:
+        return _reason(exc)
+    more = f"; and {len(problems) - 1} more" if len(problems) > 1 else ""
+    return problems[0][:300].rstrip(". ") + more
 
 
 def _fix(path: Path, then: str) -> str:
@@ -91,8 +101,14 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
+        run = enclosing_run(path)
+        spec = hparams["model_spec"]
+        env = pythonpath_prefix(str(spec.get("name", "")), spec.get("module_file"))
+        again = f", or train it afresh: {RunDir(run).train_command(True, env)}" if run else ""
         raise RunError(
-            f"checkpoint {path} does not fit its model spec: {str(exc).splitlines()[0]}"
+            f"checkpoint {path} does not fit model {hparams['model_spec'].get('name')} as its "
+            f"code builds it now ({state_mismatch(exc)}): put back the model code it trained "
+            f"with{again}"
         ) from None
     model.eval()
     return LoadedCheckpoint(model=model, hparams=dict(hparams))
