@@ -398,12 +398,44 @@ def test_bad_uploads_are_json_4xx_and_the_connection_serves_on(hand: Server) -> 
     assert [r.headers.get("connection") for r in answers] == [None] * 6  # none closes it
 
 
+# An event loop that only wakes 10 times a second, as uvicorn's main loop does to check
+# whether to stop: what any idle uvicorn server costs this machine.
+TICKING_LOOP = """
+import asyncio
+
+async def main():
+    while True:
+        await asyncio.sleep(0.1)
+
+asyncio.run(main())
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_idle_server_uses_under_one_percent_of_a_core(hand: Server) -> None:
+    """Under 1 % of a core over 10 s. Some VMs charge a task milliseconds of CPU for each
+    wake-up from idle (measured: 2.5 ms per asyncio.sleep(0.1) against ~0.05 ms elsewhere), and
+    uvicorn's own loop wakes 10 times a second: there the bound is what a loop that does only
+    that costs, measured beside the server (a server that polled would cost many times it)."""
     httpx.post(f"{hand.url}/v1/predict", json={"instances": X.tolist()})  # after some work
-    before, t0 = hand.cpu_seconds(), time.monotonic()
-    time.sleep(10)  # measuring idleness, not waiting for anything
-    used = (hand.cpu_seconds() - before) / (time.monotonic() - t0)
-    assert used < 0.01, f"idle server used {used:.1%} of a core"
+    ticking = subprocess.Popen([sys.executable, "-c", TICKING_LOOP])
+    try:
+        time.sleep(0.5)  # its interpreter started
+        before, ref_before, t0 = hand.cpu_seconds(), cpu_seconds(ticking.pid), time.monotonic()
+        time.sleep(10)  # measuring idleness, not waiting for anything
+        seconds = time.monotonic() - t0
+        used = (hand.cpu_seconds() - before) / seconds
+        reference = (cpu_seconds(ticking.pid) - ref_before) / seconds
+    finally:
+        ticking.kill()
+        ticking.wait()
+    assert used < max(0.01, 2 * reference), (
+        f"idle server used {used:.1%} of a core; a loop waking 10 times a second {reference:.1%}"
+    )
 
 
 def test_schemathesis_finds_no_server_errors(hand: Server, tmp_path: Path) -> None:
