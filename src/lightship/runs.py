@@ -646,10 +646,9 @@ class RunDir:
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
         only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''."""
-        from lightship.models import pythonpath_prefix  # imports torch: only when asked
+        from lightship.models import spec_pythonpath  # imports torch: only when asked
 
-        model = (self.artifact("checkpoint") or {}).get("model") or {}
-        return pythonpath_prefix(str(model.get("name", "")), model.get("module_file"))
+        return spec_pythonpath((self.artifact("checkpoint") or {}).get("model") or {})
 
     def command(self, *stages: str) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a

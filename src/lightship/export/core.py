@@ -21,7 +21,7 @@ from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.failure import reason
 from lightship.export.parity import Parity, check_parity, check_reference, run_batched
-from lightship.models import pythonpath_prefix
+from lightship.models import spec_pythonpath
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
     RunDir,
@@ -100,8 +100,7 @@ def eager_logits(
 def _command(run: RunDir, loaded: LoadedCheckpoint, stage: str, formats: Sequence[str] = ()) -> str:
     """`stage` on this run as a command that runs from here, with the PYTHONPATH its model's
     module needs; for export, `formats` when they are not all of them."""
-    spec = loaded.model_spec
-    env = pythonpath_prefix(str(spec["name"]), spec.get("module_file"))
+    env = spec_pythonpath(loaded.model_spec)
     return stage_on(run.root, stage, env, "formats", formats, FORMATS)
 
 

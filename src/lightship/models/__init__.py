@@ -11,7 +11,7 @@ import importlib.util
 import inspect
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,12 @@ def pythonpath_prefix(name: str, file: str | None) -> str:
     if root in given or root == Path.cwd().resolve() or not findable:
         return f"PYTHONPATH={shown_path(root)} "
     return ""
+
+
+def spec_pythonpath(spec: Mapping[str, Any]) -> str:
+    """`pythonpath_prefix` of a model spec (a checkpoint's `model_spec`, a manifest entry's
+    `model`): its name and the module file it was trained from."""
+    return pythonpath_prefix(str(spec.get("name", "")), spec.get("module_file"))
 
 
 def resolve(name: str, module_file: str | None = None) -> Builder:

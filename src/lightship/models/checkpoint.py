@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightship.errors import ConfigError, RunError
-from lightship.models import Classifier, create, pythonpath_prefix
+from lightship.models import Classifier, create, spec_pythonpath
 from lightship.runs import RunDir, enclosing_run
 
 
@@ -42,6 +42,12 @@ def _reason(exc: Exception) -> str:
     text = str(exc).rpartition("WeightsUnpickler error:")[2].strip()
     first = re.split(r"(?<=\.)\s|\n", text, maxsplit=1)[0].rstrip(".")
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def model_state(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The classifier's weights in a Lightning checkpoint: its `model.` entries, unprefixed."""
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
 
 
 def state_mismatch(exc: RuntimeError) -> str:
@@ -96,14 +102,11 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     except ConfigError as exc:  # said as it is: the eager loader (report, serve) would put
         # any error but a RunError in a "re-export it", which no export fixes
         raise RunError(f"checkpoint {path}: {exc}") from None
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     try:
-        model.load_state_dict(state)
+        model.load_state_dict(model_state(ckpt))
     except RuntimeError as exc:
         run = enclosing_run(path)
-        spec = hparams["model_spec"]
-        env = pythonpath_prefix(str(spec.get("name", "")), spec.get("module_file"))
+        env = spec_pythonpath(hparams["model_spec"])
         again = f", or train it afresh: {RunDir(run).train_command(True, env)}" if run else ""
         raise RunError(
             f"checkpoint {path} does not fit model {hparams['model_spec'].get('name')} as its "

@@ -37,7 +37,12 @@ from lightship.callbacks import (
 from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
 from lightship.data.module import ImageDataModule, spec_from_config
 from lightship.errors import ConfigError, RunError
-from lightship.models.checkpoint import load_checkpoint, read_checkpoint, state_mismatch
+from lightship.models.checkpoint import (
+    load_checkpoint,
+    model_state,
+    read_checkpoint,
+    state_mismatch,
+)
 from lightship.runs import (
     REPORT_FILES,
     RunDir,
@@ -223,23 +228,15 @@ def _check_resume_weights(ckpt: dict[str, Any], lit: LitClassifier, run: RunDir)
     """Weights the model, as its code builds it now, cannot take: its code changed since the
     run trained (the config, checked before, did not). Lightning's own load was a traceback.
     Loaded here, they are what fitting restores anyway."""
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     try:
-        lit.model.load_state_dict(state)
+        lit.model.load_state_dict(model_state(ckpt))
     except RuntimeError as exc:
         raise RunError(
             f"cannot resume {run.root}: checkpoints/last.ckpt does not fit model "
             f"{lit.hparams['model_spec']['name']} as its code builds it now "
             f"({state_mismatch(exc)}): put back the model code it trained with, or train "
-            f"afresh: {run.train_command(afresh=True, env=_pythonpath(lit.hparams))}"
+            f"afresh: {run.train_command(True, models.spec_pythonpath(lit.hparams['model_spec']))}"
         ) from None
-
-
-def _pythonpath(hparams: Any) -> str:
-    """'PYTHONPATH=DIR ' that the model of these hyper-parameters needs, or ''."""
-    spec = hparams["model_spec"]
-    return models.pythonpath_prefix(str(spec.get("name", "")), spec.get("module_file"))
 
 
 def _check_resume_epochs(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
