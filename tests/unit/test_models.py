@@ -218,6 +218,31 @@ def test_the_import_root_is_the_folder_holding_the_top_package(
     assert models.import_root(module, file) == Path(root)
 
 
+@pytest.mark.parametrize("package", [False, True])
+def test_the_pythonpath_of_a_moved_model_module_is_where_it_is_found_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package: bool
+) -> None:
+    # Trained from old/, exported with PYTHONPATH=new: the next command needs new/, where
+    # the old folder no longer exists.
+    top = f"{USER_MODULE}_moved_{int(package)}"
+    module = f"{top}.nets" if package else top
+    where = tmp_path / "new" / (f"{top}/nets.py" if package else f"{top}.py")
+    where.parent.mkdir(parents=True)
+    if package:
+        (where.parent / "__init__.py").write_text("")
+    where.write_text("from torch import nn\n\n\nclass Net(nn.Flatten):\n    pass\n")
+    trained = str(tmp_path / "old" / where.relative_to(tmp_path / "new"))
+    monkeypatch.chdir(tmp_path)
+    name = f"{module}:Net"
+    assert models.pythonpath_prefix(name, trained) == "PYTHONPATH=old "  # not found: the guess
+
+    monkeypatch.setenv("PYTHONPATH", "new")
+    monkeypatch.syspath_prepend(str(tmp_path / "new"))
+    assert models.pythonpath_prefix(name, trained) == "PYTHONPATH=new "
+    monkeypatch.delenv("PYTHONPATH")  # found some other way (installed): a plain shell finds it
+    assert models.pythonpath_prefix(name, trained) == ""
+
+
 def test_a_module_that_imports_something_missing_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ import inspect
 import os
 import shlex
 from collections.abc import Callable, Mapping
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,26 @@ def pythonpath_prefix(name: str, file: str | None) -> str:
     if not file or ":" not in name:
         return ""
     module_name = name.partition(":")[0]
-    root = import_root(module_name, file).resolve()
+    try:
+        found = importlib.util.find_spec(module_name.partition(".")[0])
+    except (ImportError, ValueError):
+        found = None
+    if found is None:  # not importable here: the folder it was trained from is the best guess
+        return f"PYTHONPATH={shown_path(import_root(module_name, file).resolve())} "
+    # Where it is found now, not where it was at training: its folder may have moved since.
+    root = _spec_root(found)
     given = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    findable = importlib.util.find_spec(module_name.partition(".")[0]) is not None
-    if root in given or root == Path.cwd().resolve() or not findable:
+    if root is not None and (root in given or root == Path.cwd().resolve()):
         return f"PYTHONPATH={shown_path(root)} "
     return ""
+
+
+def _spec_root(found: ModuleSpec) -> Path | None:
+    """The folder a top-level module or package is imported from (None: not from a folder)."""
+    if found.origin and Path(found.origin).is_file():
+        return import_root(found.name, found.origin).resolve()
+    locations = list(found.submodule_search_locations or [])  # a namespace package
+    return Path(locations[0]).resolve().parent if locations else None
 
 
 def spec_pythonpath(spec: Mapping[str, Any]) -> str:
