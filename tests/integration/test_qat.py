@@ -304,6 +304,32 @@ def test_qat_without_best_ckpt_says_how_to_get_it_back(exported_run: Path, tmp_p
     no_leftovers(run)
 
 
+def test_qat_of_a_model_this_shell_cannot_import_is_said_before_the_other_methods(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """A user model's run quantized without its PYTHONPATH: QAT cannot build the model, which
+    used to be found after static and dynamic had spent their minutes."""
+    run = tmp_path / "elsewhere"
+    shutil.copytree(exported_run, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    gone = tmp_path / "gone" / "lightship_gone_model.py"
+    manifest["artifacts"]["checkpoint"]["model"] = {
+        "name": "lightship_gone_model:Net",
+        "module_file": str(gone),
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_cli("quantize", "--run", str(run), "--methods", "dynamic,qat")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: checkpoint {run}/best.ckpt: model 'lightship_gone_model:Net': cannot import "
+        "lightship_gone_model (No module named 'lightship_gone_model'): install it, or run "
+        "with PYTHONPATH=<folder of lightship_gone_model.py>, or quantize without QAT: "
+        "--methods dynamic"
+    )
+    assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
+    no_leftovers(run)
+
+
 def test_a_run_error_inside_qat_keeps_its_own_fix(
     exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

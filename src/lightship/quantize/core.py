@@ -278,6 +278,20 @@ def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[fl
     return float(np.mean(out.argmax(1) == y)), out
 
 
+def _check_qat_can_load(run: RunDir, checkpoint: dict[str, Any]) -> None:
+    """QAT builds best.ckpt's model in torch: a user model whose module this process cannot
+    import (run without its PYTHONPATH) is said now, not after static and dynamic."""
+    from lightship.models import resolve  # torch: QAT imports it anyway
+
+    ckpt = run.require_checkpoint()
+    spec = checkpoint.get("model") or {}
+    if isinstance(spec, dict) and ":" in str(spec.get("name", "")):
+        try:
+            resolve(str(spec["name"]), spec.get("module_file"))
+        except ConfigError as exc:
+            raise RunError(f"checkpoint {ckpt}: {exc}") from None
+
+
 class Quantizer:
     """One quantization session over a run: shared inputs for every method."""
 
@@ -318,7 +332,7 @@ class Quantizer:
         self.scheme = isa.SCHEMES[self.target]
         if "qat" in methods:  # QAT fine-tunes best.ckpt: said before any method runs
             try:
-                run.require_checkpoint()
+                _check_qat_can_load(run, checkpoint)
             except RunError as exc:
                 others = ",".join(m for m in methods if m != "qat")
                 if not others:
