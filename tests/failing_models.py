@@ -42,6 +42,21 @@ class FailsWhileFitting(SmallCNN):
         return super().forward(x)
 
 
+class BatchNormHead(nn.Sequential):
+    """Conv, global average pool, BatchNorm1d, linear: in training mode BatchNorm1d refuses a
+    batch of one image (not SmallCNN's layers: its weights load into no other model here)."""
+
+    def __init__(self, in_channels: int, num_classes: int) -> None:
+        super().__init__(
+            nn.Conv2d(in_channels, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.BatchNorm1d(4),
+            nn.Linear(4, num_classes),
+        )
+
+
 class SubtractsBatchMean(SmallCNN):
     """Its logits minus their mean over the batch, as batch norm in training mode does: an
     image's logits depend on the other images in its batch (at batch 1 they are all 0). Every

@@ -284,7 +284,9 @@ def test_the_logging_interval_is_cut_to_an_epoch_of_each_ddp_process() -> None:
     cfg = load_config(TINY)  # batch 128
     assert _train_batches(cfg, 1260) == 10
     assert _train_batches(cfg, 1260, processes=2) == 5  # DistributedSampler: 630 images each
-    assert _train_batches(cfg, 1281, processes=2) == 6  # 641 each, one of them padded
+    assert _train_batches(cfg, 1290, processes=2) == 6  # 645 each
+    # 641 each, one of them padded: a last batch of one image is left out (`drops_last`)
+    assert _train_batches(cfg, 1281, processes=2) == 5
 
 
 def fake_downstream(run: Path) -> list[Path]:
@@ -764,16 +766,49 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     assert (run / "config.yaml").read_text() == config
 
     # after its first checkpoint the new training is what a --resume continues
-    steps = 3 * 7 + 2  # tiny: 7 steps an epoch (880 images, batch 128)
+    steps = 3 * 7 + 2  # past the first epoch's checkpoint (tiny: 1259 images, batch 128)
     proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
                    "--set", f"model.kwargs={{steps: {steps}, error: interrupt}}")  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     # the last line, not one above `interrupted`, says how to go on
-    assert last_line(proc.stderr) == f"interrupted: resume with `make train RESUME=1 RUN={run}`"
+    assert last_line(proc.stderr) == (  # with the PYTHONPATH the model's module needs
+        f"interrupted: resume with `PYTHONPATH=. make train RESUME=1 RUN={run}`"
+    )
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["hyper_parameters"]["model_spec"]["name"].endswith("FailsWhileFitting")
     assert "FailsWhileFitting" in (run / "config.yaml").read_text()
     assert manifest(run)["checkpoint"] == manifest(tiny_run)["checkpoint"]  # best.ckpt: the old
+
+
+def test_a_new_run_stopped_by_an_error_says_to_train_again_once_it_is_fixed(
+    tmp_path: Path,
+) -> None:
+    # It said "train RUN again with `...`": the command that had just failed, and without the
+    # PYTHONPATH the model's module needs (here the tests' folder, this one).
+    run = tmp_path / "new"
+    proc = run_cli("train", "--run", str(run), "--config", TINY,
+                   "--set", "model.name=tests.failing_models:FailsWhileFitting",
+                   "--set", "model.kwargs={steps: 3, error: runtime}")  # fmt: skip
+    assert proc.returncode == 1 and "failed on purpose at training step 3" in proc.stderr
+    assert (
+        f"training stopped: no checkpoint was written yet: once the error below is fixed, train "
+        f"{run} again with `PYTHONPATH=. make train RUN={run} CONFIG={run / 'config.yaml'}`\n"
+    ) in proc.stderr
+
+
+def test_a_batch_norm_head_trains_where_an_epoch_would_end_in_one_image(tmp_path: Path) -> None:
+    # tiny: 1259 training images; in batches of 629 the last holds one, which BatchNorm1d
+    # refuses in training mode (a ValueError traceback mid-epoch). That batch is left out.
+    from lightship.data.module import drops_last
+
+    assert drops_last(1259, 629) and not drops_last(1259, 128) and not drops_last(1, 128)
+    run = tmp_path / "bn"
+    proc = run_cli("train", "--run", str(run), "--config", TINY,
+                   "--set", "model.name=tests.failing_models:BatchNormHead",
+                   "--set", "model.kwargs={}", "--set", "data.batch_size=629",
+                   "--set", "trainer.max_epochs=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "epochs, step 2)" in proc.stdout  # two batches of 629: the last one image is out
 
 
 def test_resuming_an_older_run_that_recorded_a_path_beside_digits(

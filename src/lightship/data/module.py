@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,13 @@ def config_from_spec(spec: DataSpec) -> DataConfig:
     )
 
 
+def drops_last(images: int, batch_size: int) -> bool:
+    """Whether an epoch of `images` leaves out its last batch: only when that batch would
+    hold one image, on which BatchNorm cannot compute a batch statistic in training mode (a
+    ValueError mid-epoch); it is reshuffled into the next epoch."""
+    return images > batch_size and images % batch_size == 1
+
+
 def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
     return TensorDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y))
 
@@ -62,7 +70,9 @@ class ImageDataModule(pl.LightningDataModule):
             self.spec = dataclasses.replace(self.spec, fingerprint=self._splits.fingerprint)
         return self._splits
 
-    def _loader(self, ds: TensorDataset, batch_size: int, shuffle: bool) -> DataLoader[Any]:
+    def _loader(
+        self, ds: TensorDataset, batch_size: int, shuffle: bool, drop_last: bool = False
+    ) -> DataLoader[Any]:
         workers = self.cfg.num_workers
         return DataLoader(
             ds,
@@ -72,12 +82,20 @@ class ImageDataModule(pl.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=self.cfg.persistent_workers and workers > 0,
             prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
-            drop_last=False,
+            drop_last=drop_last,
         )
 
     def train_dataloader(self) -> DataLoader[Any]:
         s = self.splits
-        return self._loader(tensors(s.train_x, s.train_y), self.cfg.batch_size, shuffle=True)
+        # each process's share under DDP, as DistributedSampler pads it (`train.fit`'s count)
+        processes = self.trainer.world_size if self.trainer is not None else 1
+        share = math.ceil(len(s.train_y) / processes)
+        return self._loader(
+            tensors(s.train_x, s.train_y),
+            self.cfg.batch_size,
+            shuffle=True,
+            drop_last=drops_last(share, self.cfg.batch_size),
+        )
 
     def val_dataloader(self) -> DataLoader[Any]:
         s = self.splits

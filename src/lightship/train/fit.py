@@ -35,7 +35,7 @@ from lightship.callbacks import (
     progress,
 )
 from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
-from lightship.data.module import ImageDataModule, spec_from_config
+from lightship.data.module import ImageDataModule, drops_last, spec_from_config
 from lightship.errors import ConfigError, RunError
 from lightship.models.checkpoint import (
     load_checkpoint,
@@ -407,8 +407,10 @@ def _unknown_kwargs(cfg: Config, exc: models.UnknownModelArguments) -> ConfigErr
 
 def _train_batches(cfg: Config, images: int, processes: int = 1) -> int:
     """Training batches an epoch in each of `processes` (Lightning's count): under DDP each
-    reads its share of the images, ceil(images / processes) as DistributedSampler pads them."""
-    batches = math.ceil(math.ceil(images / processes) / cfg.data.batch_size)
+    reads its share of the images, ceil(images / processes) as DistributedSampler pads them,
+    less a last batch of one image (`drops_last`)."""
+    share, size = math.ceil(images / processes), cfg.data.batch_size
+    batches = share // size if drops_last(share, size) else math.ceil(share / size)
     limit = cfg.trainer.limit_train_batches
     if isinstance(limit, float):
         batches = int(batches * limit)
@@ -476,14 +478,15 @@ class _ConfigAtFirstCheckpoint(Callback):
 
 
 @contextlib.contextmanager
-def _replacing_previous(run: RunDir, keep: bool) -> Iterator[bool]:
+def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool]:
     """A new training replaces the run's checkpoints and config.yaml, but only once it has a
     checkpoint of its own (`_ConfigAtFirstCheckpoint` writes config.yaml then): until then the
     old ones wait in a hidden folder, config.yaml's copy in its place, and a failure (a setting
     Lightning refuses as fitting starts, Ctrl-C, a full disk) puts them back. A failure after
     the first checkpoint keeps the new ones, so `--resume` continues the new training. `keep`
     (resuming): nothing is replaced. DDP workers leave the files to rank 0. What the user can
-    do next is said on stderr, or, after Ctrl-C, in the CLI's last line.
+    do next is said on stderr, or, after Ctrl-C, in the CLI's last line; its command starts
+    with `env`, the PYTHONPATH a user's model needs.
 
     Yields whether the run is new (nothing was set aside): its config.yaml is written at once,
     for the command that trains it again to name.
@@ -510,17 +513,19 @@ def _replacing_previous(run: RunDir, keep: bool) -> Iterator[bool]:
                 new_run = not any(stash.iterdir())
             yield new_run
         except BaseException as exc:
+            # after an error, not a stop: the same command would fail the same way until then
+            fixed = "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
             if stash is not None and not run.last_ckpt.is_file():
                 run.put_back(stash)
                 # a new run keeps its folder and config.yaml: nothing was there to put back
                 what = (
-                    f"no checkpoint was written yet: train {run.root} again with "
-                    f"{run.train_command()}"
+                    f"no checkpoint was written yet: {fixed}train {run.root} again with "
+                    f"{run.train_command(env=env)}"
                     if new_run
                     else f"{run.root} is as it was (no checkpoint was written yet)"
                 )
             else:
-                what = f"resume with {run.train_command()}"
+                what = f"{fixed}resume with {run.train_command(env=env)}"
             if isinstance(exc, KeyboardInterrupt):
                 note_interrupt(what)
             else:
@@ -693,7 +698,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         print(f"resuming {run.root} from {ckpt_path} (global step {resumed_from_step})", flush=True)
     started = time.perf_counter()
     # Only now, with the settings accepted, does the run directory change.
-    with _replacing_previous(run, keep=resume) as new_run:
+    pythonpath = models.pythonpath_prefix(cfg.model.name, module_file)
+    with _replacing_previous(run, keep=resume, env=pythonpath) as new_run:
         if new_run:
             config_file.write()
         fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
@@ -799,7 +805,6 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             f"trained {cfg.model.name} from step {resumed_from_step} to {trainer.global_step} "
             f"in {train_seconds:.1f} s ({trainer.current_epoch} epochs in all)"
         )
-    pythonpath = models.pythonpath_prefix(cfg.model.name, module_file)
     # an unchanged best.ckpt kept its exports: exporting again is not what comes next
     after = "quantize" if unchanged and run.artifact("onnx-fp32") else "export"
     print(
