@@ -677,6 +677,12 @@ def test_a_copied_run_resumes_into_its_own_last_ckpt_and_top_k(tmp_path: Path) -
 
 def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> None:
     run = tmp_path / "untrainable"
+    models_file = ROOT / "tests" / "failing_models.py"
+    asserts = next(  # the line of AssertsItsWidth's assert, which its error points at
+        n
+        for n, line in enumerate(models_file.read_text().splitlines(), 1)
+        if "assert width" in line
+    )
     cases = [
         (["--set", "model.name=torch.nn:Identity"], "has no trainable parameters"),
         (
@@ -726,7 +732,8 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
                 "--set",
                 "model.kwargs={width: 6}",
             ],
-            "AssertionError: width must be a multiple of 4, got 6; check model.kwargs",
+            "AssertionError: width must be a multiple of 4, got 6 ("
+            f"{models_file}, line {asserts}); check model.kwargs",
         ),
     ]
     for extra, message in cases:

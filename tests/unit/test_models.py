@@ -243,6 +243,67 @@ def test_the_pythonpath_of_a_moved_model_module_is_where_it_is_found_now(
     assert models.pythonpath_prefix(name, trained) == ""
 
 
+def test_a_model_name_a_letter_off_is_answered_with_the_close_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    top = f"{USER_MODULE}_near"
+    (tmp_path / f"{top}.py").write_text(
+        "from torch import nn\n\n\nclass EdgeNet(nn.Flatten):\n    pass\n\n\n"
+        "class Block(nn.Identity):\n    pass\n\n\nHelper = int\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(ConfigError) as err:  # the module's name mistyped
+        models.resolve(f"{top}x:EdgeNet")
+    assert str(err.value).endswith(f": did you mean '{top}' (a module on the import path)?")
+    with pytest.raises(ConfigError) as err:  # the class's
+        models.resolve(f"{top}:EdgeNett")
+    assert str(err.value) == (
+        f"model '{top}:EdgeNett': {top} has no class 'EdgeNett'; did you mean 'EdgeNet'?"
+    )
+    with pytest.raises(ConfigError) as err:  # nothing close: its torch modules, not `Helper`
+        models.resolve(f"{top}:Resnet")
+    assert str(err.value).endswith("has no class 'Resnet': it has Block, EdgeNet")
+
+
+def test_a_model_module_in_this_folder_is_put_on_the_path_with_a_dot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `lightship` (a console script) does not import from the current folder
+    (tmp_path / f"{USER_MODULE}_here.py").write_text("x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        models.resolve(f"{USER_MODULE}_here_not:Net")  # not it: no close name here either
+    assert str(err.value).endswith(f"PYTHONPATH=<folder of {USER_MODULE}_here_not.py>")
+    monkeypatch.delitem(sys.modules, f"{USER_MODULE}_here", raising=False)
+    with pytest.raises(ConfigError) as err:
+        models.resolve(f"{USER_MODULE}_here:Net")
+    assert str(err.value).endswith("install it, or run with PYTHONPATH=.")
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "line"),
+    [
+        ("from torch import nn\nclass Net(nn.Module)\n    pass\n", "SyntaxError: expected ':'", 2),
+        ("from torch import nn\n\nclass Net(nn.Modle):\n    pass\n", "AttributeError: ", 3),
+        ("x = 1\nraise RuntimeError('setup\\nmore')\n", "RuntimeError: setup", 2),
+    ],
+)
+def test_a_model_module_that_fails_to_import_is_one_line_naming_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, error: str, line: int
+) -> None:
+    module = f"{USER_MODULE}_fails_{line}_{error[:3]}"
+    path = tmp_path / f"{module}.py"
+    path.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        models.resolve(f"{module}:Net")
+    message = str(err.value)
+    assert message.startswith(f"model '{module}:Net': importing {module} failed: {error}")
+    assert message.endswith(f" ({path}, line {line}): fix the module") and "\n" not in message
+
+
 def test_a_module_that_imports_something_missing_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,11 +6,15 @@ and every exported artifact does too.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import shlex
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -64,13 +68,37 @@ def shown_path(path: Path) -> str:
 
 def _import_fix(module_name: str, module_file: str | None) -> str:
     """How to make `module_name` importable: install it, or put its folder on PYTHONPATH (the
-    one it was trained from, when the checkpoint recorded it and it is still there)."""
+    one it was trained from, when the checkpoint recorded it and it is still there; this one,
+    when it is here); or, where a module of a close name is on the path, that name."""
+    top = module_name.partition(".")[0]
     if module_file and Path(module_file).is_file():
         folder = f"{shown_path(import_root(module_name, module_file))} (its folder at training)"
+    elif (Path(top + ".py") if top == module_name else Path(top)).exists():
+        folder = "."
     else:
-        top = module_name.partition(".")[0]
+        near = difflib.get_close_matches(top, _importable_names(), n=1, cutoff=0.75)
+        if near:
+            return f"did you mean '{near[0]}' (a module on the import path)?"
         folder = f"<folder of {top}.py>" if top == module_name else f"<folder holding {top}/>"
     return f"install it, or run with PYTHONPATH={folder}"
+
+
+def _importable_names() -> list[str]:
+    """The top-level modules and packages of PYTHONPATH's folders and this one: the places a
+    user's own model module is put (not site-packages: thousands of names, none of them it)."""
+    folders = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + ["."]
+    return sorted({m.name for m in pkgutil.iter_modules(folders)})
+
+
+def _location(exc: BaseException) -> str:
+    """Where an exception raised importing a module points: a SyntaxError's own line, else
+    the innermost frame of its traceback in the user's code (not Python's or a library's)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}, line {exc.lineno}"
+    libraries = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if not f.filename.startswith(("<", *libraries))] or frames
+    return f"{own[-1].filename}, line {own[-1].lineno}" if own else "its module"
 
 
 def pythonpath_prefix(name: str, file: str | None) -> str:
@@ -126,9 +154,26 @@ def resolve(name: str, module_file: str | None = None) -> Builder:
         else:  # found, but what it imports is missing or broken
             fix = f"install what {module_name} needs, or fix its imports"
         raise ConfigError(f"model '{name}': cannot import {module_name} ({exc}): {fix}") from None
+    except Exception as exc:  # the module's own code: a SyntaxError, a NameError at its top
+        reason = (str(exc.msg if isinstance(exc, SyntaxError) else exc).splitlines() or [""])[0]
+        raise ConfigError(
+            f"model '{name}': importing {module_name} failed: {type(exc).__name__}: "
+            f"{reason[:200]} ({_location(exc)}): fix the module"
+        ) from None
     builder = getattr(module, attr, None)
     if builder is None:
-        raise ConfigError(f"model '{name}': {module_name} has no class '{attr}'")
+        classes = sorted(
+            n
+            for n, v in vars(module).items()
+            if inspect.isclass(v)
+            and issubclass(v, nn.Module)
+            and getattr(v, "__module__", None) == module.__name__
+        )
+        near = difflib.get_close_matches(attr, classes, n=1)
+        has = f"; did you mean '{near[0]}'?" if near else ""
+        if not near:
+            has = f": it has {', '.join(classes)}" if classes else ": it has no torch module"
+        raise ConfigError(f"model '{name}': {module_name} has no class '{attr}'{has}")
     # Only torch modules: a model name also comes from checkpoints, which may come from anyone,
     # and "os:system" with kwargs would otherwise run a command when the checkpoint is loaded.
     if not (inspect.isclass(builder) and issubclass(builder, nn.Module)):
@@ -181,10 +226,11 @@ def _call_with_known(
         model = builder(**kwargs)
     except Exception as exc:  # a value the model refuses (an assert, a format of it...)
         reason = (str(exc).splitlines() or [""])[0][:200]
+        where = "" if name in REGISTRY else f" ({_location(exc)})"  # the line in a user's model
         given = f"model.kwargs {extra}, and " if extra else ""
         raise ConfigError(
             f"cannot build model {name} with {given}{sorted(set(kwargs) - set(extra))}: "
-            f"{type(exc).__name__}: {reason}; check model.kwargs"
+            f"{type(exc).__name__}: {reason}{where}; check model.kwargs"
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder returned {type(model).__name__}, not a torch.nn.Module")
