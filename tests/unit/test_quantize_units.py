@@ -155,6 +155,42 @@ def _flatten_gemm(
     onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
 
 
+class _UpsampledResidual(torch.nn.Module):
+    """conv, a stride-2 conv upsampled back and added to it: onnxruntime's symbolic shape
+    inference cannot tell the two shapes are the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3, padding=1, stride=2)
+        self.fc = torch.nn.Linear(4 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(x)
+        y = torch.nn.functional.interpolate(self.conv2(x), scale_factor=2.0, mode="bilinear")
+        return self.fc(torch.flatten(y + x, 1))
+
+
+def test_preprocess_leaves_nothing_where_it_was_run_when_shape_inference_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # onnxruntime saves sym_shape_infer_temp.onnx and a <uuid>.data into the current folder
+    from lightship.export import onnx as onnx_export
+    from lightship.models import Classifier, Normalize
+
+    model = Classifier(Normalize([0.5], [0.2]), _UpsampledResidual()).eval()
+    fp32, work, here = tmp_path / "model.onnx", tmp_path / "work", tmp_path / "here"
+    work.mkdir(), here.mkdir()
+    onnx_export.write(model, torch.zeros(2, 1, 16, 16, dtype=torch.uint8), fp32, {})
+    monkeypatch.chdir(here)
+    with caplog.at_level(logging.WARNING, "lightship.quantize.ptq"):
+        pre = ptq.preprocess(Path("../model.onnx"), work / "pre.onnx")  # relative, as given
+    assert "Incomplete symbolic shape inference" in caplog.text  # the case this is about
+    assert list(here.iterdir()) == []
+    assert sorted(p.name for p in work.iterdir()) == ["pre.onnx"]
+    onnx.checker.check_model(onnx.load(str(pre)))
+
+
 @pytest.mark.parametrize(("trans_b", "op"), [(1, "Reshape"), (0, "Reshape"), (1, "Flatten")])
 def test_flatten_channels_last_keeps_the_function(tmp_path: Path, trans_b: int, op: str) -> None:
     import numpy as np

@@ -75,9 +75,19 @@ def _quiet() -> Any:
 
 
 def preprocess(fp32: Path, out: Path) -> Path:
-    """Shape inference + ORT graph optimisation before quantization (ORT's advice)."""
+    """Shape inference + ORT graph optimisation before quantization (ORT's advice).
+
+    Run from a scratch folder beside `out`: where symbolic shape inference is incomplete (a
+    Resize whose output meets another tensor, say), onnxruntime saves
+    `sym_shape_infer_temp.onnx` and its external data into the current folder, and leaves them
+    there."""
+    fp32, out = fp32.absolute(), out.absolute()
     try:
-        with _quiet():
+        with (
+            _quiet(),
+            tempfile.TemporaryDirectory(dir=out.parent) as scratch,
+            contextlib.chdir(scratch),
+        ):
             quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
     except (OSError, DecodeError):  # a full disk (a model it wrote, cut short), not the graph
         raise
