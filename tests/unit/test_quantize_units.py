@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -153,6 +154,23 @@ def _flatten_gemm(
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
+
+
+def test_ort_warnings_during_quantization_come_once_and_its_preprocessing_advice_never(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A model whose pre-processing failed: ORT's advice before and after every quantization,
+    # and a per-channel warning on each of static int8's up to four quantizations.
+    # (a line new to this process: the filter remembers lines for the whole process)
+    axis = f"Axis 1 is out-of-range for weight 'norm.weight' with rank 1 ({uuid.uuid4().hex})"
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            with ptq._quiet():
+                logging.warning("Please consider to run pre-processing before quantization.")
+                logging.warning(axis)
+                logging.warning("Please consider pre-processing before quantization. See ...")
+        logging.warning(axis)  # outside a quantization: not ORT's to say once
+    assert [r.getMessage() for r in caplog.records] == [axis, axis]
 
 
 class _UpsampledResidual(torch.nn.Module):

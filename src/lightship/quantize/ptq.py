@@ -61,16 +61,40 @@ class ImageReader(CalibrationDataReader):
         return next(self._it, None)
 
 
+class _OnceEach(logging.Filter):
+    """ORT's quantizers warn through the root logger, the same line on every quantization of a
+    model (static int8 quantizes up to `fallback_budget` + 1 times): each line passes once in
+    a process. ORT's "Please consider (to run) pre-processing" passes never: it comes before
+    and after each quantization of a model whose pre-processing failed, which `preprocess`
+    has said once, with the reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "pre-processing before quantization" in message or message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+_ONCE_EACH = _OnceEach()
+
+
 @contextlib.contextmanager
 def _quiet() -> Any:
     """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(max(level, logging.WARNING))
+    root.addFilter(_ONCE_EACH)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield
     finally:
+        root.removeFilter(_ONCE_EACH)
         root.setLevel(level)
 
 
