@@ -705,6 +705,21 @@ def test_cli_errors_are_one_line_with_the_fix(tmp_path: Path, hand_model: Path) 
     assert r.returncode == 4 and "make quantize" in r.stderr
 
 
+def test_a_model_that_fails_its_warm_up_stops_the_server_with_one_line(
+    tmp_path: Path,
+) -> None:
+    # It stayed up, never ready, liveness 503: `lightship serve` in a shell never returned.
+    nan = handmade_onnx(tmp_path / "nan.onnx", bias=float("nan"))  # NaN logits for any image
+    r = run_cli("serve", "--run", str(nan), timeout=120)
+    assert r.returncode == 4, r.stderr
+    assert last_line(r.stderr) == (
+        "error: model failed its warm-up batch: it gave float32 [1, 2] (finite: False), "
+        "expected finite logits [1, 2]; the server stopped: serve another model file, or "
+        "export or quantize this one again"
+    )
+    assert "Traceback" not in r.stderr
+
+
 def test_int8_made_for_another_cpu_is_refused_unless_told_to_warn(
     hand_model: Path, tmp_path: Path
 ) -> None:

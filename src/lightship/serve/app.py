@@ -41,7 +41,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightship import __version__
-from lightship.errors import ConfigError
+from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import host_cpu
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
@@ -166,6 +166,8 @@ class Service:
         self.ready = False
         self.failed: str | None = None
         self.settled = asyncio.Event()  # set when the warm-up ended, ready or failed
+        # called when the warm-up failed: `serve` stops the server, which then exits non-zero
+        self.on_failed: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -187,6 +189,8 @@ class Service:
         except Exception as exc:
             self.failed = f"model failed its warm-up batch: {exc}"
             log.error("%s; not ready", self.failed)
+            if self.on_failed is not None:
+                self.on_failed()
         else:
             # Everything made so far (modules, routes, the model session) lives as long as the
             # process: move it out of the garbage collector's generations, so the collections
@@ -1274,6 +1278,10 @@ def serve(settings: ServeSettings) -> None:
         timeout_graceful_shutdown=int(settings.timeout_ms / 1000) + 5,
     )
     server = _Server(config, service)
+    # A model that fails its warm-up will never serve: said and gone, as Triton's
+    # --exit-on-error does, not a process up forever with liveness 503 (`lightship serve` in a
+    # shell would never return; an orchestrator restarts it either way).
+    service.on_failed = server.stop_failed
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # uvicorn re-raises SIGTERM after its graceful shutdown, so that the previous handler runs:
     # by default, death by signal (status 143). A drained server has done its job: make the
@@ -1296,6 +1304,12 @@ def serve(settings: ServeSettings) -> None:
         _url(settings.host, sock.getsockname()[1]),
     )
     server.run(sockets=[sock])
+    if service.failed is not None:
+        other = "another model file" if served.variant == "file" else "another --variant"
+        raise RunError(
+            f"{service.failed}; the server stopped: serve {other}, or export or quantize this "
+            "one again"
+        )
 
 
 def _count(n: int, noun: str) -> str:
@@ -1397,6 +1411,10 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.service.begin_shutdown()
         super().handle_exit(sig, frame)
+
+    def stop_failed(self) -> None:
+        """Stop serving a model that failed its warm-up: no request was taken (not ready)."""
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting first
