@@ -195,7 +195,7 @@ def quantize(
     qat_lr: Annotated[float, typer.Option(help="QAT learning rate")] = 1e-4,
 ) -> None:
     """Quantize RUN/export/model.onnx to int8 (static, dynamic, QAT) behind an accuracy gate."""
-    from lightship.quantize.core import MethodFailed, QuantizeSettings
+    from lightship.quantize.core import MethodFailed, QuantizeSettings, mostly_float
     from lightship.quantize.core import quantize as quantize_run
     from lightship.quantize.isa import describe
     from lightship.runs import RunDir
@@ -248,6 +248,9 @@ def quantize(
             f"(fp32 {v.entry['fp32_accuracy']:.4f}, gate {'pass' if v.gate_passed else 'FAIL'}"
             f"{note}), quantized for target {v.entry['target']}"
         )
+    for v in variants:
+        if warning := mostly_float(v.method, v.entry):
+            print(f"warning: {warning}", file=sys.stderr)
     print(f"next: {next_command('report', run, RunDir(run).pythonpath())}")
 
 

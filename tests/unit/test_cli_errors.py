@@ -117,6 +117,34 @@ def test_quantize_names_the_cpu_and_the_split_its_accuracy_is_on(
     )
 
 
+def test_quantize_warns_of_a_variant_mostly_left_in_float(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # QAT of a MobileNet-like model: 1 of 8 convs int8, 0.27x ONNX fp32, and no word of it
+    from lightship.quantize import core as quantize_core
+
+    run = runs.RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.record("checkpoint", {"file": "best.ckpt", "test_samples": 269})
+    cpu = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx2"]}
+    entry = {"cpu": cpu, "fp32_accuracy": 0.99, "target": "avx2"}
+    made = [
+        quantize_core.Variant(method, run.root / f"{method}.onnx", 0.99, True, {**entry, **ops})
+        for method, ops in [
+            ("static", {"int8_ops": {"int8_nodes": 4, "float_nodes": 1}}),  # first conv fp32
+            ("dynamic", {"int8_ops": {"int8_nodes": 4, "float_nodes": 4}}),  # half: no warning
+            ("qat", {"int8_ops": {"int8_nodes": 1, "float_nodes": 7}}),
+        ]
+    ]
+    monkeypatch.setattr(quantize_core, "quantize", lambda *args, **kwargs: made)
+    cli.quantize(run=run.root)
+    assert capsys.readouterr().err == (
+        "warning: int8-qat runs 1 of its 8 Conv/MatMul/Gemm nodes in int8 (onnxruntime keeps "
+        "the others in float): expect little speed-up over fp32, or none; `lightship report` "
+        "times it\n"
+    )
+
+
 def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
     exported_run: Path, tmp_path: Path
 ) -> None:

@@ -207,6 +207,21 @@ def int8_share(path: Path, threads: int | None = None) -> dict[str, Any]:
     }
 
 
+def mostly_float(method: str, entry: dict[str, Any]) -> str | None:
+    """A warning when ORT runs under half of a variant's Conv/MatMul/Gemm nodes in int8 (QAT
+    of a model whose convs feed SiLU or Hardswish, say): an "int8" model at fp32 speed or
+    slower, which only the report's int8-ops column said."""
+    ops = entry.get("int8_ops") or {}
+    n_int8, n_float = int(ops.get("int8_nodes", 0)), int(ops.get("float_nodes", 0))
+    if n_int8 + n_float == 0 or n_int8 >= n_float:
+        return None
+    return (
+        f"int8-{method} runs {n_int8} of its {n_int8 + n_float} Conv/MatMul/Gemm nodes in int8 "
+        "(onnxruntime keeps the others in float): expect little speed-up over fp32, or none; "
+        "`lightship report` times it"
+    )
+
+
 def _reset_peak_rss() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM
