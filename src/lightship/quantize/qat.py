@@ -49,6 +49,7 @@ from lightship.data import DataSpec
 from lightship.data.module import ImageDataModule, config_from_spec
 from lightship.errors import QuantizeError
 from lightship.export import onnx as onnx_export
+from lightship.export.failure import printout_on_failure_to_debug
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
 from lightship.quantize import isa, ptq
 from lightship.quantize.core import QAT_CKPT, MethodFailed, int8_share, made_here
@@ -344,9 +345,11 @@ def prepare(
     float_first_conv = fold_thin_first_conv(loaded.model)
     model = loaded.model.train()  # QAT folds batch norm into conv from the training graph
     try:
-        ep = torch.export.export(
-            model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},)
-        )
+        # a capture that fails prints its partial graph first: `--verbose` shows it
+        with printout_on_failure_to_debug(log, "torch.export of the model for QAT"):
+            ep = torch.export.export(
+                model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},)
+            )
     except Exception as exc:  # torch.export raises many types (UserError, guard errors, ...)
         raise MethodFailed(
             "qat", f"cannot trace model '{name}' with torch.export: {_one_line(exc)}", ADVICE
