@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,16 +96,22 @@ def test_quantize_fails_when_every_method_fails(exported_run: Path, tmp_path: Pa
     assert "onnx-int8-dynamic" in manifest and "onnx-int8-qat" not in manifest
 
 
+def quantized_run(tmp_path: Path) -> tuple[runs.RunDir, dict[str, Any]]:
+    """A run with a checkpoint entry of 269 test images, and the entry fields quantize's
+    summary reads of each variant it made (a Xeon with VNNI, quantized for avx2)."""
+    run = runs.RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.record("checkpoint", {"file": "best.ckpt", "test_samples": 269})
+    cpu = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx2", "avx512_vnni"]}
+    return run, {"cpu": cpu, "fp32_accuracy": 0.9963, "target": "avx2"}
+
+
 def test_quantize_names_the_cpu_and_the_split_its_accuracy_is_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lightship.quantize import core as quantize_core
 
-    run = runs.RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.record("checkpoint", {"file": "best.ckpt", "test_samples": 269})
-    cpu = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx2", "avx512_vnni"]}
-    entry = {"cpu": cpu, "fp32_accuracy": 0.9963, "target": "avx2"}
+    run, entry = quantized_run(tmp_path)
     made = quantize_core.Variant("static", run.root / "m.onnx", 0.9926, True, entry)
     monkeypatch.setattr(quantize_core, "quantize", lambda *args, **kwargs: [made])
     cli.quantize(run=run.root)
@@ -123,11 +130,7 @@ def test_quantize_warns_of_a_variant_mostly_left_in_float(
     # QAT of a MobileNet-like model: 1 of 8 convs int8, 0.27x ONNX fp32, and no word of it
     from lightship.quantize import core as quantize_core
 
-    run = runs.RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.record("checkpoint", {"file": "best.ckpt", "test_samples": 269})
-    cpu = {"model": "Xeon", "arch": "x86_64", "int8_flags": ["avx2"]}
-    entry = {"cpu": cpu, "fp32_accuracy": 0.99, "target": "avx2"}
+    run, entry = quantized_run(tmp_path)
     made = [
         quantize_core.Variant(method, run.root / f"{method}.onnx", 0.99, True, {**entry, **ops})
         for method, ops in [
