@@ -211,9 +211,9 @@ def test_sigterm_while_fitting_a_new_run_says_to_train_it_again(tmp_path: Path) 
     run = tmp_path / "fresh"
     proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(3, "SIGTERM"))
     assert proc.returncode == 143, proc.stderr
-    assert last_line(proc.stderr) == (
+    assert last_line(proc.stderr) == (  # MODEL is in this folder's tests: PYTHONPATH=.
         f"interrupted: no checkpoint was written yet: train {run} again with "
-        f"`make train RUN={run} CONFIG={run / 'config.yaml'}`"
+        f"`PYTHONPATH=. make train RUN={run} CONFIG={run / 'config.yaml'}`"
     )
     assert "Received SIGTERM" not in proc.stderr  # Lightning's own line for the same stop
     assert list((run / "checkpoints").iterdir()) == []
