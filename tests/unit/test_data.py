@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -330,6 +331,58 @@ def test_images_in_sub_folders_belong_to_the_class(tmp_path: Path) -> None:
     assert x[y == 0].mean() < 60 and x[y == 1][:10].mean() > 190
 
 
+def test_links_to_nothing_are_refused_not_dropped(tmp_path: Path) -> None:
+    # a class folder on a disk not mounted: trained without that class, and without a word
+    make_folder(tmp_path / "imgs", per_class=2)
+    root = tmp_path / "imgs"
+    (root / "fish").symlink_to(tmp_path / "not_mounted" / "fish")
+    with pytest.raises(DataError) as err:
+        _folder(root, 3, 8)
+    assert str(err.value) == (
+        f"image folder {root}: a link points to nothing (fish -> {tmp_path}/not_mounted/fish): "
+        "mount or restore what they point to, or remove the links"
+    )
+    (root / "fish").unlink()
+    (root / "cat" / "2024").mkdir()
+    (root / "cat" / "2024" / "x.png").symlink_to(tmp_path / "gone.png")  # an image, below
+    with pytest.raises(DataError, match=r"a link points to nothing \(cat/2024/x\.png -> "):
+        _folder(root, 3, 8)
+
+
+def test_names_that_are_not_utf8_train_or_say_which_class_to_rename(tmp_path: Path) -> None:
+    # what unzip leaves of an archive made on Windows: Latin-1 bytes in a name
+    make_folder(tmp_path / "imgs", per_class=3)
+    root = tmp_path / "imgs"
+    os.rename(root / "cat" / "0.jpg", os.fsdecode(bytes(root / "cat") + b"/caf\xe9.jpg"))
+    spec = DataSpec(
+        source="folder", path=str(root), image_size=8, val_fraction=0.34, test_fraction=0.34
+    )
+    splits = load_splits(spec)  # it used to raise UnicodeEncodeError, from the fingerprint
+    every = np.concatenate([splits.train_y, splits.val_y, splits.test_y])
+    assert np.bincount(every).tolist() == [3, 3]  # café.jpg too
+    # the fingerprint reads back: later stages check it
+    again = load_splits(dataclasses.replace(spec, fingerprint=splits.fingerprint))
+    assert again.fingerprint == splits.fingerprint
+    os.rename(root / "dog", os.fsdecode(bytes(root) + b"/d\xf6g"))
+    with pytest.raises(DataError) as err:
+        load_splits(spec)
+    assert str(err.value) == (
+        f"image folder {root}: class folder names must be UTF-8 text, and d\\xf6g is not: "
+        f"rename it (`convmv -f latin1 -t utf8 -r --notest {root}` converts names from Latin-1)"
+    )
+    str(err.value).encode()  # printable: no lone surrogates
+
+
+def test_jpegs_named_jfif_or_jpe_are_images(tmp_path: Path) -> None:
+    make_folder(tmp_path / "imgs", per_class=2)
+    for i, suffix in enumerate((".jfif", ".JPE")):
+        Image.new("RGB", (8, 8), (30, 30, 30)).save(
+            tmp_path / "imgs" / "cat" / f"w{i}{suffix}", "JPEG"
+        )
+    _, y, _ = _folder(tmp_path / "imgs", 3, 8)
+    assert np.bincount(y).tolist() == [4, 2]
+
+
 def test_train_and_serve_read_a_file_as_the_same_pixels(tmp_path: Path) -> None:
     """The folder loader and the server's upload decode each file the same way: 16-bit PNGs
     scaled (not clipped to 255), EXIF orientation applied, the same JPEG draft shrink."""
@@ -526,7 +579,9 @@ def test_decompression_bomb_names_the_file(
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
     make_folder(tmp_path / "imgs")
     Image.new("1", (side, side)).save(tmp_path / "imgs" / "cat" / "huge.png")
-    with pytest.raises(DataError, match=r"cannot read 1 of 13 images: cat/huge\.png: .*bomb"):
+    with pytest.raises(
+        DataError, match=r"cannot read 1 of 13 images: cat/huge\.png: .*bomb.*: downscale it"
+    ):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
 
 

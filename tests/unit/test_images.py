@@ -63,7 +63,7 @@ def test_without_a_limit_of_its_own_pillows_stands(
     monkeypatch: pytest.MonkeyPatch, side: int
 ) -> None:
     """Training passes no limit and makes Pillow's warning an error (data/sources.py): its
-    images past Pillow's limit are refused in Pillow's words."""
+    images past Pillow's limit are refused with that limit, and what to do."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOWS_LIMIT)
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -71,8 +71,9 @@ def test_without_a_limit_of_its_own_pillows_stands(
             images.decode(png(side), (1, 8, 8), "cat/huge.png")
     limit = PILLOWS_LIMIT if side == 40 else 2 * PILLOWS_LIMIT
     assert str(refused.value) == (
-        f"cat/huge.png: Image size ({side * side} pixels) exceeds limit of {limit} pixels, "
-        "could be decompression bomb DOS attack"
+        f"cat/huge.png: {side * side:,} pixels is over Pillow's decompression-bomb limit of "
+        f"{limit:,}: downscale it (a few thousand pixels a side is far more than a classifier "
+        "uses)"
     )
     assert refused.value.problem == "size"
 

@@ -18,7 +18,8 @@ from PIL import Image, UnidentifiedImageError
 
 # MPO: a JPEG with extra pictures appended (many phone cameras); the first is the photo.
 FORMATS = ("PNG", "JPEG", "MPO")
-SUFFIXES = (".png", ".jpg", ".jpeg")
+# .jfif and .jpe: JPEG files as some browsers save them
+SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".jpe")
 # Modes without colour; "I;16*" and "I" are 16-bit grayscale PNGs.
 GRAY_MODES = {"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N"}
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
@@ -74,8 +75,15 @@ def _is_colour(im: Image.Image) -> bool:
 def _too_large(exc: Exception, max_pixels: int | None) -> str:
     """Pillow's refusal of an image past its limit, said as the caller's own limit says it."""
     pixels = re.search(r"\((\d+) pixels\)", str(exc))
-    if max_pixels is None or pixels is None:
+    if pixels is None:
         return str(exc).rstrip(".")
+    if max_pixels is None:  # training data: Pillow's limit, said with what to do
+        pillows = re.search(r"limit of (\d+) pixels", str(exc))
+        limit = f" of {int(pillows.group(1)):,}" if pillows else ""
+        return (
+            f"{int(pixels.group(1)):,} pixels is over Pillow's decompression-bomb limit{limit}: "
+            "downscale it (a few thousand pixels a side is far more than a classifier uses)"
+        )
     limit = max_pixels
     if isinstance(exc, Image.DecompressionBombError) and Image.MAX_IMAGE_PIXELS:
         limit = min(limit, 2 * Image.MAX_IMAGE_PIXELS)  # Pillow opens nothing larger

@@ -128,7 +128,27 @@ def _files_below(folder: Path) -> list[Path]:
         walked.add((stat.st_dev, stat.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [Path(top, n) for n in sorted(names) if not n.startswith(".")]
-    return [f for f in found if f.is_file()]  # not a dangling link
+    _refuse_dangling(folder.parent, [f for f in found if f.is_symlink() and not f.exists()])
+    return [f for f in found if f.is_file()]
+
+
+def _refuse_dangling(root: Path, links: list[Path]) -> None:
+    """Links to nothing (an unmounted disk, a moved folder): their images belong to the data
+    set, and training on the rest would quietly drop them, or a whole class."""
+    if links:
+        shown = [f"{shown_name(str(f.relative_to(root)))} -> {os.readlink(f)}" for f in links]
+        raise DataError(
+            f"image folder {root}: "
+            + (f"{len(links)} links point" if len(links) > 1 else "a link points")
+            + f" to nothing ({_some(shown, 3)}): "
+            "mount or restore what they point to, or remove the links"
+        )
+
+
+def shown_name(name: str) -> str:
+    """A file name for a message: bytes that are not UTF-8 (an archive unzipped from another
+    system) shown as \\xNN, where printing them would fail."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> None:
@@ -168,7 +188,15 @@ def _image_files(
     """An image folder's classes, its (image file, class index) pairs, the other files, and the
     images lying directly in the root, which belong to no class."""
     entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    _refuse_dangling(root, [p for p in entries if p.is_symlink() and not p.exists()])
     classes = [p.name for p in entries if p.is_dir()]
+    if odd := [shown_name(c) for c in classes if shown_name(c) != c]:
+        # a label goes into JSON, YAML and the model files' metadata, which take UTF-8 only
+        raise DataError(
+            f"image folder {root}: class folder names must be UTF-8 text, and "
+            f"{_some(odd, 3)} is not: rename it (`convmv -f latin1 -t utf8 -r --notest "
+            f"{root}` converts names from Latin-1)"
+        )
     loose = [p for p in entries if p.is_file() and p.suffix.lower() in images.SUFFIXES]
     files: list[tuple[Path, int]] = []
     skipped: list[Path] = []
@@ -202,8 +230,8 @@ def _folder(
         note_once(
             logging.WARNING,
             f"image folder {root}: left out {len(loose)} images that lie directly in it, in no "
-            f"class sub-folder ({_some([f.name for f in loose], 3)}): move them into class "
-            "sub-folders to train on them",
+            f"class sub-folder ({_some([shown_name(f.name) for f in loose], 3)}): move them "
+            "into class sub-folders to train on them",
         )
     if skipped:
         kinds = sorted({f.suffix.lower() or f.name for f in skipped})
@@ -211,7 +239,7 @@ def _folder(
             logging.WARNING,
             f"image folder {root}: skipped {len(skipped)} files that are not PNG/JPEG "
             f"({', '.join(kinds[:5])}{', ...' if len(kinds) > 5 else ''}): "
-            + _some([str(f.relative_to(root)) for f in skipped]),
+            + _some([shown_name(str(f.relative_to(root))) for f in skipped]),
         )
     if not files:
         there = (
@@ -234,11 +262,11 @@ def _folder(
         for i, (f, idx) in enumerate(files):
             name = str(f.relative_to(root))
             data = f.read_bytes()
-            if digest is not None:
-                digest.update(f"{name}\0{classes[idx]}\0".encode())
+            if digest is not None:  # the name's bytes as on disk, UTF-8 or not
+                digest.update(os.fsencode(f"{name}\0{classes[idx]}\0"))
                 digest.update(hashlib.sha256(data).digest())
             try:
-                x[i], is_colour = images.decode(data, (channels, size, size), name)
+                x[i], is_colour = images.decode(data, (channels, size, size), shown_name(name))
             except images.ImageError as exc:
                 unreadable.append(exc)  # every bad file in one run, not one run per file
                 continue
