@@ -79,9 +79,10 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
         return str(exc).rstrip(".")
     if max_pixels is None:  # training data: Pillow's limit, said with what to do
         pillows = re.search(r"limit of (\d+) pixels", str(exc))
-        limit = f" of {int(pillows.group(1)):,}" if pillows else ""
+        pillows_limit = f" of {int(pillows.group(1)):,}" if pillows else ""
         return (
-            f"{int(pixels.group(1)):,} pixels is over Pillow's decompression-bomb limit{limit}: "
+            f"{int(pixels.group(1)):,} pixels is over Pillow's decompression-bomb "
+            f"limit{pillows_limit}: "
             "downscale it (a few thousand pixels a side is far more than a classifier uses)"
         )
     limit = max_pixels
