@@ -417,7 +417,13 @@ def load_config(
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The config as a run's config.yaml: data.path absolute, as the checkpoints record it, so
+    that `--resume` reads the same data from any folder (it read `data` from the one it is in,
+    and refused the checkpoints as another run's)."""
+    tree = cfg.model_dump(mode="json")
+    if cfg.data.path is not None:
+        tree["data"]["path"] = str(cfg.data.path.expanduser().absolute())
+    return yaml.safe_dump(tree, sort_keys=False)
 
 
 def parse_choices(

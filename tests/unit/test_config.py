@@ -350,3 +350,18 @@ def test_a_minimum_of_epochs_over_the_maximum_is_refused(tmp_path: Path) -> None
     path.write_text("trainer:\n  min_epochs: 5\n  max_epochs: 10\n")
     cfg = load_config(path, ["trainer.max_epochs=4", "trainer.min_epochs=2"])
     assert (cfg.trainer.min_epochs, cfg.trainer.max_epochs) == (2, 4)
+
+
+def test_a_runs_config_yaml_records_data_path_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--set data.path=data` was written as typed: `--resume` from another folder read another
+    # `data` and refused the checkpoints, which record it absolute, as another run's
+    from lightship.config import dump_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["data.source=folder", "data.path=data"])
+    written = yaml.safe_load(dump_config(cfg))
+    assert written["data"]["path"] == str(tmp_path / "data")
+    assert cfg.data.path == Path("data")  # the config itself keeps what was given
+    assert dump_config(load_config(None)).count("path: null") == 1  # digits: no path
