@@ -170,3 +170,25 @@ def test_int8_models_a_new_onnx_outdates_are_named_with_a_command_that_runs_from
     )
     assert run.artifact("onnx-int8-static") is None
     assert not (run.root / "quantize" / "model.int8-static.onnx").exists()
+
+
+def test_parity_without_the_runs_data_is_on_random_images_and_says_what_follows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a run copied without its data exports, but the `next:` quantize will refuse: say so
+    from lightship.export.core import parity_inputs
+
+    gone = tmp_path / "gone"
+    loaded = SimpleNamespace(
+        data_spec={"source": "folder", "path": str(gone), "image_size": 8, "channels": 3},
+        input_spec={"shape": ["batch", 3, 8, 8]},
+    )
+    with caplog.at_level(logging.WARNING, "lightship.export.core"):
+        x = parity_inputs(loaded, fallback=16)  # type: ignore[arg-type]
+    assert x.shape == (16, 3, 8, 8) and x.dtype == "uint8" and x.std() > 50
+    assert caplog.messages == [
+        f"parity checked on 16 random images, not the test split: image folder {gone}, which "
+        "this run was trained on, does not exist: put the data back at that path (a symlink to "
+        "its new place will do) and run again. Quantize and report measure accuracy on that "
+        "split, and refuse until the data is back"
+    ]

@@ -72,11 +72,18 @@ def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
 
 
 def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
-    """The held-out test split when its data is still reachable, else seeded random pixels."""
+    """The held-out test split when its data is still reachable, else seeded random pixels:
+    an export needs no labels, so a run copied without its data still exports; quantize and
+    report do need them, which the warning says."""
     try:
         return load_splits(DataSpec.from_dict(loaded.data_spec), recorded=True).test_x
     except DataError as exc:
-        log.warning("test split unavailable (%s): parity on %d random images", exc, fallback)
+        log.warning(
+            "parity checked on %d random images, not the test split: %s. Quantize and report "
+            "measure accuracy on that split, and refuse until the data is back",
+            fallback,
+            str(exc).rstrip("."),
+        )
         c, h, w = loaded.input_spec["shape"][1:]
         rng = np.random.default_rng(0)
         return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8)
