@@ -606,18 +606,26 @@ def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
 
 
 def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
-    from lightship.errors import ConfigError
+    from lightship.errors import ConfigError, DataError
     from lightship.train.fit import _check_resume_matches
 
     hparams = torch.load(tiny_run / "best.ckpt", weights_only=False)["hyper_parameters"]
-    spec = hparams["data_spec"]
+    spec, model = hparams["data_spec"], hparams["model_spec"]
     n = spec["fingerprint"].partition(":")[0]
-    changed = SimpleNamespace(hparams={**hparams, "data_spec": {**spec, "fingerprint": "9:0"}})
-    with pytest.raises(ConfigError) as err:
+    # the mean and std measured on the changed data moved with it: not news of their own
+    changed = SimpleNamespace(
+        hparams={
+            **hparams,
+            "data_spec": {**spec, "fingerprint": "9:0"},
+            "model_spec": {**model, "mean": [1.0], "std": [2.0]},
+            "input_spec": {**hparams["input_spec"], "mean": [1.0], "std": [2.0]},
+        }
+    )
+    with pytest.raises(DataError) as err:  # exit 3, as quantize and report refuse it
         _check_resume_matches(hparams, changed, RunDir(tiny_run))  # type: ignore[arg-type]
     assert str(err.value) == (
-        f"cannot resume {tiny_run}: it was trained with a different model/data (data images "
-        f"{n} -> 9, or changed): put the data back as it was, or train afresh without --resume"
+        f"cannot resume {tiny_run}: its data changed since it trained (data images {n} -> 9, "
+        "or changed): put the data back as it was, or train afresh without --resume"
     )
     # resumed with the run's own config.yaml, which the checkpoint disagrees with: to offer
     # "resume with the run's config" would be to offer what was just refused

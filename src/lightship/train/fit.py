@@ -36,7 +36,7 @@ from lightship.callbacks import (
 )
 from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
 from lightship.data.module import ImageDataModule, drops_last, spec_from_config
-from lightship.errors import ConfigError, RunError
+from lightship.errors import ConfigError, DataError, LightshipError, RunError
 from lightship.models.checkpoint import (
     load_checkpoint,
     model_state,
@@ -175,20 +175,26 @@ def _check_resume_matches(
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
             diffs += _changes(old, new, name)
+    if data_changed:  # the normalisation measured on the data follows it: no news of its own
+        derived = ("model.mean ", "model.std ", "input.mean ", "input.std ")
+        diffs = [d for d in diffs if not d.startswith(derived)]
     if diffs:
         raise _other_model_data(run, diffs, data_changed, own_config)
 
 
 def _other_model_data(
     run: RunDir, diffs: list[str], data_changed: bool, own_config: bool
-) -> ConfigError:
+) -> LightshipError:
     shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    if data_changed:  # a data error (exit 3), as quantize and report say it
+        return DataError(
+            f"cannot resume {run.root}: its data changed since it trained ({shown}): put the "
+            "data back as it was, or train afresh without --resume"
+        )
     return ConfigError(
         f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
         + (
-            "put the data back as it was, or train afresh without --resume"
-            if data_changed
-            else f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
+            f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
             "config.yaml or last.ckpt the run trained with, or train afresh without --resume"
             if own_config
             else f"train without --resume, or resume with the run's config ({run.config})"
