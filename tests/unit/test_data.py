@@ -383,6 +383,47 @@ def test_jpegs_named_jfif_or_jpe_are_images(tmp_path: Path) -> None:
     assert np.bincount(y).tolist() == [4, 2]
 
 
+def test_a_folder_already_split_into_train_and_val_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # root/{train,val}/<class>/: read as it is, a train-versus-val classifier, with no word
+    for split in ("train", "val"):
+        make_folder(tmp_path / "imgs" / split, per_class=4)
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        _, _, labels = _folder(tmp_path / "imgs", 3, 8)
+    assert labels == ["train", "val"]
+    assert caplog.messages == [
+        f"image folder {tmp_path / 'imgs'}: its classes are train, val, which look like the "
+        "splits of a data set (each holds cat, dog): lightship splits the data itself, so point "
+        "data.path at one folder of class folders (merge the splits: train/cat and val/cat "
+        "into cat/)"
+    ]
+    caplog.clear()
+    make_folder(tmp_path / "plain", per_class=2)
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        _folder(tmp_path / "plain", 3, 8)
+    assert caplog.messages == []
+
+
+def test_classes_too_small_for_a_test_image_are_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 2 images of a class: 15 % of them rounds to none, and test_acc never sees the class
+    make_folder(tmp_path / "imgs", per_class=10)
+    (tmp_path / "imgs" / "rare").mkdir()
+    for i in range(2):
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "rare" / f"{i}.png")
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        splits = load_splits(spec)
+    assert 2 not in splits.test_y
+    assert caplog.messages == [
+        "1 of 3 classes have too few images for both a validation and a test image ('rare': 2 "
+        "images): accuracy, the best checkpoint and the quantize gate are measured without "
+        "them; add images to them"
+    ]
+
+
 def test_train_and_serve_read_a_file_as_the_same_pixels(tmp_path: Path) -> None:
     """The folder loader and the server's upload decode each file the same way: 16-bit PNGs
     scaled (not clipped to 255), EXIF orientation applied, the same JPEG draft shrink."""

@@ -182,6 +182,26 @@ def _note_gray(colour: int) -> None:
         )
 
 
+_SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "dev", "test", "testing"}
+
+
+def _note_split_layout(root: Path, classes: list[str]) -> None:
+    """A warning for root/{train,val}/<class>/, the layout many downloaded data sets come in:
+    read as classes, it trains a train-versus-val classifier."""
+    if len(classes) < 2 or not {c.lower() for c in classes} <= _SPLIT_NAMES:
+        return
+    inside = [{p.name for p in (root / c).iterdir() if p.is_dir()} for c in classes]
+    shared = sorted(set.intersection(*inside))
+    if shared:
+        note_once(
+            logging.WARNING,
+            f"image folder {root}: its classes are {', '.join(classes)}, which look like the "
+            f"splits of a data set (each holds {_some(shared, 3)}): lightship splits the data "
+            "itself, so point data.path at one folder of class folders (merge the splits: "
+            f"{classes[0]}/{shared[0]} and {classes[1]}/{shared[0]} into {shared[0]}/)",
+        )
+
+
 def _image_files(
     root: Path,
 ) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[Path]]:
@@ -226,6 +246,7 @@ def _folder(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
         )
     classes, files, skipped, loose = _image_files(root)
+    _note_split_layout(root, classes)
     if loose and files:
         note_once(
             logging.WARNING,
@@ -427,6 +448,24 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
     )
 
 
+def _note_unseen_classes(
+    labels: list[str], y: np.ndarray, val: np.ndarray, test: np.ndarray
+) -> None:
+    """A warning for classes too small to have a validation or test image (a share of 2 images
+    rounds to 0): test_acc, the checkpoint choice and the quantize gate never see them."""
+    counts = np.bincount(y, minlength=len(labels))
+    seen = np.bincount(val, minlength=len(labels)).astype(bool) & np.bincount(
+        test, minlength=len(labels)
+    ).astype(bool)
+    if unseen := [f"'{labels[i]}': {counts[i]} images" for i in np.flatnonzero(~seen)]:
+        note_once(
+            logging.WARNING,
+            f"{len(unseen)} of {len(labels)} classes have too few images for both a validation "
+            f"and a test image ({_some(unseen, 5)}): accuracy, the best checkpoint and the "
+            "quantize gate are measured without them; add images to them",
+        )
+
+
 def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
@@ -470,5 +509,6 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
             f"val {len(val)}, test {len(test)}): add images or change data.val_fraction / "
             "data.test_fraction"
         )
+    _note_unseen_classes(labels, y, y[val], y[test])
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
     return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels, now)
