@@ -605,6 +605,24 @@ def test_resume_with_other_model_data_or_schedule_is_refused_untouched(
         assert (run / "config.yaml").read_text() == config
 
 
+def test_resuming_a_run_out_of_time_says_so_not_finished(tmp_path: Path) -> None:
+    # it said "already finished 0 epochs": the time limit, restored with the checkpoint, stops
+    # the resumed run at once, and only a longer one trains on
+    run = tmp_path / "timed"
+    limit = ["--set", "trainer.max_time_s=0.0001"]
+    run_cli("train", "--run", str(run), "--config", TINY, *limit, check=True)
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    step = manifest(run)["checkpoint"]["global_step"]
+    assert proc.stdout.splitlines()[-1] == (
+        f"nothing to train: {run} used up its trainer.max_time_s=0.0001 by step {step} (to "
+        "train on, resume with --set trainer.max_time_s= a longer time, or null); best.ckpt, "
+        "exports, quantized models and report kept"
+    )
+    more = ["--set", "trainer.max_time_s=null"]
+    proc = run_cli("train", "--run", str(run), "--resume", *more, check=True)
+    assert manifest(run)["checkpoint"]["global_step"] > step
+
+
 def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
     from lightship.errors import ConfigError, DataError
     from lightship.train.fit import _check_resume_matches

@@ -20,7 +20,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import yaml
-from pytorch_lightning.callbacks import Callback, EarlyStopping
+from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -542,6 +542,15 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
             shutil.rmtree(stash, ignore_errors=True)
 
 
+def _out_of_time(trainer: pl.Trainer) -> bool:
+    """Whether fitting stopped at trainer.max_time_s (Lightning's Timer, whose elapsed time a
+    resumed run restores from its checkpoint)."""
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    timer = next((c for c in callbacks if isinstance(c, Timer)), None)
+    remaining = timer.time_remaining() if timer is not None else None
+    return remaining is not None and remaining <= 0
+
+
 def _own_best(run: RunDir, best_model_path: str) -> Path:
     """The best checkpoint in this run's own folder, or last.ckpt.
 
@@ -727,6 +736,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
         f"(step {trainer.global_step})"
     )
+    if trained_nothing and _out_of_time(trainer):  # not finished: its time limit came first
+        finished = (
+            f"nothing to train: {run.root} used up its trainer.max_time_s={t.max_time_s:g} by "
+            f"step {trainer.global_step} (to train on, resume with --set trainer.max_time_s= a "
+            "longer time, or null)"
+        )
     if unchanged and trained_nothing:  # its manifest entry stands: only the file comes back
         if not in_place:
             with atomic_path(run.best_ckpt) as tmp:
