@@ -261,7 +261,7 @@ def _safe_name(name: str) -> str:
     if MODEL_NAME.match(safe):
         return safe
     raise ConfigError(
-        f"'{name}' cannot be a model name (letters, digits, '.', '_', '-'): pass --model-name"
+        f"'{name}' cannot be a model name (ASCII letters, digits, '.', '_', '-'): pass --model-name"
     )
 
 
