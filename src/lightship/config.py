@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from lightship.errors import ConfigError, LightshipError
+from lightship.errors import ConfigError, LightshipError, first_line
 
 
 class Section(BaseModel):
@@ -297,7 +297,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None)
     mark = getattr(exc, "problem_mark", None)
     if problem is None:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return first_line(exc, limit=1000) or type(exc).__name__
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     return f"{problem}{where}"
 

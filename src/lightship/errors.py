@@ -9,6 +9,13 @@ class LightshipError(Exception):
     exit_code = 1
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of text of `exc`'s message, cut at `limit` characters ('' if it has
+    none): what a one-line error quotes of a library's several-line one."""
+    lines = (line.strip() for line in str(exc).splitlines())
+    return next((line for line in lines if line), "")[:limit]
+
+
 class ConfigError(LightshipError):
     exit_code = 2
 

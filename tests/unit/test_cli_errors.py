@@ -533,3 +533,17 @@ def test_a_finished_command_leaves_ctrl_c_ignored_and_sigterm_at_its_default(
     assert done.value.code == 3
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (RuntimeError("\n  Error(s) in loading:\n\tmissing key"), "Error(s) in loading:"),
+        (ValueError("x" * 300), "x" * 200),
+        (KeyError(), ""),
+    ],
+)
+def test_first_line_quotes_a_several_line_error_in_one(exc: BaseException, line: str) -> None:
+    from lightship.errors import first_line
+
+    assert first_line(exc) == line

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from lightship.errors import ConfigError
+from lightship.errors import ConfigError, first_line
 from lightship.models.layers import Normalize
 from lightship.models.zoo import MLP, DigitsCNN, ResNet18
 
@@ -155,10 +155,10 @@ def resolve(name: str, module_file: str | None = None) -> Builder:
             fix = f"install what {module_name} needs, or fix its imports"
         raise ConfigError(f"model '{name}': cannot import {module_name} ({exc}): {fix}") from None
     except Exception as exc:  # the module's own code: a SyntaxError, a NameError at its top
-        reason = (str(exc.msg if isinstance(exc, SyntaxError) else exc).splitlines() or [""])[0]
+        reason = exc.msg if isinstance(exc, SyntaxError) else first_line(exc)
         raise ConfigError(
             f"model '{name}': importing {module_name} failed: {type(exc).__name__}: "
-            f"{reason[:200]} ({_location(exc)}): fix the module"
+            f"{reason} ({_location(exc)}): fix the module"
         ) from None
     builder = getattr(module, attr, None)
     if builder is None:
@@ -225,7 +225,7 @@ def _call_with_known(
     try:
         model = builder(**kwargs)
     except Exception as exc:  # a value the model refuses (an assert, a format of it...)
-        reason = (str(exc).splitlines() or [""])[0][:200]
+        reason = first_line(exc)
         where = "" if name in REGISTRY else f" ({_location(exc)})"  # the line in a user's model
         given = f"model.kwargs {extra}, and " if extra else ""
         raise ConfigError(

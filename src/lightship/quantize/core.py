@@ -29,7 +29,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
 from lightship import __version__
 from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, load_splits
-from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError
+from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError, first_line
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits, other_input
 from lightship.report.measure import NOISE_RULE, Timing, measure
@@ -737,10 +737,9 @@ class Quantizer:
                 raise  # a mistake the user can fix (no best.ckpt, unreadable data) says its fix
             except Exception as exc:  # a library failure inside QAT must not cost the others
                 log.debug("QAT failed", exc_info=True)
-                first = str(exc).splitlines()[0][:200] if str(exc) else ""
                 raise MethodFailed(
                     "qat",
-                    f"{type(exc).__name__}: {first}; `--verbose` shows where",
+                    f"{type(exc).__name__}: {first_line(exc)}; `--verbose` shows where",
                     "quantize this model with `--methods static,dynamic` instead",
                 ) from None
             gemm = self._gemm_convs(tmp, self._val_accuracy(tmp))

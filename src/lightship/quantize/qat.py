@@ -47,7 +47,7 @@ from lightship.callbacks import (
 )
 from lightship.data import DataSpec
 from lightship.data.module import ImageDataModule, config_from_spec
-from lightship.errors import QuantizeError
+from lightship.errors import QuantizeError, first_line
 from lightship.export import onnx as onnx_export
 from lightship.export.failure import printout_on_failure_to_debug
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
@@ -333,8 +333,7 @@ class StopAfterFreezing(EarlyStopping):
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0][:200] if text else "") or type(exc).__name__
+    return first_line(exc) or type(exc).__name__
 
 
 def prepare(

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lightship.errors import RunError
+from lightship.errors import RunError, first_line
 
 # Keys every lightship artifact carries (ONNX metadata_props; an extra JSON file in .ts/.pt2).
 META_LABELS = "lightship.labels"
@@ -67,7 +67,7 @@ class LoadError(RunError):
 
     def __init__(self, path: Path, kind: str, runtime: str, exc: Exception, fix: str) -> None:
         self.runtime = runtime
-        self._line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self._line = first_line(exc, limit=1000) or type(exc).__name__
         super().__init__(f"cannot load {kind} model {path} ({self.reason()}): {fix}")
 
     def reason(self, names: dict[str, str] | None = None) -> str:
