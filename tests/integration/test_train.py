@@ -639,9 +639,9 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
             "input_spec": {**hparams["input_spec"], "mean": [1.0], "std": [2.0]},
         }
     )
-    with pytest.raises(DataError) as err:  # exit 3, as quantize and report refuse it
+    with pytest.raises(DataError) as changed_err:  # exit 3, as quantize and report refuse it
         _check_resume_matches(hparams, changed, RunDir(tiny_run))  # type: ignore[arg-type]
-    assert str(err.value) == (
+    assert str(changed_err.value) == (
         f"cannot resume {tiny_run}: its data changed since it trained (data images {n} -> 9, "
         "or changed): put the data back as it was, or train afresh without --resume"
     )

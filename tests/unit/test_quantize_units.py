@@ -198,7 +198,8 @@ def test_preprocess_leaves_nothing_where_it_was_run_when_shape_inference_fails(
 
     model = Classifier(Normalize([0.5], [0.2]), _UpsampledResidual()).eval()
     fp32, work, here = tmp_path / "model.onnx", tmp_path / "work", tmp_path / "here"
-    work.mkdir(), here.mkdir()
+    work.mkdir()
+    here.mkdir()
     onnx_export.write(model, torch.zeros(2, 1, 16, 16, dtype=torch.uint8), fp32, {})
     monkeypatch.chdir(here)
     with caplog.at_level(logging.WARNING, "lightship.quantize.ptq"):
