@@ -394,3 +394,18 @@ def test_a_model_of_another_shape_recorded_in_the_run_is_left_out_of_the_report(
         f"images are [N,1,16,16]); `lightship export --run {run} --formats onnx` makes it again"
     }
     assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text
+
+
+def test_a_report_that_fails_before_measuring_leaves_no_empty_folder(
+    run: Path, tmp_path: Path
+) -> None:
+    from lightship.errors import DataError
+
+    rd = RunDir(run)
+    entry = rd.artifact("checkpoint")
+    assert entry is not None and not (run / "report").exists()
+    gone = {**entry["data_spec"], "source": "folder", "path": str(tmp_path / "gone")}
+    rd.record("checkpoint", {**entry, "data_spec": gone})  # its data moved away
+    with pytest.raises(DataError, match="put the data back"):
+        report(rd, FAST)
+    assert not (run / "report").exists()

@@ -103,7 +103,14 @@ def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
     with lock_run(run.root, "lightship report"):
-        return _report(run, settings or ReportSettings())
+        made = not run.report_dir.exists()  # by `check_writable`, before the measuring
+        try:
+            return _report(run, settings or ReportSettings())
+        except BaseException:  # a report that failed (its data gone, say) leaves no empty folder
+            if made:
+                with contextlib.suppress(OSError):  # not empty: not ours to remove
+                    run.report_dir.rmdir()
+            raise
 
 
 def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
