@@ -470,9 +470,10 @@ def _inside_run(name: object) -> bool:
 
 LOCK_FILE = ".lock"
 SET_ASIDE_PREFIX = ".previous."
-# The run directories this process holds locked: a stage that runs another in-process takes
-# the lock again without waiting on itself.
-_locked: set[Path] = set()
+# The run directories this process holds locked, each with the thread holding it and its
+# command: a stage that runs another in-process (same thread) takes the lock again without
+# waiting on itself; another thread of the process is refused, as another process is.
+_locked: dict[Path, tuple[int, str]] = {}
 
 
 def _distributed_worker() -> bool:
@@ -537,7 +538,13 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
     made (no run directory, a read-only one): reading needs no lock, and a writing stage's own
     checks say what is wrong."""
     key = root.resolve()
-    if key in _locked or _distributed_worker():
+    holder = _locked.get(key)
+    if holder is not None and holder[0] != threading.get_ident():
+        raise RunBusyError(
+            f"{root} is in use by another thread of this process ({holder[1]}): wait for it "
+            "to finish"
+        )
+    if holder is not None or _distributed_worker():
         yield
         return
     made = [p for p in [root, *root.parents] if not p.exists()] if create else []
@@ -545,7 +552,7 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
     if fd is None:
         yield
         return
-    _locked.add(key)
+    _locked[key] = (threading.get_ident(), command)
     try:
         with contextlib.suppress(OSError):  # best effort: only the busy message reads it
             os.ftruncate(fd, 0)
@@ -561,7 +568,7 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
                 (root / LOCK_FILE).unlink()
                 for folder in made:  # the run directory, then the folders made for it
                     folder.rmdir()
-        _locked.discard(key)
+        _locked.pop(key, None)
         os.close(fd)
 
 

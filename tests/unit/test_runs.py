@@ -689,6 +689,36 @@ def test_the_lock_is_reentrant_and_released_on_the_way_out(tmp_path: Path) -> No
     assert _free(tmp_path)
 
 
+def test_another_thread_of_the_process_is_refused_as_another_process_is(
+    tmp_path: Path,
+) -> None:
+    # the re-entry meant for a stage running another went to any thread: a report in one
+    # thread measured a .pt2 an export in another was writing
+    errors: list[BaseException] = []
+
+    def report_meanwhile() -> None:
+        try:
+            with lock_run(tmp_path, "lightship report"):
+                pass
+        except RunBusyError as exc:
+            errors.append(exc)
+
+    with lock_run(tmp_path, "lightship export"):
+        other = threading.Thread(target=report_meanwhile)
+        other.start()
+        other.join(30)
+        with lock_run(tmp_path, "lightship quantize"):  # this thread's own stage: re-entered
+            pass
+    assert [str(e) for e in errors] == [
+        f"{tmp_path} is in use by another thread of this process (lightship export): wait for "
+        "it to finish"
+    ]
+    other = threading.Thread(target=report_meanwhile)  # released: the other thread takes it
+    other.start()
+    other.join(30)
+    assert len(errors) == 1
+
+
 def test_taking_the_lock_deletes_what_a_killed_stage_left_and_nothing_else(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
