@@ -416,6 +416,18 @@ def load_config(
     return cfg
 
 
+def revalidated(cfg: Config) -> Config:
+    """`cfg` checked whole again: set by assignment in Python (`cfg.model.mean = [0.13]`), a
+    value is checked only against its field, not against the rest (the channel count, the
+    0..255 scale), which `fit` would then train with and write to config.yaml."""
+    try:
+        again = Config.model_validate(cfg.model_dump())
+    except ValidationError as err:
+        raise ConfigError(_explain(err, cfg.sources)) from None
+    again._sources = cfg.sources
+    return again
+
+
 def dump_config(cfg: Config) -> str:
     """The config as a run's config.yaml: data.path absolute, as the checkpoints record it, so
     that `--resume` reads the same data from any folder (it read `data` from the one it is in,

@@ -365,3 +365,27 @@ def test_a_runs_config_yaml_records_data_path_absolute(
     assert written["data"]["path"] == str(tmp_path / "data")
     assert cfg.data.path == Path("data")  # the config itself keeps what was given
     assert dump_config(load_config(None)).count("path: null") == 1  # digits: no path
+
+
+def test_a_config_changed_by_assignment_is_checked_whole_before_training(
+    tmp_path: Path,
+) -> None:
+    # assignment checks a value against its field only: fit trained with a 0..1 mean and
+    # wrote a config.yaml that lightship then refused
+    from lightship.config import revalidated
+    from lightship.runs import RunDir
+    from lightship.train import fit
+
+    cfg = load_config(None)
+    cfg.model.mean, cfg.model.std = [0.13], [0.31]
+    with pytest.raises(ConfigError, match=r"model.mean.*pixel units 0..255"):
+        revalidated(cfg)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"pixel units 0..255"):
+        fit(cfg, RunDir(run))
+    assert not (run / "config.yaml").exists()
+    wide = load_config(None, ["model.mean=[100]", "model.std=[50]"])
+    wide.data.channels = 3
+    with pytest.raises(ConfigError, match="model.mean has 1 values but data.channels is 3"):
+        revalidated(wide)
+    assert revalidated(load_config(None, ["seed=7"])).sources.overrides == (("seed",),)

@@ -34,7 +34,14 @@ from lightship.callbacks import (
     fit_trainer,
     progress,
 )
-from lightship.config import Config, ModelConfig, dump_config, load_config, without_unread_path
+from lightship.config import (
+    Config,
+    ModelConfig,
+    dump_config,
+    load_config,
+    revalidated,
+    without_unread_path,
+)
 from lightship.data.module import ImageDataModule, drops_last, spec_from_config
 from lightship.errors import ConfigError, DataError, LightshipError, RunError
 from lightship.models.checkpoint import (
@@ -578,6 +585,7 @@ def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
 
 
 def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
+    cfg = revalidated(cfg)  # a config changed in Python since it was loaded
     for note in cfg.sources.notes:
         print(note, flush=True)
     _check_runtime_config(cfg)
