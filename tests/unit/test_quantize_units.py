@@ -173,6 +173,19 @@ def test_ort_warnings_during_quantization_come_once_and_its_preprocessing_advice
     assert [r.getMessage() for r in caplog.records] == [axis, axis]
 
 
+def test_ort_logging_leaves_the_root_logger_as_it_found_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ORT logs with logging.info(), whose basicConfig gave a handler-less root logger one for
+    # good: a script's own logging.basicConfig(level=INFO) then did nothing
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    with ptq._quiet():
+        logging.info("calibration cache: x")
+        assert root.handlers  # basicConfig's, for the warnings ORT logs meanwhile
+    assert root.handlers == []
+
+
 class _UpsampledResidual(torch.nn.Module):
     """conv, a stride-2 conv upsampled back and added to it: onnxruntime's symbolic shape
     inference cannot tell the two shapes are the same."""

@@ -85,9 +85,11 @@ _ONCE_EACH = _OnceEach()
 
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable."""
+    """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable.
+    They log through `logging.info()`, which gives a root logger without handlers one
+    (`basicConfig`): it goes again afterwards, or a caller's own `basicConfig` would do nothing."""
     root = logging.getLogger()
-    level = root.level
+    level, handlers = root.level, list(root.handlers)
     root.setLevel(max(level, logging.WARNING))
     root.addFilter(_ONCE_EACH)
     try:
@@ -96,6 +98,8 @@ def _quiet() -> Any:
     finally:
         root.removeFilter(_ONCE_EACH)
         root.setLevel(level)
+        for added in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(added)
 
 
 def preprocess(fp32: Path, out: Path) -> Path:
