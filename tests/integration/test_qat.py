@@ -289,6 +289,9 @@ def test_a_library_error_inside_qat_costs_only_the_qat_variant(
     assert isinstance(errors["qat"], QuantizeError) and "\n" not in message
     assert "RuntimeError: expected scalar type Float" in message
     assert "--methods static,dynamic" in message
+    # from Python without on_error, a quantize that made nothing raises: it returned []
+    with pytest.raises(QuantizeError, match="RuntimeError: expected scalar type Float"):
+        quantize(RunDir(run), "qat")
 
 
 def test_qat_without_best_ckpt_says_how_to_get_it_back(exported_run: Path, tmp_path: Path) -> None:

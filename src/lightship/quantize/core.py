@@ -839,7 +839,9 @@ def quantize(
     on_error: Callable[[str, LightshipError], None] | None = None,
 ) -> list[Variant]:
     """Make every requested int8 variant; a method that cannot handle the model is reported
-    through `on_error` (default: logged) and the others are still produced."""
+    through `on_error` (default: logged) and the others are still produced. Without
+    `on_error`, a quantize that made none raises: the one method's error, or a QuantizeError
+    naming them all (a script would otherwise go on as if it had quantized)."""
     chosen = parse_methods(methods)
     settings = settings or QuantizeSettings()
     if settings.calibration_method not in ptq.CALIBRATION_METHODS:
@@ -852,6 +854,7 @@ def quantize(
             "empty calibration set: --calibration-samples must be positive (default 256)"
         )
     variants: list[Variant] = []
+    failed: dict[str, QuantizeError] = {}
     # The run lock, for the CLI and a call from Python alike: no other stage may see these
     # writes half done, and lock_run deletes the scratch folders a killed quantize left
     # (`runs.sweep_temporaries`)
@@ -869,10 +872,18 @@ def quantize(
                 except QuantizeError as exc:
                     if isinstance(exc, Unloadable):  # cut short by a full disk: it says so
                         _check_room(run, qat="qat" in chosen)
+                    failed[method] = exc
                     if on_error is None:
                         log.error("%s: %s", method, exc)
                     else:
                         on_error(method, exc)
         finally:
             q.close()
+    if on_error is None and failed and not variants:
+        if len(failed) == 1:
+            raise next(iter(failed.values()))
+        raise QuantizeError(
+            f"no int8 variant was made: {', '.join(failed)} failed (logged above); fix that or "
+            "choose other methods"
+        )
     return variants
