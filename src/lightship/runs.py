@@ -910,3 +910,11 @@ class RunDir:
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
+
+
+RunLike = RunDir | str | os.PathLike[str]
+
+
+def as_run(run: RunLike) -> RunDir:
+    """A stage's run given as a RunDir or as its path (a str or a Path, as a script passes it)."""
+    return run if isinstance(run, RunDir) else RunDir(Path(run))

@@ -860,3 +860,17 @@ def test_commands_in_messages_run_from_where_the_user_is(
     assert spaced.remake_command("onnx-int8-qat") == (
         "`lightship quantize --run 'my run' --methods qat`"
     )
+
+
+def test_the_stages_take_a_run_as_its_path_too(tmp_path: Path) -> None:
+    # a script passing "runs/x" got AttributeError: 'str' object has no attribute 'root'
+    from lightship.export.core import export
+    from lightship.quantize.core import quantize
+    from lightship.report import report
+
+    missing = tmp_path / "missing"
+    for stage in (export, quantize, report):
+        for given in (str(missing), missing):
+            with pytest.raises(RunError, match=str(missing)):
+                stage(given)
+    assert not missing.exists()

@@ -25,6 +25,8 @@ from lightship.models import spec_pythonpath
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
     RunDir,
+    RunLike,
+    as_run,
     atomic_path,
     check_recorded,
     check_space,
@@ -178,7 +180,7 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
 
 
 def export(
-    run: RunDir,
+    run: RunLike,
     formats: Sequence[str] | str | None = None,
     opset: int = 18,
     atol: float = 1e-4,
@@ -187,6 +189,7 @@ def export(
 ) -> list[Artifact]:
     # The run lock, for the CLI and a call from Python alike: no other stage may replace the
     # checkpoint or read the run meanwhile
+    run = as_run(run)
     with lock_run(run.root, "lightship export"):
         return _export(run, formats, opset, atol, min_agreement, parity_batch)
 

@@ -37,6 +37,8 @@ from lightship.runs import (
     REPORT_FILES,
     SCRATCH_PREFIXES,
     RunDir,
+    RunLike,
+    as_run,
     atomic_path,
     atomic_paths,
     check_recorded,
@@ -832,7 +834,7 @@ def _repeat_flags(target: str, settings: QuantizeSettings) -> list[str]:
 
 
 def quantize(
-    run: RunDir,
+    run: RunLike,
     methods: Sequence[str] | str | None = None,
     target: str = "auto",
     settings: QuantizeSettings | None = None,
@@ -842,6 +844,7 @@ def quantize(
     through `on_error` (default: logged) and the others are still produced. Without
     `on_error`, a quantize that made none raises: the one method's error, or a QuantizeError
     naming them all (a script would otherwise go on as if it had quantized)."""
+    run = as_run(run)
     chosen = parse_methods(methods)
     settings = settings or QuantizeSettings()
     if settings.calibration_method not in ptq.CALIBRATION_METHODS:

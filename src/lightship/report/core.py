@@ -33,6 +33,8 @@ from lightship.report.measure import (
 from lightship.runs import (
     REPORT_FILES,
     RunDir,
+    RunLike,
+    as_run,
     atomic_paths,
     check_writable,
     lock_run,
@@ -96,12 +98,13 @@ def _progress(names: list[str], rounds: int) -> Iterator[Callable[[str, int], No
     yield on_step
 
 
-def report(run: RunDir, settings: ReportSettings | None = None) -> dict[str, Any]:
+def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, Any]:
     """Measure every variant of `run`, write its report's files and return report.json's
     content; timings too noisy to trust are `timing_warning` in it (and in report.md), for the
     caller to show where its reader looks (the CLI: after its table)."""
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
+    run = as_run(run)
     with lock_run(run.root, "lightship report"):
         made = not run.report_dir.exists()  # by `check_writable`, before the measuring
         try:

@@ -53,6 +53,8 @@ from lightship.models.checkpoint import (
 from lightship.runs import (
     REPORT_FILES,
     RunDir,
+    RunLike,
+    as_run,
     atomic_path,
     atomic_write_text,
     check_writable,
@@ -571,10 +573,11 @@ def _own_best(run: RunDir, best_model_path: str) -> Path:
     return here if here.is_file() else run.last_ckpt  # deleted since: last.ckpt
 
 
-def fit(cfg: Config, run: RunDir, resume: bool = False) -> RunDir:
+def fit(cfg: Config, run: RunLike, resume: bool = False) -> RunDir:
     # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize and
     # report take it: no other stage may read the checkpoints, or export best.ckpt, while they
     # are replaced. Under DDP, rank 0 holds it for its workers (`runs.lock_run`).
+    run = as_run(run)
     with lock_run(run.root, "lightship train", create=True):
         # What a training killed outright set aside goes back first. The CLI has done this
         # already, before reading config.yaml; a call from Python has not.
