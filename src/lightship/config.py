@@ -10,7 +10,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -40,8 +40,29 @@ class Section(BaseModel):
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
             if bool not in (annotation, *get_args(annotation)):
+                names = _choices(annotation)
+                if names:  # `progress_bar: false`: a word YAML reads as a yes or no
+                    raise PydanticCustomError(
+                        "bool_type",
+                        "Input should be {names}, not true/false (YAML reads true/false, yes/no "
+                        "and on/off as such)",
+                        {"names": _either(names)},
+                    )
                 raise PydanticCustomError("bool_type", "Input should be a number, not true/false")
         return value
+
+
+def _either(names: list[Any]) -> str:
+    """'a', 'b' or 'c'."""
+    shown = [repr(n) for n in names]
+    return f"{', '.join(shown[:-1])} or {shown[-1]}" if len(shown) > 1 else shown[0]
+
+
+def _choices(annotation: Any) -> list[Any]:
+    """The values a Literal annotation (or a union holding one) allows; [] for any other."""
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [c for arg in get_args(annotation) for c in _choices(arg)]
 
 
 class DataConfig(Section):

@@ -75,6 +75,29 @@ def test_true_or_false_for_a_number_is_refused_not_taken_as_1_or_0(key: str) -> 
     assert load_config(None, ["data.augment=false"]).data.augment is False  # a yes/no key
 
 
+@pytest.mark.parametrize(
+    ("setting", "choices"),
+    [
+        ("trainer.progress_bar=false", "'auto', 'rich' or 'none'"),
+        ("data.source=no", "'digits', 'folder' or 'npz'"),
+        ("data.channels=yes", "1 or 3"),
+        ("trainer.profiler=off", "'simple', 'advanced' or 'pytorch'"),  # or null: a union
+    ],
+)
+def test_a_word_yaml_reads_as_true_or_false_for_a_choice_names_the_choices(
+    setting: str, choices: str
+) -> None:
+    # it said "Input should be a number, not true/false" of a key that takes names
+    key, _, word = setting.partition("=")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [setting])
+    value = {"false": False, "no": False, "off": False, "yes": True}[word]
+    assert str(err.value) == (
+        f"--set: '{key}' = {value}: Input should be {choices}, not true/false (YAML reads "
+        f"true/false, yes/no and on/off as such); fix it with --set {key}=..."
+    )
+
+
 def test_bad_literal_lists_choices() -> None:
     with pytest.raises(ConfigError, match="'32', 'bf16-mixed' or '16-mixed'"):
         load_config(None, ["trainer.precision=64"])
