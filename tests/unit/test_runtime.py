@@ -4,6 +4,7 @@ import json
 import logging
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -545,3 +546,17 @@ def test_threads_default_to_the_cpu_quota_not_the_hosts_cores(
         assert cores_under(64.0) == cores
     finally:
         physical_cores.cache_clear()
+
+
+def test_a_read_only_array_reaches_torch_without_its_warning(exported_run: Path) -> None:
+    # np.frombuffer and read-only memmaps: torch.from_numpy warned of undefined behaviour
+    from lightship.runtime import load_predictor
+
+    ts = load_predictor(exported_run / "export" / "model.ts")
+    x = np.zeros((2, *ts.chw), np.uint8)
+    frozen = np.frombuffer(x.tobytes(), np.uint8).reshape(x.shape)
+    assert not frozen.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ts.predict(frozen)
+    np.testing.assert_array_equal(got, ts.predict(x))

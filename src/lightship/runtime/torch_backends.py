@@ -36,6 +36,8 @@ class TorchPredictor(Predictor):
         self.pinned = device.startswith("cuda")
 
     def _run(self, x: np.ndarray) -> np.ndarray:
+        if not x.flags.writeable:  # np.frombuffer's, a read-only memmap's: torch warns of it
+            x = x.copy()
         with torch.inference_mode():
             t = torch.from_numpy(x)
             if self.pinned:
