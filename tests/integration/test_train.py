@@ -1022,3 +1022,20 @@ def test_a_model_whose_code_changed_since_training_is_refused_in_one_line(
         "it now (Missing key(s) in state_dict: "
     )
     assert last_line(proc.stderr).endswith(f"or train it afresh: {afresh}")
+
+
+def test_fit_from_python_leaves_torchs_modes_as_it_found_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning turned grad on, and trainer.deterministic deterministic algorithms, for the
+    # rest of the session (a notebook's later cells)
+    from lightship.train import fit
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cfg = load_config(TINY, ["trainer.max_epochs=1", "trainer.deterministic=true"])
+    with torch.no_grad():
+        fit(cfg, tmp_path / "run")
+        assert not torch.is_grad_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert (tmp_path / "run" / "best.ckpt").is_file()

@@ -584,7 +584,28 @@ def fit(cfg: Config, run: RunLike, resume: bool = False) -> RunDir:
         recovered = run.recover_set_aside()
         if recovered:
             print(f"{run.root}: {recovered}", flush=True)
-        return _fit(cfg, run, resume)
+        with _torch_modes_kept():
+            return _fit(cfg, run, resume)
+
+
+@contextlib.contextmanager
+def _torch_modes_kept() -> Iterator[None]:
+    """torch's process-wide modes as they were before fitting: Lightning turns grad on, and
+    `trainer.deterministic` deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG), for the
+    rest of a Python session that called `fit`."""
+    grad = torch.is_grad_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
 
 
 def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
