@@ -560,3 +560,26 @@ def test_a_read_only_array_reaches_torch_without_its_warning(exported_run: Path)
         warnings.simplefilter("error")
         got = ts.predict(frozen)
     np.testing.assert_array_equal(got, ts.predict(x))
+
+
+@pytest.mark.parametrize("threads", [0, -1])
+def test_a_thread_count_below_one_is_refused_before_anything_changes(
+    tmp_path: Path, threads: int
+) -> None:
+    # threads=0 meant all cores and -1 opened a session; a torch model's load set the process's
+    # thread count before it found its file missing
+    import torch
+
+    from lightship.errors import ConfigError
+    from lightship.runtime import load_predictor
+
+    before = torch.get_num_threads()
+    for name in ("m.onnx", "m.ts"):
+        with pytest.raises(
+            ConfigError, match=f"threads must be a whole number >= 1.*got {threads}"
+        ):
+            load_predictor(tmp_path / name, threads=threads)
+    assert torch.get_num_threads() == before
+    with pytest.raises(RunError, match="not found"):
+        load_predictor(tmp_path / "m.ts", threads=before + 1)
+    assert torch.get_num_threads() == before  # a missing file changes nothing either

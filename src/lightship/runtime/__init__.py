@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightship.errors import RunError
+from lightship.errors import ConfigError, RunError
 from lightship.runtime.base import InputError, Predictor, physical_cores, softmax
 from lightship.runtime.ort import OrtPredictor
 
@@ -23,6 +23,10 @@ def load_predictor(
     """The predictor for an artifact, chosen by its file type. `split`: an ONNX model on CPU
     runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`)."""
     path = Path(path)
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ConfigError(
+            f"threads must be a whole number >= 1 (None: one per core), got {threads}"
+        )
     if path.suffix == ".onnx":
         return OrtPredictor(path, device=device, threads=threads, split=split)
     if path.suffix in TORCH_SUFFIXES:

@@ -79,9 +79,10 @@ def _read_meta(extra: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None) -> TorchPredictor:
     device = _device(device)
-    torch.set_num_threads(threads or physical_cores())
     if not path.is_file():
         raise RunError(f"{path} not found: {export_hint(path)}")
+    # torch has one intra-op pool per process: every torch model in it runs on this many
+    torch.set_num_threads(threads or physical_cores())
     try:
         if kind == "torchscript":
             extra = {META_FILE: ""}
