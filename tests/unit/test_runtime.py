@@ -583,3 +583,15 @@ def test_a_thread_count_below_one_is_refused_before_anything_changes(
     with pytest.raises(RunError, match="not found"):
         load_predictor(tmp_path / "m.ts", threads=before + 1)
     assert torch.get_num_threads() == before  # a missing file changes nothing either
+
+
+@pytest.mark.parametrize("device", ["gpu", "gpu0", "cuda0", "CPU", ""])
+def test_a_device_name_torch_does_not_take_is_refused_as_such(tmp_path: Path, device: str) -> None:
+    # "gpu0" on a .ts said "re-export it"; "gpu" on an .onnx, "install onnxruntime-gpu"
+    from lightship.errors import ConfigError
+    from lightship.runtime import load_predictor
+
+    for name in ("m.onnx", "m.ts"):
+        with pytest.raises(ConfigError) as err:
+            load_predictor(tmp_path / name, device=device)
+        assert str(err.value) == f"device must be cpu, cuda or cuda:N, got {device!r}"

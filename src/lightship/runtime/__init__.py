@@ -7,6 +7,7 @@ so a server of ONNX models never imports torch (torch predictors import it when 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from lightship.errors import ConfigError, RunError
@@ -17,12 +18,19 @@ TORCH_SUFFIXES = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "eager"}
 TORCH_KINDS = {"torchscript": "TorchScript", "pt2": "torch.export (.pt2)", "eager": "checkpoint"}
 
 
+# The devices a model is loaded on: the CPU, or a GPU by torch's names (serve's settings,
+# which import no runtime, check the same).
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
 def load_predictor(
     path: Path | str, device: str = "cpu", threads: int | None = None, split: bool = True
 ) -> Predictor:
     """The predictor for an artifact, chosen by its file type. `split`: an ONNX model on CPU
     runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`)."""
     path = Path(path)
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if threads is not None and (isinstance(threads, bool) or threads < 1):
         raise ConfigError(
             f"threads must be a whole number >= 1 (None: one per core), got {threads}"

@@ -52,7 +52,7 @@ from lightship.errors import ConfigError, LightshipError, RunError
 from lightship.quantize.isa import describe
 from lightship.report.measure import machine_cpu_s, time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
-from lightship.runtime import Predictor
+from lightship.runtime import DEVICE, Predictor
 from lightship.serve.model import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -867,7 +867,7 @@ def bench(
     labels = parse_choices(models, MODELS, "--models", ConfigError)
     if variant != "auto" and variant not in VARIANTS:
         raise ConfigError(f"unknown --variant '{variant}'; choose from auto, {', '.join(VARIANTS)}")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    if not DEVICE.fullmatch(device):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if shutil.which("wrk") is None:
         raise LightshipError(f"wrk not found: {WRK_HINT}")
