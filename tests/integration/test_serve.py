@@ -720,6 +720,47 @@ def test_a_model_that_fails_its_warm_up_stops_the_server_with_one_line(
     assert "Traceback" not in r.stderr
 
 
+SERVE_FROM_PYTHON = """
+import asyncio, os, signal, sys, threading
+from pathlib import Path
+from lightship.errors import ConfigError
+from lightship.serve.app import serve
+from lightship.serve.settings import ServeSettings
+
+settings = ServeSettings(run=Path(sys.argv[1]), port=0)
+
+async def in_a_loop():  # a notebook's cell
+    try:
+        serve(settings)
+    except ConfigError as exc:
+        print("refused:", exc)
+
+asyncio.run(in_a_loop())
+before = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval())
+threading.Timer(5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+serve(settings)
+print("restored:", (signal.getsignal(signal.SIGTERM), sys.getswitchinterval()) == before)
+"""
+
+
+def test_serve_called_from_python_leaves_the_process_as_it_found_it(hand_model: Path) -> None:
+    # it left SIGTERM a no-op (kill and docker stop no longer stopped the process) and the GIL
+    # switch interval at 1 ms; in a running loop it failed with asyncio's RuntimeError
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_FROM_PYTHON, str(hand_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "refused: serve() runs its own event loop and this thread is in one (a notebook's): "
+        "call it from a thread of its own or a script, or run `lightship serve`",
+        "restored: True",
+    ]
+
+
 def test_int8_made_for_another_cpu_is_refused_unless_told_to_warn(
     hand_model: Path, tmp_path: Path
 ) -> None:

@@ -1251,9 +1251,19 @@ class _ImageForm(MultiPartParser):
 
 
 def serve(settings: ServeSettings) -> None:
-    """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT."""
+    """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT. Called from
+    Python, it leaves the process's SIGTERM handler and GIL switch interval as they were."""
     from lightship.serve.model import choose, verify
 
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # none: uvicorn runs its own
+    else:
+        raise ConfigError(
+            "serve() runs its own event loop and this thread is in one (a notebook's): call it "
+            "from a thread of its own or a script, or run `lightship serve`"
+        )
     sock = _listen(settings.host, settings.port)  # a taken port fails before the model loads
     served = choose(settings)
     verify(served, settings.isa_check)
@@ -1282,28 +1292,33 @@ def serve(settings: ServeSettings) -> None:
     # --exit-on-error does, not a process up forever with liveness 503 (`lightship serve` in a
     # shell would never return; an orchestrator restarts it either way).
     service.on_failed = server.stop_failed
+    switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # uvicorn re-raises SIGTERM after its graceful shutdown, so that the previous handler runs:
     # by default, death by signal (status 143). A drained server has done its job: make the
     # previous handler a no-op, and the process exits 0.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
-    log.info(
-        "CPU: %s, this CPU's int8 target %s; %d cores for this process",
-        cpu.describe(),
-        cpu.target,
-        cores,
-    )
-    log.info(
-        "serving '%s' (%s%s: %s; %s) at %s  (docs at /docs)",
-        served.name,
-        served.variant,
-        f", {served.chosen_by}" if served.chosen_by else "",
-        served.path,
-        _count(settings.instances, "instance") + " x " + _count(threads, "thread"),
-        _url(settings.host, sock.getsockname()[1]),
-    )
-    server.run(sockets=[sock])
+    on_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
+        log.info(
+            "CPU: %s, this CPU's int8 target %s; %d cores for this process",
+            cpu.describe(),
+            cpu.target,
+            cores,
+        )
+        log.info(
+            "serving '%s' (%s%s: %s; %s) at %s  (docs at /docs)",
+            served.name,
+            served.variant,
+            f", {served.chosen_by}" if served.chosen_by else "",
+            served.path,
+            _count(settings.instances, "instance") + " x " + _count(threads, "thread"),
+            _url(settings.host, sock.getsockname()[1]),
+        )
+        server.run(sockets=[sock])
+    finally:  # the SIGTERM uvicorn re-raised has met the no-op by now
+        signal.signal(signal.SIGTERM, on_sigterm)
+        sys.setswitchinterval(switch_interval)
     if service.failed is not None:
         other = "another model file" if served.variant == "file" else "another --variant"
         raise RunError(
