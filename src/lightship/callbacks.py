@@ -10,6 +10,7 @@ import functools
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,14 @@ def fit_trainer(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
     one-line ConfigError instead of a traceback.
     """
     try:
-        trainer.fit(*args, **kwargs)
+        with warnings.catch_warnings():  # for this fit only: not a user's own Trainers
+            # Images live in RAM as uint8 tensors: worker processes only add IPC (see
+            # `lightship bench train`).
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            # checkpoints/ keeps a run's earlier checkpoints on purpose: a resumed run continues
+            # from them, and a retrained one keeps them until its own first checkpoint is written.
+            warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
+            trainer.fit(*args, **kwargs)
     except SystemExit:
         if trainer.interrupted:
             raise KeyboardInterrupt from None

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1033,9 +1034,14 @@ def test_fit_from_python_leaves_torchs_modes_as_it_found_them(
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cfg = load_config(TINY, ["trainer.max_epochs=1", "trainer.deterministic=true"])
-    with torch.no_grad():
+    # importing lightship.train silenced two Lightning warnings for every Trainer
+    assert not [f for f in warnings.filters if f[1] is not None and "workers" in f[1].pattern]
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fit(cfg, tmp_path / "run")
         assert not torch.is_grad_enabled()
+    # the two Lightning warnings lightship's own fit has no use for stay out of it
+    assert not [w for w in caught if "many workers" in str(w.message)]
     assert not torch.are_deterministic_algorithms_enabled()
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     assert (tmp_path / "run" / "best.ckpt").is_file()

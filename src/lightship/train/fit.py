@@ -11,7 +11,6 @@ import shlex
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -67,12 +66,6 @@ from lightship.runs import (
 from lightship.train.module import LitClassifier
 
 log = logging.getLogger(__name__)
-
-# Images live in RAM as uint8 tensors: worker processes only add IPC (see `lightship bench train`).
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-# checkpoints/ keeps a run's earlier checkpoints on purpose: a resumed run continues from them,
-# and a retrained one keeps them until its own first checkpoint is written.
-warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
 
 
 def _input_spec(cfg: Config, mean: list[float], std: list[float]) -> dict[str, Any]:
