@@ -42,7 +42,7 @@ from lightship.config import (
     without_unread_path,
 )
 from lightship.data.module import ImageDataModule, drops_last, spec_from_config
-from lightship.errors import ConfigError, DataError, LightshipError, RunError
+from lightship.errors import ConfigError, DataError, LightshipError, RunError, first_line
 from lightship.models.checkpoint import (
     load_checkpoint,
     model_state,
@@ -352,7 +352,7 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
                 with torch.no_grad():
                     out = probe(x)
             except Exception as exc:  # any failure of user code: its message, on one line
-                reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+                reason = first_line(exc) or type(exc).__name__
                 raise ConfigError(
                     f"{what} fails on a [{n}, {channels}, {size}, {size}] input{mode}: "
                     f"{type(exc).__name__}: {reason}; fix the model, model.kwargs or "
