@@ -43,6 +43,12 @@ def config_from_spec(spec: DataSpec) -> DataConfig:
     )
 
 
+def process_share(images: int, processes: int) -> int:
+    """The training images each of `processes` reads an epoch: under DDP, DistributedSampler
+    pads the data set to a multiple of the processes."""
+    return math.ceil(images / processes)
+
+
 def drops_last(images: int, batch_size: int) -> bool:
     """Whether an epoch of `images` leaves out its last batch: only when that batch would
     hold one image, on which BatchNorm cannot compute a batch statistic in training mode (a
@@ -87,9 +93,8 @@ class ImageDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         s = self.splits
-        # each process's share under DDP, as DistributedSampler pads it (`train.fit`'s count)
         processes = self.trainer.world_size if self.trainer is not None else 1
-        share = math.ceil(len(s.train_y) / processes)
+        share = process_share(len(s.train_y), processes)  # as `train.fit` counts its batches
         return self._loader(
             tensors(s.train_x, s.train_y),
             self.cfg.batch_size,

@@ -41,7 +41,7 @@ from lightship.config import (
     revalidated,
     without_unread_path,
 )
-from lightship.data.module import ImageDataModule, drops_last, spec_from_config
+from lightship.data.module import ImageDataModule, drops_last, process_share, spec_from_config
 from lightship.errors import ConfigError, DataError, LightshipError, RunError, first_line
 from lightship.models.checkpoint import (
     load_checkpoint,
@@ -417,7 +417,7 @@ def _train_batches(cfg: Config, images: int, processes: int = 1) -> int:
     """Training batches an epoch in each of `processes` (Lightning's count): under DDP each
     reads its share of the images, ceil(images / processes) as DistributedSampler pads them,
     less a last batch of one image (`drops_last`)."""
-    share, size = math.ceil(images / processes), cfg.data.batch_size
+    share, size = process_share(images, processes), cfg.data.batch_size
     batches = share // size if drops_last(share, size) else math.ceil(share / size)
     limit = cfg.trainer.limit_train_batches
     if isinstance(limit, float):
