@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import shutil
 import subprocess
@@ -741,3 +742,22 @@ def test_quantize_refuses_a_model_of_another_shape_recorded_as_the_runs(
         f"are [N,1,16,16]): re-run `lightship export --run {run} --formats onnx`"
     )
     assert "onnx-int8-dynamic" not in entries(run) and not list(run.glob(".quantize.*"))
+
+
+def test_quantizing_for_a_cpu_that_computes_it_differently_is_warned_of(
+    exported_run: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--target vnni` on a CPU without VNNI: the accuracies the gate judges are this CPU's
+    saturated ones, said once before quantizing (its candidates' loads say nothing more)."""
+    from lightship.quantize import isa
+
+    avx2 = isa.CpuInfo("test AVX2 CPU", "x86_64", frozenset({"avx2"}))
+    monkeypatch.setattr(isa, "host_cpu", lambda: avx2)
+    caplog.set_level(logging.WARNING)
+    for target in ("avx2", "vnni"):
+        Quantizer(RunDir(exported_run), target, QuantizeSettings()).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "quantizing for vnni on test AVX2 CPU (x86_64; avx2), which computes such a model "
+        "differently: the accuracies quantize gates on and the speeds it measures are this "
+        "CPU's, not those of the machine it is for"
+    ]

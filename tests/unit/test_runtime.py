@@ -595,3 +595,35 @@ def test_a_device_name_torch_does_not_take_is_refused_as_such(tmp_path: Path, de
         with pytest.raises(ConfigError) as err:
             load_predictor(tmp_path / name, device=device)
         assert str(err.value) == f"device must be cpu, cuda or cuda:N, got {device!r}"
+
+
+def test_an_int8_model_made_for_another_cpu_is_warned_of_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`load_predictor` says what the server refuses: full-range int8 weights (quantized for
+    VNNI) on a CPU without VNNI, whose int16 sums saturate. Once a file: the report loads a
+    model twice. The server passes isa_check=False, having checked by its own policy."""
+    from lightship.quantize import isa
+
+    avx2 = isa.CpuInfo("test AVX2 CPU", "x86_64", frozenset({"avx2"}))
+    vnni = isa.CpuInfo("test VNNI CPU", "x86_64", frozenset({"avx2", "avx512_vnni"}))
+    made_for_vnni = handmade_onnx(tmp_path / "vnni.onnx")
+    model = onnx.load(str(made_for_vnni))
+    model.metadata_props.add(key="lightship.target", value="vnni")
+    onnx.save(model, str(made_for_vnni))
+    caplog.set_level(logging.WARNING, logger="lightship.runtime.ort")
+    monkeypatch.setattr(isa, "host_cpu", lambda: vnni)
+    load_predictor(made_for_vnni)  # the CPU it was made for
+    assert caplog.records == []
+    monkeypatch.setattr(isa, "host_cpu", lambda: avx2)
+    load_predictor(made_for_vnni, isa_check=False)
+    assert caplog.records == []
+    for _ in range(2):
+        load_predictor(made_for_vnni, split=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{made_for_vnni}: model was quantized for vnni (full-range int8 weights) but this CPU "
+        "has no VNNI: int16 accumulation saturates and answers drift; re-quantize with "
+        "`lightship quantize --target avx2` (or auto on this machine)"
+    ]
+    load_predictor(handmade_onnx(tmp_path / "fp32.onnx"))  # no target: runs anywhere
+    assert len(caplog.records) == 1

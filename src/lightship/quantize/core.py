@@ -289,8 +289,13 @@ def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[fl
     """Accuracy and logits on `x` run exactly as the report runs them (`evaluate.logits`): a
     dynamic int8 model scales its activations per run, so its accuracy moves with the rows
     each run gets, and the figure recorded here must be the one the report shows. A path is
-    loaded unsplit (`split=False`): `logits` would load it again otherwise."""
-    predictor = model if isinstance(model, Predictor) else load_predictor(model, split=False)
+    loaded unsplit (`split=False`): `logits` would load it again otherwise; without the ISA
+    warning, which `Quantizer` gives once for all its models."""
+    predictor = (
+        model
+        if isinstance(model, Predictor)
+        else load_predictor(model, split=False, isa_check=False)
+    )
     out = logits(predictor, x)
     return float(np.mean(out.argmax(1) == y)), out
 
@@ -359,6 +364,14 @@ class Quantizer:
         # before its work folder goes into the run: a read-only run is this one line
         check_writable(run.manifest_path)
         self.cpu = isa.host_cpu()
+        if isa.compatibility(self.target, self.cpu) is not None:
+            log.warning(
+                "quantizing for %s on %s, which computes such a model differently: the "
+                "accuracies quantize gates on and the speeds it measures are this CPU's, not "
+                "those of the machine it is for",
+                self.target,
+                self.cpu.describe(),
+            )
         self.splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
         spec = entry.get("input_spec")
         self.input_name = str(spec.get("name", "input") if isinstance(spec, dict) else "input")
@@ -547,10 +560,10 @@ class Quantizer:
         self._static(candidate, self.scheme, [*exclude, *island])
         # timed as it would be served: with the metadata that keeps its fp32 pool fast
         ptq.copy_metadata(self.fp32, candidate, {DISABLED_OPTIMIZERS: "QDQPropagationTransformer"})
-        model = load_predictor(candidate)
+        model = load_predictor(candidate, isa_check=False)
         cand_acc = self._val_accuracy(model)
         before, after = self._time_candidate(
-            "first conv in fp32", load_predictor(current), model, latency=False
+            "first conv in fp32", load_predictor(current, isa_check=False), model, latency=False
         )
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
@@ -632,11 +645,14 @@ class Quantizer:
             candidate.unlink()
             return None
         ptq.copy_metadata(current, candidate, {SPIN_IN_RUN: "1"})
-        routed_model = load_predictor(candidate)
+        routed_model = load_predictor(candidate, isa_check=False)
         assert isinstance(routed_model, OrtPredictor)  # an .onnx file
         short_threads = routed_model.short_batch_threads
         direct, gemm = self._time_candidate(
-            "deep convs on ORT's GEMM", load_predictor(current), routed_model, latency=True
+            "deep convs on ORT's GEMM",
+            load_predictor(current, isa_check=False),
+            routed_model,
+            latency=True,
         )
         run_ms, gemm_ms = direct.summary()["p50"], gemm.summary()["p50"]
         cand_acc = self._val_accuracy(routed_model)

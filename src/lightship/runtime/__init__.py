@@ -24,10 +24,16 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def load_predictor(
-    path: Path | str, device: str = "cpu", threads: int | None = None, split: bool = True
+    path: Path | str,
+    device: str = "cpu",
+    threads: int | None = None,
+    split: bool = True,
+    isa_check: bool = True,
 ) -> Predictor:
     """The predictor for an artifact, chosen by its file type. `split`: an ONNX model on CPU
-    runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`)."""
+    runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`).
+    `isa_check`: warn when an int8 ONNX model was quantized for a CPU that computes it
+    differently from this one (its answers here drift)."""
     path = Path(path)
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
@@ -36,7 +42,7 @@ def load_predictor(
             f"threads must be a whole number >= 1 (None: one per core), got {threads}"
         )
     if path.suffix == ".onnx":
-        return OrtPredictor(path, device=device, threads=threads, split=split)
+        return OrtPredictor(path, device=device, threads=threads, split=split, isa_check=isa_check)
     if path.suffix in TORCH_SUFFIXES:
         kind = TORCH_SUFFIXES[path.suffix]
         try:

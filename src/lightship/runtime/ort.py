@@ -16,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 
 from lightship.errors import RunError
+from lightship.quantize.isa import compatibility
 from lightship.runs import export_hint
 from lightship.runtime.base import (
     LoadError,
@@ -190,6 +191,21 @@ def _varint(buf: mmap.mmap, pos: int) -> tuple[int, int]:
     raise ValueError("varint over 64 bits")
 
 
+# Int8 files already warned of, by resolved path: report and evaluation load a file more than once.
+_WARNED_ISA: set[Path] = set()
+
+
+def _warn_if_made_for_another_cpu(path: Path, made_for: str | None) -> None:
+    """A warning, once per file, when an int8 model's metadata says it was quantized for a CPU
+    that computes it differently from this one (`isa.compatibility`): its answers here drift.
+    The server checks this itself, by its `--isa-check` policy, before it loads anything."""
+    problem = compatibility(made_for) if made_for else None
+    if problem is None or path.resolve() in _WARNED_ISA:
+        return
+    _WARNED_ISA.add(path.resolve())
+    log.warning("%s: %s", path, problem)
+
+
 def _load_error(path: Path, exc: Exception) -> LoadError:
     return LoadError(
         path,
@@ -306,6 +322,8 @@ class OrtPredictor(Predictor):
     of the digits CNN 1.10x as fast as one two-thread session. Shorter batches run on whichever
     of the multi-threaded session and one lane was faster at batch 1 when the model loaded.
     The lanes hold a second copy of the model in memory; `split=False` keeps one session.
+    `isa_check`: warn when an int8 model was quantized for a CPU that computes it differently
+    (full-range weights on a CPU without VNNI), as the server refuses it.
     """
 
     kind = "onnxruntime"
@@ -317,6 +335,7 @@ class OrtPredictor(Predictor):
         threads: int | None = None,
         spinning: bool = False,
         split: bool = True,
+        isa_check: bool = True,
     ) -> None:
         self.path = Path(path)
         self.device = device
@@ -331,7 +350,10 @@ class OrtPredictor(Predictor):
         self.input_name = inp.name
         self.output_name = out.name
         self.input_dtype = _ORT_DTYPES[inp.type]
-        labels, spec = read_metadata(self.session.get_modelmeta().custom_metadata_map, self.path)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if isa_check and device == "cpu":
+            _warn_if_made_for_another_cpu(self.path, meta.get(TARGET))
+        labels, spec = read_metadata(meta, self.path)
         if spec is None:  # a foreign ONNX file: take what the graph says
             dims = [d if isinstance(d, int) else "batch" for d in inp.shape]
             spec = {"name": inp.name, "dtype": "uint8", "shape": dims, "layout": "NCHW"}

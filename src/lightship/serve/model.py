@@ -60,7 +60,10 @@ class ServedModel:
     def load(
         self, device: str = "cpu", threads: int | None = None, split: bool = True
     ) -> Predictor:
-        predictor = load_predictor(self.path, device=device, threads=threads, split=split)
+        # `verify` checked the CPU it was quantized for, by the --isa-check policy
+        predictor = load_predictor(
+            self.path, device=device, threads=threads, split=split, isa_check=False
+        )
         log.info(
             "loaded %s (%s) from %s on %s%s",
             self.name,
