@@ -740,6 +740,30 @@ before = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval())
 threading.Timer(5, os.kill, (os.getpid(), signal.SIGTERM)).start()
 serve(settings)
 print("restored:", (signal.getsignal(signal.SIGTERM), sys.getswitchinterval()) == before)
+
+import socket, time, urllib.request
+with socket.socket() as s:  # a free port, to ask the threaded server on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+failed = []
+def in_a_thread():  # as the refusal above advises
+    try:
+        serve(ServeSettings(run=Path(sys.argv[1]), port=port))
+    except BaseException as exc:
+        failed.append(repr(exc))
+threading.Thread(target=in_a_thread, daemon=True).start()
+for _ in range(600):
+    if failed:
+        break
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready") as r:
+            print("from a thread:", r.status)
+            break
+    except OSError:
+        time.sleep(0.1)
+print("failed:", failed)
+sys.stdout.flush()
+os._exit(0)  # the threaded server serves until the process ends
 """
 
 
@@ -758,6 +782,8 @@ def test_serve_called_from_python_leaves_the_process_as_it_found_it(hand_model: 
         "refused: serve() runs its own event loop and this thread is in one (a notebook's): "
         "call it from a thread of its own or a script, or run `lightship serve`",
         "restored: True",
+        "from a thread: 200",  # only the main thread can take signals: it failed there
+        "failed: []",
     ]
 
 

@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
@@ -1253,8 +1254,6 @@ class _ImageForm(MultiPartParser):
 def serve(settings: ServeSettings) -> None:
     """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT. Called from
     Python, it leaves the process's SIGTERM handler and GIL switch interval as they were."""
-    from lightship.serve.model import choose, verify
-
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -1265,6 +1264,24 @@ def serve(settings: ServeSettings) -> None:
             "from a thread of its own or a script, or run `lightship serve`"
         )
     sock = _listen(settings.host, settings.port)  # a taken port fails before the model loads
+    try:
+        service, served = _serve_on(sock, settings)
+    finally:  # uvicorn closed it, unless the model failed to load first
+        sock.close()
+    if service.failed is not None:
+        other = "another model file" if served.variant == "file" else "another --variant"
+        raise RunError(
+            f"{service.failed}; the server stopped: serve {other}, or export or quantize this "
+            "one again"
+        )
+
+
+def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, ServedModel]:
+    """`serve`'s work once its socket listens: the model chosen, checked and loaded, then
+    uvicorn until SIGTERM/SIGINT (from a thread other than the main one, until the process
+    ends: only the main thread can take signals)."""
+    from lightship.serve.model import choose, verify
+
     served = choose(settings)
     verify(served, settings.isa_check)
     cores = physical_cores()
@@ -1293,12 +1310,14 @@ def serve(settings: ServeSettings) -> None:
     # shell would never return; an orchestrator restarts it either way).
     service.on_failed = server.stop_failed
     switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # uvicorn re-raises SIGTERM after its graceful shutdown, so that the previous handler runs:
     # by default, death by signal (status 143). A drained server has done its job: make the
-    # previous handler a no-op, and the process exits 0.
-    on_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # previous handler a no-op, and the process exits 0. Only the main thread takes signals
+    # (uvicorn handles none in another).
+    main = threading.current_thread() is threading.main_thread()
+    on_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
     try:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
         log.info(
             "CPU: %s, this CPU's int8 target %s; %d cores for this process",
@@ -1317,14 +1336,10 @@ def serve(settings: ServeSettings) -> None:
         )
         server.run(sockets=[sock])
     finally:  # the SIGTERM uvicorn re-raised has met the no-op by now
-        signal.signal(signal.SIGTERM, on_sigterm)
+        if main:
+            signal.signal(signal.SIGTERM, on_sigterm)
         sys.setswitchinterval(switch_interval)
-    if service.failed is not None:
-        other = "another model file" if served.variant == "file" else "another --variant"
-        raise RunError(
-            f"{service.failed}; the server stopped: serve {other}, or export or quantize this "
-            "one again"
-        )
+    return service, served
 
 
 def _count(n: int, noun: str) -> str:
