@@ -1231,11 +1231,17 @@ def test_a_request_cancelled_while_its_body_arrives_is_not_a_body_timeout(tmp_pa
     assert metric(text, 'lightship_rejections_total{reason="body_timeout"}') == 0
 
 
-def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path: Path) -> None:
+@pytest.mark.parametrize("by", ["header", "parameter"])
+def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(
+    tmp_path: Path, by: str
+) -> None:
+    """The client's 0.6 s, as x-request-timeout-ms or V2's parameters.timeout (which counted
+    from the end of the body)."""
     app, gate = make_app(tmp_path, gate=True)
     assert gate is not None
     gate.open.set()
-    body = json.dumps(v2_json(X)).encode()
+    extra: dict[str, Any] = {"parameters": {"timeout": 600_000}} if by == "parameter" else {}
+    body = json.dumps(v2_json(X, **extra)).encode()
     sent: list[Message] = []
 
     async def main() -> float:
@@ -1255,7 +1261,8 @@ def test_the_deadline_counts_from_arrival_not_from_the_end_of_the_body(tmp_path:
             async def send(message: Message) -> None:
                 sent.append(message)
 
-            scope = post_scope(INFER, "application/json", len(body), timeout_ms=600)
+            timeout_ms = 600 if by == "header" else None
+            scope = post_scope(INFER, "application/json", len(body), timeout_ms=timeout_ms)
             started = time.monotonic()
             await asyncio.wait_for(app(scope, receive, send), 5)
             answered = time.monotonic() - started

@@ -255,8 +255,8 @@ class Service:
                 f"and a point: 250, 1.5), got {head.bad_timeout!r}"
             )
         deadline = head.deadline
-        if requested_s is not None:
-            deadline = min(deadline, now + requested_s)
+        if requested_s is not None:  # from arrival too, as the header's: `deadline - timeout_s`
+            deadline = min(deadline, head.deadline - head.timeout_s + requested_s)
         # What is left of it: reading and parsing the body took some (<= 0: already passed).
         return deadline - now
 
