@@ -449,7 +449,7 @@ def test_a_dead_worker_fails_its_batch_and_the_queue_and_refuses_new_requests() 
 
     async def main() -> None:
         b = await started(dying, max_batch_rows=2, max_wait_ms=0, observer=recorder)
-        assert b.alive and b.failure is None
+        assert b.failure is None
         first = b.submit(rows(1), 60)
         await asyncio.to_thread(model.entered.wait, 10)
         queued = [b.submit(rows(i), 60) for i in (2, 3, 4)]
@@ -459,7 +459,7 @@ def test_a_dead_worker_fails_its_batch_and_the_queue_and_refuses_new_requests() 
             with pytest.raises(WorkerDied) as info:
                 await asyncio.wait_for(ticket.future, 5)
             assert str(info.value) == message
-        assert not b.alive and b.failure == message and b.queued_rows == 0
+        assert b.failure == message and b.queued_rows == 0
         with pytest.raises(WorkerDied, match=re.escape(message)):
             b.submit(rows(5), 60)
         await b.aclose()
@@ -480,7 +480,7 @@ def test_an_error_outside_the_model_call_kills_the_worker_and_stops_its_peers() 
         )
         with pytest.raises(WorkerDied, match=re.escape("(RuntimeError: observer broke)")):
             await asyncio.wait_for(b.infer(rows(1), 60), 5)
-        assert not b.alive
+        assert b.failure is not None
         await asyncio.wait_for(b.aclose(), 5)
         assert len(b._threads) == 2 and all(not t.is_alive() for t in b._threads)
 

@@ -105,7 +105,3 @@ class ImageDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader[Any]:
         s = self.splits
         return self._loader(tensors(s.val_x, s.val_y), self.cfg.eval_batch_size, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        s = self.splits
-        return self._loader(tensors(s.test_x, s.test_y), self.cfg.eval_batch_size, shuffle=False)

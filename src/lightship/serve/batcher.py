@@ -171,8 +171,8 @@ class Batcher:
         self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
-        self.failure: str | None = None  # why a worker died; None while they all run
-        # For tests and logs: how often the worker woke up, and what it dropped unrun.
+        self.failure: str | None = None  # why a worker died (then `WorkerDied`); None: all run
+        # For tests: how often the worker woke up, and what it dropped unrun.
         self.wakeups = 0
         self.dropped_rows = 0
 
@@ -192,11 +192,6 @@ class Batcher:
     @property
     def queued_rows(self) -> int:
         return self._rows
-
-    @property
-    def alive(self) -> bool:
-        """False once a worker died: requests are refused with `WorkerDied`."""
-        return self.failure is None
 
     def submit(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> Ticket:
         """Queue `x` (rows first) with a deadline `timeout_s` from now; on the event loop.
@@ -238,7 +233,8 @@ class Batcher:
         return Ticket(self, item)
 
     async def infer(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> np.ndarray:
-        """Submit and await; raises QueueFull, DeadlineExceeded, Closed, InferenceFailed."""
+        """Submit and await; raises TooManyRows, QueueFull, DeadlineExceeded, Closed (and its
+        WorkerDied), InferenceFailed."""
         return await self.submit(x, timeout_s, wait).future
 
     def drain(self) -> None:

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Seconds, 1-2.5-5 steps from 50 µs to 10 s (the default deadline): a request that never
 # reaches a model takes ~50 µs, the digits model computes a batch in ~0.4 ms, ResNet-18 a batch
-# of 64 in hundreds; 17 buckets (Prometheus' default has 11, from 5 ms).
+# of 64 in hundreds; 17 buckets (Prometheus' default has 14, from 5 ms).
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1, 2.5, 5, 10,

@@ -60,7 +60,6 @@ class LitClassifier(pl.LightningModule):
         num_classes = len(labels)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -84,11 +83,6 @@ class LitClassifier(pl.LightningModule):
         self.val_acc(logits, y)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.test_acc(self(x), y)
-        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self) -> Any:
         o = self.hparams["optim"]
