@@ -59,7 +59,7 @@ class Artifact:
 
 
 def parse_formats(formats: Sequence[str] | str | None) -> list[str]:
-    return parse_choices(formats, FORMATS, "export format", RunError)
+    return parse_choices(formats, FORMATS, "export format", ConfigError)
 
 
 def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
