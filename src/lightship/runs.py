@@ -536,7 +536,8 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
     it, this deletes what a stage killed outright left in the run (`sweep_temporaries`): the
     one moment no live stage can be writing there. Not locked where the lock file cannot be
     made (no run directory, a read-only one): reading needs no lock, and a writing stage's own
-    checks say what is wrong."""
+    checks say what is wrong. A KeyboardInterrupt out of the stage carries its
+    `note_interrupt` (what is kept, how to go on) as a note, for a caller in Python."""
     key = root.resolve()
     holder = _locked.get(key)
     if holder is not None and holder[0] != threading.get_ident():
@@ -553,6 +554,7 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         yield
         return
     _locked[key] = (threading.get_ident(), command)
+    _interrupt_note.clear()  # an earlier stage's, in this process (Python's, a notebook's)
     try:
         with contextlib.suppress(OSError):  # best effort: only the busy message reads it
             os.ftruncate(fd, 0)
@@ -560,6 +562,12 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
         with contextlib.suppress(OSError):  # best effort: a leftover only takes room
             sweep_temporaries(root)
         yield
+    except KeyboardInterrupt as exc:
+        # Called from Python, the stage's note (what is kept, how to resume) is the last line
+        # of the traceback; the CLI prints it as its own last line instead.
+        if _interrupt_note:
+            exc.add_note(interrupt_message())
+        raise
     finally:
         with contextlib.suppress(OSError):
             if [p.name for p in root.iterdir()] == [LOCK_FILE]:

@@ -874,3 +874,22 @@ def test_the_stages_take_a_run_as_its_path_too(tmp_path: Path) -> None:
             with pytest.raises(RunError, match=str(missing)):
                 stage(given)
     assert not missing.exists()
+
+
+def test_ctrl_c_out_of_a_stage_called_from_python_carries_how_to_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI prints a stage's note as its last line; called from Python (a notebook), the
+    KeyboardInterrupt's traceback ends with it. A note left by an earlier stage of the same
+    process is not the next one's."""
+    monkeypatch.setattr(runs, "_interrupt_note", [])
+    with pytest.raises(KeyboardInterrupt) as stopped, lock_run(tmp_path, "lightship train"):
+        runs.note_interrupt("resume with `lightship train --run x --resume`")
+        raise KeyboardInterrupt
+    assert stopped.value.__notes__ == [
+        "interrupted: resume with `lightship train --run x --resume`"
+    ]
+    with pytest.raises(KeyboardInterrupt) as stopped, lock_run(tmp_path, "lightship export"):
+        raise KeyboardInterrupt  # stopped before it knew what to say
+    assert not hasattr(stopped.value, "__notes__")
+    assert interrupt_message() == "interrupted"

@@ -297,3 +297,34 @@ def test_fit_called_from_python_puts_back_what_a_killed_training_set_aside(
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
     assert not stash.exists()
     assert "put back the checkpoints and config.yaml" in capsys.readouterr().out
+
+
+def test_ctrl_c_in_fit_called_from_python_ends_its_traceback_with_how_to_resume(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signal_handlers: None
+) -> None:
+    # the CLI's last line said it; from Python (a notebook) the KeyboardInterrupt said nothing
+    from lightship.config import load_config
+
+    fit = importlib.import_module("lightship.train.fit")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+
+    def stopped(*_: object, **__: object) -> float:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "_interrupt_note", [])
+    cfg = load_config(Path(TINY), ["trainer.max_epochs=1", "optim.lr=0.001"])
+    with monkeypatch.context() as m:
+        m.setattr(fit, "fit_trainer", stopped)  # before its first checkpoint
+        with pytest.raises(KeyboardInterrupt) as err:
+            fit.fit(cfg, RunDir(run))
+    assert err.value.__notes__ == [
+        f"interrupted: {run} is as it was (no checkpoint was written yet)"
+    ]
+    monkeypatch.setattr(fit, "evaluate", stopped)  # trained: last.ckpt is written
+    with pytest.raises(KeyboardInterrupt) as err:
+        fit.fit(cfg, RunDir(run))
+    assert err.value.__notes__ == [
+        f"interrupted: the training finished; resume with {RunDir(run).train_command()} to "
+        "evaluate it and write best.ckpt"
+    ]

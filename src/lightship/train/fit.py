@@ -746,6 +746,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     train_seconds = time.perf_counter() - started
     if not trainer.is_global_zero:
         return run  # DDP workers stop here; rank 0 writes best.ckpt and the manifest
+    # Stopped from here on (evaluating, copying best.ckpt), the epochs are done: resuming
+    # trains none again and writes best.ckpt
+    note_interrupt(
+        f"the training finished; resume with {run.train_command(env=pythonpath)} to evaluate "
+        "it and write best.ckpt"
+    )
 
     best = _own_best(run, checkpoint.best_model_path)
     if not best.is_file():
