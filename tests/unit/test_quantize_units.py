@@ -859,3 +859,28 @@ def test_repeated_options_keep_every_digit_given() -> None:
     assert flags == ["--gate", "0.995", "--qat-epochs", "5", "--qat-lr", "0.0001234567"]
     given = dict(zip(flags[::2], flags[1::2], strict=True))
     assert float(given["--qat-lr"]) == settings.qat_lr and float(given["--gate"]) == 0.995
+
+
+def test_qat_from_python_imports_torchao_without_its_cuda_noise() -> None:
+    """torchao's import logs "Failed to load .../_C_mxfp8...so" on a CPU-only install: the CLI
+    muted it, a script calling quantize() printed it. Each import in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def python(code: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    if "Failed to load" not in python("import torchao.quantization.pt2e").stderr:
+        pytest.skip("this torchao install loads its kernels: nothing to mute")
+    proc = python(
+        "import logging; from lightship.quantize import core; core._import_qat(); "
+        "print(logging.getLogger('torchao').level, end='')"
+    )
+    assert proc.stderr == ""
+    assert proc.stdout == "0"  # the caller's logging as it was

@@ -51,7 +51,7 @@ from lightship.runs import (
     then_held,
 )
 from lightship.runtime import Predictor, load_predictor
-from lightship.runtime.base import LoadError
+from lightship.runtime.base import LoadError, quiet_loggers
 from lightship.runtime.ort import (
     DISABLED_OPTIMIZERS,
     SPIN_IN_RUN,
@@ -298,6 +298,15 @@ def _accuracy(model: Path | Predictor, x: np.ndarray, y: np.ndarray) -> tuple[fl
     )
     out = logits(predictor, x)
     return float(np.mean(out.argmax(1) == y)), out
+
+
+def _import_qat() -> Callable[..., dict[str, Any]]:
+    """`qat.quantize_aware_train`, imported on first use (torch, torchao). torchao logs on import
+    that its CUDA kernels (`_C_mxfp8...so`) do not load, and torch a deprecation of torchao's:
+    muted for a caller in Python too, as the CLI mutes them."""
+    with quiet_loggers("torchao", "torch.utils._pytree", level=logging.ERROR):
+        from lightship.quantize.qat import quantize_aware_train
+    return quantize_aware_train
 
 
 def _check_qat_can_load(run: RunDir, checkpoint: dict[str, Any]) -> None:
@@ -721,7 +730,7 @@ class Quantizer:
         return Variant("dynamic", final, acc, self._gate(acc), entry)
 
     def qat(self) -> Variant:
-        from lightship.quantize.qat import quantize_aware_train
+        quantize_aware_train = _import_qat()
 
         s = self.settings
         final = self.run.quantize_dir / FILENAMES["qat"]

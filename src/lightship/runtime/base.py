@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,21 @@ from lightship.errors import RunError, first_line
 META_LABELS = "lightship.labels"
 META_INPUT_SPEC = "lightship.input_spec"
 META_FILE = "lightship.json"
+
+
+@contextmanager
+def quiet_loggers(*names: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """The loggers `names` let through only `level` and above for a moment, then as before:
+    a library's noise around one call, without changing a caller's logging for good."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, before in zip(loggers, levels, strict=True):
+            logger.setLevel(before)
 
 
 def read_metadata(

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from lightship.runtime.base import (
     LoadError,
     Predictor,
     physical_cores,
+    quiet_loggers,
     read_metadata,
 )
 
@@ -51,19 +49,6 @@ def _device(device: str) -> str:
     return device
 
 
-@contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    """Mute a logger for a moment: torch.export logs a long warning traceback for a corrupt
-    .pt2 before raising, which would bury the one-line error we print for it."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _read_meta(extra: dict[str, Any], path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(extra.get(META_FILE) or "{}")
@@ -91,7 +76,9 @@ def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None)
             meta = _read_meta(extra, path)
         elif kind == "pt2":
             extra = {META_FILE: ""}
-            with _quiet("torch.export"):
+            # torch.export logs a long warning traceback for a corrupt .pt2 before raising,
+            # which would bury the one-line error we print for it
+            with quiet_loggers("torch.export"):
                 program = torch.export.load(str(path), extra_files=extra)
             module = program.module().to(device)
             meta = _read_meta(extra, path)
