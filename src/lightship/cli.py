@@ -264,7 +264,13 @@ def report(
         int, typer.Option(help="interleaved timing rounds (medians; more rounds, less spread)")
     ] = 15,
     batch: Annotated[int, typer.Option(help="batch size for throughput")] = 64,
-    gate: Annotated[float, typer.Option(help="a variant keeps >= GATE x fp32 accuracy")] = 0.99,
+    gate: Annotated[
+        float | None,
+        typer.Option(
+            help="a variant keeps >= GATE x fp32 accuracy (default: quantize's --gate, 0.99)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
     from lightship.quantize.isa import describe

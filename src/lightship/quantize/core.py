@@ -96,7 +96,7 @@ class QuantizeSettings:
     calibration_method: str = "minmax"
     calibration_chunk: int = 64  # images held by the calibrator at once (bounds memory)
     per_channel: bool = True
-    gate: float = 0.99  # an int8 variant keeps >= gate x fp32 accuracy
+    gate: float = fallback.DEFAULT_GATE  # an int8 variant keeps >= gate x fp32 accuracy
     fallback_budget: int = 3  # at most this many nodes are moved back to fp32
     qat_epochs: int = 3
     qat_lr: float = 1e-4

@@ -23,6 +23,7 @@ from lightship.quantize.ptq import COMPUTE_OPS
 
 log = logging.getLogger(__name__)
 
+DEFAULT_GATE = 0.99  # an int8 variant keeps >= 99 % of fp32 accuracy
 GATE_MAX = 1.1  # above 1 forces the fallback (tests use 1.01); far above is a typo
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import platform
 import shlex
@@ -19,7 +20,7 @@ from lightship import __version__
 from lightship.data import DataSpec, load_splits
 from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
-from lightship.quantize.fallback import check_gate, passes_gate, sqnr_db
+from lightship.quantize.fallback import DEFAULT_GATE, check_gate, passes_gate, sqnr_db
 from lightship.report import render
 from lightship.report.evaluate import candidates, logits
 from lightship.report.measure import (
@@ -43,6 +44,8 @@ from lightship.runs import (
 from lightship.runtime import physical_cores
 from lightship.runtime.ort import OrtPredictor
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ReportSettings:
@@ -50,7 +53,7 @@ class ReportSettings:
     rounds: int = 15
     batch: int = 64
     seconds: float = 0.1  # per variant and round, batch-1 latency and batch throughput each
-    gate: float = 0.99
+    gate: float | None = None  # None: the gate quantize judged the int8 variants by
 
     def __post_init__(self) -> None:
         # Above these, onnxruntime crashes (more threads than any CPU has) or memory runs out.
@@ -60,7 +63,8 @@ class ReportSettings:
                 raise ConfigError(f"report --{name} must be at least {low}, got {value}")
             if value is not None and high is not None and value > high:
                 raise ConfigError(f"report --{name} must be at most {high}, got {value}")
-        check_gate(self.gate, "report")
+        if self.gate is not None:
+            check_gate(self.gate, "report")
         if not self.seconds > 0:
             raise ConfigError(f"report seconds per round must be positive, got {self.seconds}")
 
@@ -116,6 +120,22 @@ def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, An
             raise
 
 
+def _recorded_gate(entries: list[dict[str, Any]]) -> float:
+    """The gate quantize judged the int8 variants by (its --gate, in each entry), so that the
+    report judges them alike: the strictest where they were quantized with different gates
+    (said), quantize's default where none was recorded."""
+    recorded = [e["gate"].get("min_ratio") for e in entries if isinstance(e.get("gate"), dict)]
+    gates = sorted({float(g) for g in recorded if type(g) in (float, int) and g > 0})
+    if len(gates) > 1:
+        log.warning(
+            "the int8 variants were quantized with different --gate values (%s): the report "
+            "judges them all by the strictest, %g (report --gate to choose another)",
+            ", ".join(f"{g:g}" for g in gates),
+            gates[-1],
+        )
+    return gates[-1] if gates else DEFAULT_GATE
+
+
 def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
@@ -125,6 +145,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     check_writable(*outputs)
     left_out: dict[str, str] = {}
     found = candidates(run, threads, left_out)
+    gate = s.gate if s.gate is not None else _recorded_gate([c.entry for c in found])
     if not any(c.name == "eager" for c in found):
         raise RunError(f"{run.root}/best.ckpt is missing: run {run.train_command()}")
     splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
@@ -175,7 +196,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "speedup_vs_onnx_fp32_iqr": t.speedup_spread(fp32) if fp32 else None,
                 "timing_noise": t.noise(eager, "eager"),
                 "machine_busy_share": _share(t.busy_share),
-                "gate_passed": passes_gate(acc, ref_acc, s.gate, len(y)),
+                "gate_passed": passes_gate(acc, ref_acc, gate, len(y)),
                 "recommendable": recommendable,
                 "target": c.entry.get("target"),
                 # ONNX on CPU: batches of `split_rows`+ rows run as one slice per lane
@@ -209,7 +230,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "test_images": len(x),
         "malloc_keeps_freed_memory": kept,
         "machine_busy_share": _share(busy_share(list(timings.values()))),
-        "gate": s.gate,
+        "gate": gate,
         "fp32_accuracy": ref_acc,
         "versions": _versions(),
         "calibration": static.get("calibration"),
