@@ -792,3 +792,26 @@ def test_the_report_judges_by_the_gate_quantize_used(
         "the int8 variants were quantized with different --gate values (0.5, 1.1): the report "
         "judges them all by the strictest, 1.1 (report --gate to choose another)"
     ]
+
+
+def test_the_report_recommends_no_variant_the_server_here_refuses(
+    quantized: Path, tmp_path: Path
+) -> None:
+    """`quantize --target tensorrt`: the report recommended its int8 model, which `serve`
+    then refused on the same CPU (exit 4). Now it is not recommended, and the report says why."""
+    run = tmp_path / "trt"
+    shutil.copytree(quantized, run)
+    rd = RunDir(run)
+    for name in ("onnx-int8-static", "onnx-int8-dynamic"):
+        entry = rd.artifact(name)
+        assert entry is not None
+        rd.record(name, {**entry, "target": "tensorrt"})
+    r = report(rd, FAST)
+    refused = {v["name"]: v["refused_here"] for v in r["variants"] if v["refused_here"]}
+    assert set(refused) == {"onnx-int8-static", "onnx-int8-dynamic"}
+    assert refused["onnx-int8-static"].startswith("model was quantized for TensorRT (S8S8)")
+    assert r["recommended"] in ("onnx-fp32", "torchscript")
+    md = (run / "report" / "report.md").read_text()
+    assert (
+        "\nNot recommended: onnx-int8-static, which `lightship serve` refuses on this CPU: " in md
+    )

@@ -177,6 +177,12 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         acc = float(np.mean(out.argmax(1) == y))
         t = timings[c.name]
         recommendable = bool(c.entry.get("recommendable", True)) and c.name not in ("eager",)
+        # an int8 model made for another CPU (or TensorRT): the server here refuses it
+        target = c.entry.get("target")
+        refused = isa.compatibility(target) if isinstance(target, str) else None
+        if refused is not None:
+            recommendable = False
+            log.warning("%s is not recommended: serve refuses it on this CPU: %s", c.name, refused)
         rows.append(
             {
                 "name": c.name,
@@ -198,6 +204,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "machine_busy_share": _share(t.busy_share),
                 "gate_passed": passes_gate(acc, ref_acc, gate, len(y)),
                 "recommendable": recommendable,
+                "refused_here": refused,
                 "target": c.entry.get("target"),
                 # ONNX on CPU: batches of `split_rows`+ rows run as one slice per lane
                 "lanes": c.predictor.lanes,

@@ -181,6 +181,12 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"\nWhy none: {why_none(r)}.")
     for name, why in r.get("not_measured", {}).items():  # absent from reports before it
         lines.append(f"\nNot measured: {name}, {why}.")
+    for v in r["variants"]:
+        if v.get("refused_here"):  # absent from reports before it
+            lines.append(
+                f"\nNot recommended: {v['name']}, which `lightship serve` refuses on this CPU: "
+                f"{v['refused_here']}."
+            )
     kept = [(v["name"], v["nodes_fp32"]) for v in r["variants"] if v["nodes_fp32"]]
     for name, nodes in kept:
         lines.append(f"\nNodes kept in fp32 by the accuracy fallback in {name}: {', '.join(nodes)}")
