@@ -292,6 +292,12 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         (["--methods", "static,fp4"], "unknown quantization method 'fp4'"),
         (["--target", "sse"], "unknown target 'sse'"),
         (["--calibration-method", "mse"], "unknown calibration method 'mse'"),
+        # a CPU model labelled for TensorRT, which the report then recommended
+        (
+            ["--target", "tensorrt"],
+            "--target tensorrt makes static int8 only (dynamic, qat int8 would be a CPU model "
+            "labelled for TensorRT): quantize with --methods static --target tensorrt",
+        ),
     ]
     for args, message in cases:
         run = tmp_path / args[1].replace(",", "_")

@@ -360,6 +360,15 @@ class Quantizer:
             self.target = isa.resolve_target(target)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        cpu_only = [m for m in self.methods if m != "static"]
+        if self.target == "tensorrt" and cpu_only:
+            # dynamic int8 is ConvInteger, which TensorRT does not run; QAT's activations are
+            # asymmetric uint8 (X86InductorQuantizer), not the S8S8 TensorRT takes
+            raise ConfigError(
+                f"--target tensorrt makes static int8 only ({', '.join(cpu_only)} int8 would be "
+                "a CPU model labelled for TensorRT): quantize with --methods static --target "
+                "tensorrt"
+            )
         self.scheme = isa.SCHEMES[self.target]
         if "qat" in methods:  # QAT fine-tunes best.ckpt: said before any method runs
             try:
