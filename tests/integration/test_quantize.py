@@ -19,7 +19,7 @@ import onnxruntime
 import pytest
 
 from lightship.data import DataSpec, load_splits
-from lightship.errors import RunError
+from lightship.errors import DataError, RunError
 from lightship.quantize.core import Quantizer, QuantizeSettings, int8_share, quantize
 from lightship.quantize.fallback import passes_gate
 from lightship.report import ReportSettings, report
@@ -821,3 +821,26 @@ def test_the_report_recommends_no_variant_the_server_here_refuses(
     assert (
         "\nNot recommended: onnx-int8-static, which `lightship serve` refuses on this CPU: " in md
     )
+
+
+@pytest.mark.parametrize("recorded", [{"test_acc": 0.25}, {"test_samples": 54}])
+def test_a_test_split_that_is_not_what_training_measured_is_refused(
+    quantized: Path, tmp_path: Path, recorded: dict[str, Any]
+) -> None:
+    """A run trained by an older lightship, before the data fingerprint, on an image folder
+    read otherwise then (not recursively; no EXIF turn): report and quantize measured another
+    split, 41 of its 78 test images from the training split, and printed its figures."""
+    run = tmp_path / "older"
+    shutil.copytree(quantized, run)
+    rd = RunDir(run)
+    entry = rd.artifact("checkpoint")
+    assert entry is not None
+    rd.record("checkpoint", {**entry, **recorded})
+    with pytest.raises(DataError, match="^the test split is not what this run trained on: "):
+        report(rd, FAST)
+    proc = run_cli("quantize", "--run", str(run), "--methods", "static")
+    assert proc.returncode == 3, proc.stderr
+    assert last_line(proc.stderr).startswith(
+        "error: the test split is not what this run trained on: the ONNX model scores "
+    )
+    assert last_line(proc.stderr).endswith("put the data back as it was, or train a new run on it")

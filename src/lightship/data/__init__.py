@@ -5,6 +5,6 @@ quantize and report can rebuild the same splits without Lightning; `module` wrap
 LightningDataModule for training.
 """
 
-from lightship.data.sources import DataSpec, Splits, load_splits
+from lightship.data.sources import DataSpec, Splits, check_as_trained, load_splits
 
-__all__ = ["DataSpec", "Splits", "load_splits"]
+__all__ = ["DataSpec", "Splits", "check_as_trained", "load_splits"]

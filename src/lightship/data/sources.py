@@ -448,6 +448,27 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
     )
 
 
+def check_as_trained(entry: dict[str, Any], test_y: np.ndarray, accuracy: float, what: str) -> None:
+    """DataError when the test split is not what training measured the model on: its size, or
+    the model's accuracy (`what` measured it) off by more than an image or 1 %, against the
+    run's checkpoint `entry`. It catches what the fingerprint cannot: a run trained by an
+    older lightship (no fingerprint; image folders read otherwise: not recursively, without
+    the EXIF turn), whose every figure measured now would be some other split's."""
+    then_n, then_acc = entry.get("test_samples"), entry.get("test_acc")
+    if not (isinstance(then_n, int) and isinstance(then_acc, float | int)):
+        return  # an entry from before they were recorded
+    n = len(test_y)
+    if then_n == n and abs(accuracy - then_acc) * n <= max(1.0, 0.01 * n):
+        return
+    raise DataError(
+        f"the test split is not what this run trained on: {what} scores {accuracy:.4f} on "
+        f"{n} test images, where training measured {then_acc:.4f} on {then_n}; the data "
+        "changed, or an older lightship trained the run and read it otherwise, so no figure "
+        "measured on it would be this model's: put the data back as it was, or train a new run "
+        "on it"
+    )
+
+
 def _note_unseen_classes(
     labels: list[str], y: np.ndarray, val: np.ndarray, test: np.ndarray
 ) -> None:

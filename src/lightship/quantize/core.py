@@ -28,7 +28,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
 
 from lightship import __version__
 from lightship.config import parse_choices
-from lightship.data import DataSpec, Splits, load_splits
+from lightship.data import DataSpec, Splits, check_as_trained, load_splits
 from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError, first_line
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits, other_input
@@ -400,6 +400,7 @@ class Quantizer:
                 f"{self.fp32} is not this run's model ({other}): {run.remake_hint('onnx-fp32')}"
             )
         self.fp32_acc, self.fp32_logits = _accuracy(fp32, self.splits.test_x, self.splits.test_y)
+        check_as_trained(checkpoint, self.splits.test_y, self.fp32_acc, "the ONNX model")
         self.work = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIXES["quantize"], dir=run.root))
         try:
             self.pre = ptq.preprocess(self.fp32, self.work / "pre.onnx")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lightship import __version__
-from lightship.data import DataSpec, load_splits
+from lightship.data import DataSpec, check_as_trained, load_splits
 from lightship.errors import ConfigError, RunError
 from lightship.quantize import isa
 from lightship.quantize.fallback import DEFAULT_GATE, check_gate, passes_gate, sqnr_db
@@ -152,6 +152,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     x, y = splits.test_x, splits.test_y
     ref = logits(next(c for c in found if c.name == "eager").predictor, x)
     ref_acc = float(np.mean(ref.argmax(1) == y))
+    check_as_trained(ckpt, y, ref_acc, "best.ckpt")
 
     # Stopped from here on, the report's files are as they were: say so, and how to start over.
     note_interrupt(
