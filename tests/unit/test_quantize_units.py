@@ -884,3 +884,22 @@ def test_qat_from_python_imports_torchao_without_its_cuda_noise() -> None:
     )
     assert proc.stderr == ""
     assert proc.stdout == "0"  # the caller's logging as it was
+
+
+def test_qat_loads_its_data_as_the_run_trained(tiny_run: Path, tmp_path: Path) -> None:
+    """QAT fine-tuned in DataConfig's batches of 64 whatever the run trained with (tiny.yaml:
+    128; a batch lowered to fit memory), over the checkpoint's split."""
+    import shutil
+
+    from lightship.data import DataSpec
+    from lightship.runs import RunDir
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    entry = RunDir(run).artifact("checkpoint")
+    assert entry is not None
+    spec = DataSpec.from_dict(entry["data_spec"])
+    dm = qat._data_module(spec, RunDir(run))
+    assert (dm.cfg.batch_size, dm.cfg.image_size) == (128, 16)  # tiny.yaml's
+    (run / "config.yaml").unlink()
+    assert qat._data_module(spec, RunDir(run)).cfg.batch_size == 64  # the default, without it

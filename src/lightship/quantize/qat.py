@@ -45,9 +45,10 @@ from lightship.callbacks import (
     fit_trainer,
     progress,
 )
+from lightship.config import load_config
 from lightship.data import DataSpec
 from lightship.data.module import ImageDataModule, config_from_spec
-from lightship.errors import QuantizeError, first_line
+from lightship.errors import LightshipError, QuantizeError, first_line
 from lightship.export import onnx as onnx_export
 from lightship.export.failure import printout_on_failure_to_debug
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint, read_checkpoint
@@ -370,9 +371,30 @@ def prepare(
     return prepared
 
 
-def _data_module(spec: DataSpec) -> ImageDataModule:
-    """Training's data module over the checkpoint's split (same data, same held-out test)."""
-    return ImageDataModule(config_from_spec(spec))
+# What the run's config.yaml says of loading its data, which QAT fine-tunes with as training
+# did (a batch size lowered to fit memory, workers); the split comes from the checkpoint.
+LOADER_KEYS = (
+    "batch_size",
+    "eval_batch_size",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+)
+
+
+def _data_module(spec: DataSpec, run: RunDir) -> ImageDataModule:
+    """Training's data module over the checkpoint's split (same data, same held-out test),
+    loading it as the run's config.yaml says (DataConfig's defaults without one)."""
+    data = config_from_spec(spec)
+    try:
+        trained = load_config(run.config, recorded=True).data if run.config.is_file() else None
+    except LightshipError as exc:  # quantize takes no --set: a run's own file to fix
+        log.warning("QAT loads its data with the defaults: %s", first_line(exc))
+        trained = None
+    if trained is not None:
+        data = data.model_copy(update={k: getattr(trained, k) for k in LOADER_KEYS})
+    return ImageDataModule(data)
 
 
 def fine_tune(
@@ -432,7 +454,14 @@ def quantize_aware_train(
     t_start = time.perf_counter()
     pl.seed_everything(seed, workers=True, verbose=False)
     loaded = load_checkpoint(run.require_checkpoint())
-    dm = _data_module(DataSpec.from_dict(loaded.data_spec))
+    dm = _data_module(DataSpec.from_dict(loaded.data_spec), run)
+    log.info(
+        "QAT: fine-tuning %s for up to %d epochs at lr %g, batches of %d",
+        run.relative(run.best_ckpt),
+        epochs,
+        lr,
+        dm.cfg.batch_size,
+    )
     splits = dm.splits
     example = torch.from_numpy(np.ascontiguousarray(splits.train_x[:2]))  # batch >= 2 stays free
     prepared = prepare(loaded, example, scheme, per_channel)
