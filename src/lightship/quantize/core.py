@@ -582,7 +582,10 @@ class Quantizer:
         model = load_predictor(candidate, isa_check=False)
         cand_acc = self._val_accuracy(model)
         before, after = self._time_candidate(
-            "first conv in fp32", load_predictor(current, isa_check=False), model, latency=False
+            "int8-static's first conv in fp32",
+            load_predictor(current, isa_check=False),
+            model,
+            latency=False,
         )
         all_int8, first_fp32 = before.throughput_per_s, after.throughput_per_s
         gain = after.speedup_over(before)
@@ -593,7 +596,7 @@ class Quantizer:
         )
         _settle(candidate, current, kept)
         log.info(
-            "first conv in fp32: %.0f img/s against %.0f all-int8 at batch 64: %s",
+            "int8-static's first conv in fp32: %.0f img/s against %.0f all-int8 at batch 64: %s",
             first_fp32,
             all_int8,
             "kept" if kept else "not kept",
@@ -645,7 +648,9 @@ class Quantizer:
             )
         return before, after
 
-    def _gemm_convs(self, current: Path, val_acc: float) -> dict[str, Any] | None:
+    def _gemm_convs(
+        self, current: Path, val_acc: float, method: str = "static"
+    ) -> dict[str, Any] | None:
         """Send the deep convs to ORT's AMX GEMM (`ptq.route_convs_to_gemm`) if that measures
         faster here, with the model's threads spinning inside each run, which it needs.
 
@@ -668,7 +673,7 @@ class Quantizer:
         assert isinstance(routed_model, OrtPredictor)  # an .onnx file
         short_threads = routed_model.short_batch_threads
         direct, gemm = self._time_candidate(
-            "deep convs on ORT's GEMM",
+            f"int8-{method}'s deep convs on ORT's GEMM",
             load_predictor(current, isa_check=False),
             routed_model,
             latency=True,
@@ -693,7 +698,8 @@ class Quantizer:
         kept = not not_kept
         _settle(candidate, current, kept)
         log.info(
-            "deep convs on ORT's GEMM: %.0f img/s against %.0f direct at batch 64: %s",
+            "int8-%s's deep convs on ORT's GEMM: %.0f img/s against %.0f direct at batch 64: %s",
+            method,
             gemm.throughput_per_s,
             direct.throughput_per_s,
             "kept" if kept else f"not kept ({not_kept})",
@@ -779,7 +785,7 @@ class Quantizer:
                     f"{type(exc).__name__}: {first_line(exc)}; `--verbose` shows where",
                     "quantize this model with `--methods static,dynamic` instead",
                 ) from None
-            gemm = self._gemm_convs(tmp, self._val_accuracy(tmp))
+            gemm = self._gemm_convs(tmp, self._val_accuracy(tmp), "qat")
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
             entry = {
                 **self._entry(tmp, final, "qat", acc),
