@@ -821,6 +821,9 @@ def test_the_report_recommends_no_variant_the_server_here_refuses(
     assert (
         "\nNot recommended: onnx-int8-static, which `lightship serve` refuses on this CPU: " in md
     )
+    # best.ckpt holds the optimizer's state and EMA weights too: not the model's size
+    eager = next(line for line in md.splitlines() if line.startswith("| eager |"))
+    assert eager.split(" | ")[1].endswith(" (training checkpoint)"), eager
 
 
 @pytest.mark.parametrize("recorded", [{"test_acc": 0.25}, {"test_samples": 54}])

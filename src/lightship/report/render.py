@@ -9,6 +9,10 @@ from typing import Any
 from lightship.quantize import isa
 from lightship.quantize.fallback import SQNR_CAP_DB, few_images_warning
 
+# What a size in the table is where it is not the model file alone: best.ckpt also holds the
+# optimizer's state (AdamW: twice the weights) and the EMA weights
+_SIZE_OF = {"eager": " (training checkpoint)"}
+
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
@@ -160,7 +164,8 @@ def markdown(r: dict[str, Any]) -> str:
         sqnr = _sqnr(v["sqnr_db"])
         lat = v["latency_ms"]
         lines.append(
-            f"| {name} | {_fmt_bytes(v['bytes'])} | {v['accuracy']:.4f} | "
+            f"| {name} | {_fmt_bytes(v['bytes'])}{_SIZE_OF.get(v['name'], '')} | "
+            f"{v['accuracy']:.4f} | "
             f"{100 * v['delta_vs_fp32']:+.2f} pt | {sqnr} | {v['int8_share']:.0%} | "
             f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
             f"{v['throughput_per_s']:.0f} | {speedup(v, 'eager')} | {speedup(v, 'onnx_fp32')} | "
