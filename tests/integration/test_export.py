@@ -58,7 +58,13 @@ def test_export_prints_each_artifact_once_then_the_next_stage(
     for variant, file in (("onnx-fp32", "model.onnx"), ("torchscript", "model.ts")):
         (line,) = [x for x in lines if file in x]  # was a log line too, the same figures
         assert line.startswith(f"{variant} ") and " parity: max |Δlogit| " in line, line
-    assert lines[-1] == f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)"
+    assert proc.stdout.splitlines()[-1] == (
+        f"next: make quantize RUN={run}   (or `lightship quantize --run {run}`)"
+    )
+    # a line as each export starts: a ResNet-18's took minutes without a word
+    progress = [x for x in proc.stderr.splitlines() if "export.core: exporting" in x]
+    started = [x.split(": ", 1)[1].split(" and ")[0] for x in progress]
+    assert started == ["exporting onnx (1 of 2)", "exporting torchscript (2 of 2)"]
 
 
 def artifacts(run: Path) -> dict:
@@ -494,7 +500,8 @@ def test_a_failed_legacy_export_prints_only_why(small_cnn_run: Path, tmp_path: P
     proc = run_cli("export", "--run", str(run), "--formats", "onnx")
     assert proc.returncode == 5, proc.stderr
     assert proc.stdout == ""  # the legacy exporter's TorchScript graph, printed from C++
-    dynamo, error = proc.stderr.splitlines()
+    progress, dynamo, error = proc.stderr.splitlines()
+    assert progress.startswith("INFO lightship.export.core: exporting onnx (1 of 1) and checking")
     assert dynamo.startswith("WARNING lightship.export.onnx: dynamo ONNX export failed (")
     assert error.startswith("error: torch cannot export this model to onnx: ")
 

@@ -238,7 +238,15 @@ def _export(
     check_space(run.export_dir, len(chosen) * ckpt.stat().st_size // 3 + 4_000_000, "export")
     artifacts: list[Artifact] = []
     try:
-        for fmt in chosen:
+        for i, fmt in enumerate(chosen, 1):
+            # a ResNet-18's three exports with their parity checks take minutes together
+            log.info(
+                "exporting %s (%d of %d) and checking it against eager on %d images",
+                fmt,
+                i,
+                len(chosen),
+                len(x_test),
+            )
             final = run.export_dir / FILENAMES[fmt]
             fix = _fix(run, loaded, fmt, chosen)
             if final.exists():  # a failure keeps an earlier export: say so, not just "not written"
