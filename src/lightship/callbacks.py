@@ -229,6 +229,12 @@ def fit_trainer(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
             # checkpoints/ keeps a run's earlier checkpoints on purpose: a resumed run continues
             # from them, and a retrained one keeps them until its own first checkpoint is written.
             warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
+            # A run trained before WarmupEMA saved its EMA under Lightning's callback's name;
+            # WarmupEMA restores that state all the same (`on_load_checkpoint` reads it whatever
+            # the name), so "Please add the following callbacks" asks for nothing to do.
+            warnings.filterwarnings(
+                "ignore", r".*Please add the following callbacks: \['EMAWeightAveraging'\]"
+            )
             trainer.fit(*args, **kwargs)
     except SystemExit:
         if trainer.interrupted:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -77,3 +78,30 @@ def test_a_moved_checkpoint_state_is_taken_in_its_new_folder(tmp_path: Path) -> 
     assert _moved_state({"best_model_path": "/x/a.ckpt"}, old, str(new))["best_model_path"] == (
         "/x/a.ckpt"
     )
+
+
+def test_resuming_a_run_from_before_warmup_ema_asks_for_no_callback() -> None:
+    """A run trained with Lightning's EMAWeightAveraging, resumed: Lightning asked to "add the
+    following callbacks: ['EMAWeightAveraging']", which WarmupEMA restores the state of anyway.
+    Other callbacks it names are still said, and only within lightship's own fit."""
+    import warnings
+
+    from lightship.callbacks import fit_trainer
+
+    prefix = "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint "
+
+    def fit(names: str) -> Any:
+        def run(*_: object) -> None:
+            warnings.warn(f"{prefix}Please add the following callbacks: [{names}].", stacklevel=1)
+
+        return SimpleNamespace(fit=run, interrupted=False)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer(fit("'EMAWeightAveraging'"))
+        fit_trainer(fit("'MyCallback'"))
+        fit("'EMAWeightAveraging'").fit()  # a user's own Trainer
+    assert [str(w.message).removeprefix(prefix) for w in caught] == [
+        "Please add the following callbacks: ['MyCallback'].",
+        "Please add the following callbacks: ['EMAWeightAveraging'].",
+    ]
