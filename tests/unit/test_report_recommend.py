@@ -357,3 +357,35 @@ def test_the_plots_latency_labels_leave_out_the_one_beside_each_decade(
     labels = {x: minor(x) for x in (0.06, 0.07, 0.09, 0.3, 0.9)}
     assert labels == {0.06: "0.06", 0.07: "0.07", 0.09: "", 0.3: "0.3", 0.9: ""}
     assert ax.xaxis.get_major_formatter()(0.1) == "0.1"
+
+
+def test_no_two_labels_of_the_plot_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven variants at one accuracy, four within 25 % in latency (ResNet-18's eager, .pt2,
+    TorchScript and dynamic int8): on three fixed rows `onnx-int8-dynamic` and `pt2` were
+    drawn over each other. A label that would cross the axes' right edge goes to the left."""
+    from matplotlib.text import Text
+
+    r = report_dict()
+    template = r["variants"][0]
+    latencies = {
+        "onnx-int8-static": 1.29,
+        "onnx-int8-qat": 1.36,
+        "onnx-fp32": 4.44,
+        "torchscript": 6.9,
+        "onnx-int8-dynamic": 6.95,
+        "eager": 8.2,
+        "pt2": 8.6,
+    }
+    r["variants"] = [
+        {**template, "name": name, "recommended": False, "latency_ms": {"p50": p50}}
+        for name, p50 in latencies.items()
+    ]
+    ax = plotted(r, tmp_path, monkeypatch)
+    renderer = ax.figure.canvas.get_renderer()
+    labels = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}
+    assert set(labels) == set(latencies)
+    boxes = list(labels.values())
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1 :]), list(labels)[i]
+    right = ax.get_window_extent(renderer).x1
+    assert all(box.x1 <= right + 1 for box in boxes)
