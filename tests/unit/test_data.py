@@ -137,6 +137,15 @@ def test_data_changed_since_training_is_refused(tmp_path: Path) -> None:
         "train a new run on it"
     )
     (root / "cat" / "copy.png").unlink()
+    # a .jfif an older lightship skipped (its fingerprint counts none): the likely cause, said
+    Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(root / "cat" / "2.jfif", "JPEG")
+    with pytest.raises(DataError) as err:
+        load_splits(trained, recorded=True)
+    assert "(12 images then, 13 now) (or, if nothing changed, an older lightship trained the " in (
+        str(err.value)
+    )
+    assert "which this one reads: move them out of the folder to use the run)" in str(err.value)
+    (root / "cat" / "2.jfif").unlink()
     Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(root / "cat" / "1.png")
     with pytest.raises(DataError, match=r"\(12 images, not the same\)"):
         load_splits(trained, recorded=True)

@@ -433,7 +433,11 @@ def stratified_split(
     return train, val, test
 
 
-def _check_unchanged(spec: DataSpec, now: str) -> None:
+# Read since bb964de: a run trained before it skipped them, and its fingerprint counts none
+LATER_SUFFIXES = (".jfif", ".jpe")
+
+
+def _check_unchanged(spec: DataSpec, now: str, folder: Path | None = None) -> None:
     """Data that changed since the run trained on it: the split is drawn anew over what is
     there now, so its test images would no longer be the ones the model never saw."""
     if spec.fingerprint is None or spec.fingerprint == now:
@@ -441,10 +445,22 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
     was, now_n = spec.fingerprint.partition(":")[0], now.partition(":")[0]
     counts = f"{was} images then, {now_n} now" if was != now_n else f"{now_n} images, not the same"
     where = f"{spec.source} data {spec.path}" if spec.path else f"the {spec.source} data"
+    later = (
+        folder is not None
+        and was.isdigit()
+        and int(was) < int(now_n)
+        and any(p.suffix.lower() in LATER_SUFFIXES for p in folder.rglob("*") if p.is_file())
+    )
+    cause = (
+        " (or, if nothing changed, an older lightship trained the run and skipped its .jfif "
+        "and .jpe files, which this one reads: move them out of the folder to use the run)"
+        if later
+        else ""
+    )
     raise DataError(
-        f"{where} changed since this run trained on it ({counts}): its test split would no "
-        "longer be the images held out from training; put the data back as it was, or train a "
-        "new run on it"
+        f"{where} changed since this run trained on it ({counts}){cause}: its test split "
+        "would no longer be the images held out from training; put the data back as it was, "
+        "or train a new run on it"
     )
 
 
@@ -521,7 +537,8 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
     now = f"{len(y)}:{digest.hexdigest()}"
-    _check_unchanged(spec, now)
+    folder_root = Path(spec.path).expanduser() if spec.source == "folder" and spec.path else None
+    _check_unchanged(spec, now, folder_root)
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:
