@@ -155,6 +155,14 @@ def test_failed_gate_keeps_the_worst_nodes_in_fp32(
         return scheme_error(self, path)
 
     monkeypatch.setattr(Quantizer, "_scheme_error", recording)
+    # each node back in fp32 buys validation accuracy (a round that buys none is undone)
+    val_accuracy = Quantizer._val_accuracy
+
+    def rewarded(self: Quantizer, model: Path | Any) -> float:
+        path = model if isinstance(model, Path) else model.path
+        return val_accuracy(self, model) + 0.001 * int8_share(path)["float_nodes"]
+
+    monkeypatch.setattr(Quantizer, "_val_accuracy", rewarded)
     # A gate no int8 model can pass (> 100 % of fp32) forces every fallback round.
     s = QuantizeSettings(gate=1.01, fallback_budget=2)
     (v,) = quantize(RunDir(run), "static", settings=s)
@@ -847,3 +855,28 @@ def test_a_test_split_that_is_not_what_training_measured_is_refused(
         "error: the test split is not what this run trained on: the ONNX model scores "
     )
     assert last_line(proc.stderr).endswith("put the data back as it was, or train a new run on it")
+
+
+def test_fallback_nodes_that_gain_no_accuracy_stay_int8(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ResNet-18 with entropy calibration: three fallback rounds at 0.9591 each, and all three
+    fp32 islands kept in a model about 10 % slower for nothing. Rounds that gain nothing over
+    an earlier one are undone; the model is the earlier round's, exactly."""
+    run = tmp_path / "flat"
+    shutil.copytree(exported_run, run)
+    val_accuracy = Quantizer._val_accuracy
+    flat: dict[str, float] = {}  # every int8 model alike: the fallback never helps
+
+    def no_gain(self: Quantizer, model: Path | Any) -> float:
+        path = model if isinstance(model, Path) else model.path
+        if path == self.fp32:
+            return val_accuracy(self, model)
+        return flat.setdefault("acc", val_accuracy(self, model))
+
+    monkeypatch.setattr(Quantizer, "_val_accuracy", no_gain)
+    (v,) = quantize(RunDir(run), "static", settings=QuantizeSettings(gate=1.01, fallback_budget=2))
+    assert not v.gate_passed and v.entry["nodes_fp32_by_fallback"] == []
+    first_conv = v.entry["first_conv_fp32"] or {}
+    kept = len(first_conv.get("island", [])) if first_conv.get("kept") else 0
+    assert int8_share(v.path)["float_nodes"] == kept  # no fallback island left in fp32

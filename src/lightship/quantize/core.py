@@ -489,6 +489,7 @@ class Quantizer:
         with then_held() as then, atomic_path(final) as tmp, made_here("static", tmp, self.work):
             # Every choice below is made on the validation split; the test split only measures
             # the model they made.
+            best = (-1.0, 0)  # the most accurate round's accuracy and fallback nodes
             for round_ in range(s.fallback_budget + 1):
                 self._static(tmp, self.scheme, exclude)
                 val_acc = self._val_accuracy(tmp)
@@ -498,6 +499,8 @@ class Quantizer:
                     val_acc,
                     self.fp32_val_acc,
                 )
+                if val_acc > best[0]:  # a tie keeps the earlier round: fewer nodes in fp32
+                    best = (val_acc, len(fallback_nodes))
                 if self._gate(val_acc, "validation") or round_ == s.fallback_budget:
                     break
                 ranked = fallback.rank_nodes(
@@ -517,6 +520,20 @@ class Quantizer:
                         "accuracy_split": "validation",
                     }
                 )
+            if best[1] < len(fallback_nodes):
+                # Failed the gate, and the last rounds' fp32 islands gained nothing over an
+                # earlier round's model: they would only slow it down.
+                log.info(
+                    "the fallback's last %d node(s) gained no validation accuracy over %.4f: "
+                    "kept in int8",
+                    len(fallback_nodes) - best[1],
+                    best[0],
+                )
+                fallback_nodes = fallback_nodes[: best[1]]
+                exclude = [n for f in fallback_nodes for n in f["island"]]
+                exclude = list(dict.fromkeys(exclude))
+                self._static(tmp, self.scheme, exclude)
+                val_acc = best[0]
             speed = self._first_conv_in_fp32(tmp, exclude, val_acc)
             if speed is not None and speed["kept"]:
                 exclude.extend(speed["island"])
