@@ -20,7 +20,13 @@ import pytest
 
 from lightship.data import DataSpec, load_splits
 from lightship.errors import DataError, RunError
-from lightship.quantize.core import Quantizer, QuantizeSettings, int8_share, quantize
+from lightship.quantize.core import (
+    Quantizer,
+    QuantizeSettings,
+    _command,
+    int8_share,
+    quantize,
+)
 from lightship.quantize.fallback import passes_gate
 from lightship.report import ReportSettings, report
 from lightship.report.evaluate import logits
@@ -880,3 +886,26 @@ def test_fallback_nodes_that_gain_no_accuracy_stay_int8(
     first_conv = v.entry["first_conv_fp32"] or {}
     kept = len(first_conv.get("island", [])) if first_conv.get("kept") else 0
     assert int8_share(v.path)["float_nodes"] == kept  # no fallback island left in fp32
+
+
+def test_a_failing_model_that_replaces_a_passing_one_says_how_to_get_it_back(
+    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trying another calibration method that fails the gate replaced the static model that
+    passed it, exit 0, with only `gate FAIL` in the summary: the good model was gone."""
+    run = tmp_path / "tried"
+    shutil.copytree(quantized, run)
+    rd = RunDir(run)
+    settings = QuantizeSettings(calibration_method="percentile", fallback_budget=0)
+    (made,) = quantize(rd, "static", settings=settings)
+    flags = ["--calibration-method", "percentile", "--fallback-budget", "0"]
+    assert made.gate_passed and made.entry["flags"] == flags
+    caplog.set_level(logging.WARNING, logger="lightship.quantize.core")
+    (v,) = quantize(rd, "static", settings=QuantizeSettings(gate=1.01, fallback_budget=0))
+    assert not v.gate_passed
+    (warning,) = [m for m in caplog.messages if "where the model it replaces passed" in m]
+    assert warning.startswith("onnx-int8-static fails the gate (test accuracy ")
+    assert warning.endswith(
+        f"): quantize again as it was made to get it back: {_command(rd, 'quantize', ['static'], flags)}"
+    )
+    assert "--methods static --calibration-method percentile --fallback-budget 0" in warning

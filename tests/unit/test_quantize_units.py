@@ -689,7 +689,7 @@ def test_the_static_fallback_stops_when_the_validation_split_passes(
     recorded: dict[str, dict] = {}
     q.run = cast(
         "quantize_core.RunDir",
-        SimpleNamespace(quantize_dir=tmp_path, record=recorded.__setitem__),
+        SimpleNamespace(quantize_dir=tmp_path, record=recorded.__setitem__, artifact=recorded.get),
     )
     q.settings = quantize_core.QuantizeSettings(gate=0.99, fallback_budget=3)
     q.calibration, q.flattens_channels_last, q.input_name = {}, [], "input"

@@ -574,7 +574,7 @@ class Quantizer:
                     "target": alt,
                     **self._scheme_error(alt_path),
                 }
-            then(self.run.record, "onnx-int8-static", entry)
+            then(self._record, "static", entry)
         return Variant("static", final, acc, self._gate(acc), entry)
 
     def _first_conv_in_fp32(
@@ -759,7 +759,7 @@ class Quantizer:
                 ),
                 "quantize_seconds": round(time.perf_counter() - t0, 2),
             }
-            then(self.run.record, "onnx-int8-dynamic", entry)
+            then(self._record, "dynamic", entry)
         return Variant("dynamic", final, acc, self._gate(acc), entry)
 
     def qat(self) -> Variant:
@@ -810,8 +810,32 @@ class Quantizer:
                 "gemm_convs": gemm,
                 "int8_ops": int8_share(tmp),
             }
-            then(self.run.record, "onnx-int8-qat", entry)
+            then(self._record, "qat", entry)
         return Variant("qat", final, acc, self._gate(acc), entry)
+
+    def _record(self, method: str, entry: dict[str, Any]) -> None:
+        """Record `method`'s variant; a warning where it fails the gate and the model it
+        replaces passed, with the command that made that one (a calibration method tried and
+        found worse must not lose the good model without a word)."""
+        name = f"onnx-int8-{method}"
+        old = self.run.artifact(name) or {}
+        if (old.get("gate") or {}).get("passed") and not entry["gate"]["passed"]:
+            flags = old.get("flags")
+            again = (
+                f"quantize again as it was made to get it back: "
+                f"{_command(self.run, 'quantize', [method], flags)}"
+                if isinstance(flags, list) and all(isinstance(f, str) for f in flags)
+                else "quantize again with the settings that made it to get it back"
+            )
+            log.warning(
+                "%s fails the gate (test accuracy %.4f) where the model it replaces passed "
+                "(%.4f): %s",
+                name,
+                entry["accuracy"],
+                old.get("accuracy", float("nan")),
+                again,
+            )
+        self.run.record(name, entry)
 
     def _meta(self, method: str) -> dict[str, str]:
         return {
@@ -838,6 +862,7 @@ class Quantizer:
             "accuracy": acc,
             "fp32_accuracy": self.fp32_acc,
             "gate": {"min_ratio": self.settings.gate, "passed": self._gate(acc)},
+            "flags": self.repeat,  # the options that make it again
             "versions": {"lightship": __version__, "onnxruntime": ort.__version__},
         }
 
