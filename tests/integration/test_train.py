@@ -660,6 +660,21 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
     # a run recorded before fingerprints were kept resumes on the data as it is
     old = {**hparams, "data_spec": {k: v for k, v in spec.items() if k != "fingerprint"}}
     _check_resume_matches(old, SimpleNamespace(hparams=hparams), RunDir(tiny_run))  # type: ignore[arg-type]
+    # ... unless its own config.yaml measures another mean/std on it: the data reads otherwise
+    # (an older lightship read image folders without recursion or the EXIF turn), and neither
+    # file it blamed ("config.yaml and last.ckpt disagree") was touched
+    moved = {k: changed.hparams[k] for k in ("model_spec", "input_spec")}
+    with pytest.raises(DataError) as moved_err:
+        read_otherwise = SimpleNamespace(hparams={**old, **moved})
+        _check_resume_matches(old, read_otherwise, RunDir(tiny_run), own_config=True)  # type: ignore[arg-type]
+    assert str(moved_err.value).startswith(
+        f"cannot resume {tiny_run}: the pixel mean/std measured on its data moved since it "
+        "trained (model.mean "
+    )
+    assert str(moved_err.value).endswith(
+        "an older lightship trained the run and read it otherwise; put the data back as it "
+        "was, or train afresh without --resume"
+    )
 
 
 def test_resume_from_a_checkpoint_lightning_did_not_write(tmp_path: Path) -> None:
