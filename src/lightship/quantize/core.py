@@ -489,7 +489,7 @@ class Quantizer:
         with then_held() as then, atomic_path(final) as tmp, made_here("static", tmp, self.work):
             # Every choice below is made on the validation split; the test split only measures
             # the model they made.
-            best = (-1.0, 0)  # the most accurate round's accuracy and fallback nodes
+            best = (-1.0, 0, 0)  # the most accurate round's accuracy, fallback nodes, exclude
             for round_ in range(s.fallback_budget + 1):
                 self._static(tmp, self.scheme, exclude)
                 val_acc = self._val_accuracy(tmp)
@@ -500,7 +500,7 @@ class Quantizer:
                     self.fp32_val_acc,
                 )
                 if val_acc > best[0]:  # a tie keeps the earlier round: fewer nodes in fp32
-                    best = (val_acc, len(fallback_nodes))
+                    best = (val_acc, len(fallback_nodes), len(exclude))
                 if self._gate(val_acc, "validation") or round_ == s.fallback_budget:
                     break
                 ranked = fallback.rank_nodes(
@@ -529,9 +529,8 @@ class Quantizer:
                     len(fallback_nodes) - best[1],
                     best[0],
                 )
-                fallback_nodes = fallback_nodes[: best[1]]
-                exclude = [n for f in fallback_nodes for n in f["island"]]
-                exclude = list(dict.fromkeys(exclude))
+                # both only grew, round by round: that round's are their first entries
+                fallback_nodes, exclude = fallback_nodes[: best[1]], exclude[: best[2]]
                 self._static(tmp, self.scheme, exclude)
                 val_acc = best[0]
             speed = self._first_conv_in_fp32(tmp, exclude, val_acc)
