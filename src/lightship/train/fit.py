@@ -177,20 +177,14 @@ def _check_resume_matches(
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
             diffs += _changes(old, new, name)
-    derived = ("model.mean ", "model.std ", "input.mean ", "input.std ")
     if data_changed:  # the normalisation measured on the data follows it: no news of its own
-        diffs = [d for d in diffs if not d.startswith(derived)]
-    elif own_config and diffs and all(d.startswith(derived) for d in diffs):
-        # The run's own config, and only the mean/std measured on its data moved: the data
-        # reads otherwise (a run with no fingerprint, which an older lightship trained)
-        shown = "; ".join(diffs[:2]) + (f"; and {len(diffs) - 2} more" if len(diffs) > 2 else "")
-        raise DataError(
-            f"cannot resume {run.root}: the pixel mean/std measured on its data moved since it "
-            f"trained ({shown}): the data changed, or an older lightship trained the run and "
-            "read it otherwise; put the data back as it was, or train afresh without --resume"
-        )
+        diffs = [d for d in diffs if not d.startswith(_MEASURED_ON_DATA)]
     if diffs:
         raise _other_model_data(run, diffs, data_changed, own_config)
+
+
+# What training measures on the data when the config does not set it: the pixel mean and std
+_MEASURED_ON_DATA = ("model.mean ", "model.std ", "input.mean ", "input.std ")
 
 
 def _other_model_data(
@@ -201,6 +195,14 @@ def _other_model_data(
         return DataError(
             f"cannot resume {run.root}: its data changed since it trained ({shown}): put the "
             "data back as it was, or train afresh without --resume"
+        )
+    if own_config and all(d.startswith(_MEASURED_ON_DATA) for d in diffs):
+        # The run's own config, and only the mean/std measured on its data moved: the data
+        # reads otherwise (a run with no fingerprint, which an older lightship trained)
+        return DataError(
+            f"cannot resume {run.root}: the pixel mean/std measured on its data moved since it "
+            f"trained ({shown}): the data changed, or an older lightship trained the run and "
+            "read it otherwise; put the data back as it was, or train afresh without --resume"
         )
     return ConfigError(
         f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
