@@ -1,7 +1,8 @@
 """Lightning pieces shared by training and quantization-aware fine-tuning.
 
 They live outside `lightship.train` because `lightship.quantize` must not import training code
-(DESIGN.md §2) yet fine-tunes with the same checkpointing and progress reporting.
+(a test imports it in a subprocess and reads `sys.modules`) yet fine-tunes with the same
+checkpointing and progress reporting.
 """
 
 from __future__ import annotations

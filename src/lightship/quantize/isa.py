@@ -1,4 +1,4 @@
-"""Which int8 scheme a CPU (or TensorRT) runs without saturating (DESIGN.md §4).
+"""Which int8 scheme a CPU (or TensorRT) runs without saturating (README, "Which CPU it is for").
 
 On x86 without VNNI, int8 convolutions multiply u8 activations by s8 weights with
 `vpmaddubsw`, which adds pairs of products into int16 and saturates: full-range weights give

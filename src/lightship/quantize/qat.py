@@ -1,5 +1,6 @@
 """`quantize_aware_train(run, scheme, out)`: fine-tune best.ckpt with fake quantization and
-export a real int8 ONNX model (DESIGN.md §4, the PT2E recipe for torch 2.13 + torchao 0.18).
+export a real int8 ONNX model (the PT2E recipe for torch 2.13 + torchao 0.18; the README's
+"Quantization-aware training").
 
 `torch.export` -> `prepare_qat_pt2e` (X86InductorQuantizer, weights in the target's range) ->
 a few Lightning epochs at a small learning rate, observers and batch-norm statistics frozen for

@@ -64,7 +64,7 @@ def session_options(
     """Threads = physical cores, one inter-op thread, all graph optimisations.
 
     Spinning is off by default: in a server, spinning workers burn idle CPU and under
-    contention pushed p99 from 0.3 ms to 4-8 ms (DESIGN.md §4); benchmarks may turn it on.
+    contention pushed p99 from 0.3 ms to 4-8 ms (measured on ORT 1.32); benchmarks may turn it on.
     `spin_in_run` lets them spin inside a run only (`session.force_spinning_stop`): a pool
     that sleeps between the parallel sections of one run wakes through the kernel for each.
     That cost ResNet-18 on ORT's AMX GEMM a quarter of its served throughput, yet made the

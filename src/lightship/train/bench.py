@@ -1,4 +1,4 @@
-"""`lightship bench train`: training steps/s for the data-loading choices of DESIGN.md §3.
+"""`lightship bench train`: training steps/s for the ways data can be fed (listed below).
 
 Each setting runs the same model, optimizer and batch size for a fixed number of steps after a
 warm-up, in this process. Rounds interleave the settings (every setting once a round, the order
