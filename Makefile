@@ -21,6 +21,10 @@ TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
+# A stage's `next:` line names no stage this make runs after it (`make train export`; a recipe
+# that runs another stage after its own adds it).
+export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
+
 # An empty RUN (`make export RUN=`) or one with a space would reach lightship as other
 # arguments, and its error would name those.
 ifneq ($(words $(RUN)),1)
@@ -94,7 +98,7 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # stops too.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(if $(train_asked),,$(error $(no_run)))
-	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
+	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) export' $(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
 
 comma := ,
 empty :=
@@ -116,7 +120,7 @@ $(RUN)/export/model.onnx: | $(RUN)/best.ckpt $(STAMP)
 
 quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT behind the accuracy gate, then the report
 	$(call args_note,quantize,QUANTIZE_ARGS)
-	$(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS)
+	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) report' $(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS)
 	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
 
 report: $(STAMP) | $(RUN)/export/model.onnx ## measure every variant in RUN: report/report.md, report.json, pareto.png

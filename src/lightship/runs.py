@@ -397,9 +397,17 @@ def stage_on(
     )
 
 
+# The stages the make that runs a stage runs after it (the Makefile sets it): a `next:` line that
+# named one would tell the user to run what make is about to run.
+MAKE_GOALS = "LIGHTSHIP_MAKE_GOALS"
+
+
 def next_command(stage: str, run: Path, env: str = "") -> str:
     """What a `next:` line says to run after a stage: `stage` on `run`, `env` (PYTHONPATH=...)
-    first: make's target and the lightship command in the checkout, else the latter."""
+    first: make's target and the lightship command in the checkout, else the latter; only
+    `stage`'s name where the make running this stage runs it next (`MAKE_GOALS`)."""
+    if stage in os.environ.get(MAKE_GOALS, "").split():  # `make quantize`: the report comes
+        return f"{stage}, which make runs now"
     q = shlex.quote(str(run))
     cli = f"{env}lightship {stage} --run {q}"
     return stage_command(f"{env}make {stage} RUN={q}   (or `{cli}`)", cli)

@@ -172,6 +172,48 @@ def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> N
     assert "note:" not in proc.stderr, proc.stderr
 
 
+def test_make_stages_next_line_names_no_stage_make_runs_after_them(tmp_path: Path) -> None:
+    # each recipe's lightship (a stand-in printing the `next:` line the real stage would) sees
+    # which stages the same make runs after it
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "best.ckpt").touch()
+    (run / "export/model.onnx").touch()
+    bin_dir.mkdir()
+    (bin_dir / "stand_in.py").write_text(
+        "import sys\nfrom pathlib import Path\nfrom lightship.runs import next_command\n"
+        "after = {'train': 'export', 'export': 'quantize', 'quantize': 'report'}\n"
+        "if sys.argv[1] in after:\n"
+        "    print(sys.argv[1], 'next:', next_command(after[sys.argv[1]], Path(sys.argv[3])))\n"
+    )
+    stand_in = bin_dir / "lightship"
+    stand_in.write_text(f'#!/bin/sh\nexec {sys.executable} {bin_dir / "stand_in.py"} "$@"\n')
+    stand_in.chmod(0o755)
+    env = {**os.environ, "MAKEFLAGS": "", "PYTHONPATH": str(ROOT / "src")}
+    env.pop("LIGHTSHIP_MAKE_GOALS", None)
+
+    def make(*args: str) -> list[str]:
+        out = subprocess.run(
+            ["make", "-s", *args, f"BIN={bin_dir}", f"STAMP={stand_in}", f"RUN={run}"],
+            cwd=ROOT, capture_output=True, text=True, check=True, env=env,
+        ).stdout  # fmt: skip
+        return [line for line in out.splitlines() if " next: " in line]
+
+    ahead = f"make quantize RUN={run}   (or `lightship quantize --run {run}`)"
+    assert make("export") == [f"export next: {ahead}"]
+    assert make("export", "quantize") == [
+        "export next: quantize, which make runs now",
+        "quantize next: report, which make runs now",  # the report in quantize's recipe
+    ]
+    (run / "best.ckpt").unlink()  # trained and exported first, then quantized
+    (run / "export/model.onnx").unlink()
+    assert make("quantize", "CONFIG=configs/tiny.yaml") == [
+        "train next: export, which make runs now",
+        "export next: quantize, which make runs now",
+        "quantize next: report, which make runs now",
+    ]
+
+
 def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) -> None:
     # a fresh RUN given with its CONFIG: report and serve train and export first
     fresh = tmp_path / "fresh"

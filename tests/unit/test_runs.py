@@ -826,6 +826,20 @@ def test_ddp_workers_leave_the_lock_to_rank_0(
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_next_names_no_stage_the_running_make_runs_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `make quantize` writes the report after quantize: "next: make report" would tell the user
+    # to run what make is about to run (the Makefile sets the variable)
+    run = Path("runs/x")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(runs.MAKE_GOALS, "quantize report")
+    assert runs.next_command("report", run) == "report, which make runs now"
+    assert runs.next_command("serve", run).startswith("make serve RUN=runs/x")
+    monkeypatch.setenv(runs.MAKE_GOALS, "reports")  # a word, not a part of one
+    assert runs.next_command("report", run).startswith("make report RUN=runs/x")
+
+
 def test_commands_in_messages_run_from_where_the_user_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
