@@ -359,14 +359,18 @@ def test_the_plots_latency_labels_leave_out_the_one_beside_each_decade(
     assert ax.xaxis.get_major_formatter()(0.1) == "0.1"
 
 
-def test_no_two_labels_of_the_plot_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("accuracy", [0.97, 1.0])
+def test_no_two_labels_of_the_plot_overlap(
+    accuracy: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Seven variants at one accuracy, four within 25 % in latency (ResNet-18's eager, .pt2,
     TorchScript and dynamic int8): on three fixed rows `onnx-int8-dynamic` and `pt2` were
-    drawn over each other. A label that would cross the axes' right edge goes to the left."""
+    drawn over each other. A label that would cross the axes' right edge goes to the left.
+    At 100 %, the top of the axis, the upper rows ran into the title: they go below."""
     from matplotlib.text import Text
 
     r = report_dict()
-    template = r["variants"][0]
+    template = {**r["variants"][0], "accuracy": accuracy}
     latencies = {
         "onnx-int8-static": 1.29,
         "onnx-int8-qat": 1.36,
@@ -380,6 +384,7 @@ def test_no_two_labels_of_the_plot_overlap(tmp_path: Path, monkeypatch: pytest.M
         {**template, "name": name, "recommended": False, "latency_ms": {"p50": p50}}
         for name, p50 in latencies.items()
     ]
+    r["variants"][-1]["accuracy"] = accuracy - 0.1  # the axis 10 points high: rows are tall
     ax = plotted(r, tmp_path, monkeypatch)
     renderer = ax.figure.canvas.get_renderer()
     labels = {t.get_text(): Text.get_window_extent(t, renderer) for t in ax.texts}
@@ -389,3 +394,6 @@ def test_no_two_labels_of_the_plot_overlap(tmp_path: Path, monkeypatch: pytest.M
         assert not any(a.overlaps(b) for b in boxes[i + 1 :]), list(labels)[i]
     right = ax.get_window_extent(renderer).x1
     assert all(box.x1 <= right + 1 for box in boxes)
+    title, figure = ax.title.get_window_extent(renderer), ax.figure.bbox
+    assert not any(box.overlaps(title) for box in boxes)
+    assert all(figure.y0 <= box.y0 and box.y1 <= figure.y1 for box in boxes)

@@ -303,33 +303,48 @@ def pareto(r: dict[str, Any], path: Path) -> None:
 def _label(fig: Any, ax: Any, names: list[str], points: list[tuple[float, float]]) -> None:
     """Each point's name above it, on the lowest row (12 pt apart) where it overlaps no label
     placed before it, in order of latency: variants often tie in accuracy and sit close in
-    latency (`onnx-int8-dynamic` and `pt2` were drawn over each other on three fixed rows)."""
+    latency (`onnx-int8-dynamic` and `pt2` were drawn over each other on three fixed rows).
+    A row that would run into the title or off the figure is not taken; where every row above
+    would, the name goes below its point the same way."""
     from matplotlib.text import Text
 
     renderer = fig.canvas.get_renderer()
     right = ax.get_window_extent(renderer).x1
+    top = fig.bbox.y1
+    title = ax.title.get_window_extent(renderer) if ax.get_title() else None
     placed: list[Any] = []
 
     def annotate(i: int, row: int, side: int) -> tuple[Any, Any]:
+        above = row >= 0  # row -1 is the first below the point
         text = ax.annotate(
             names[i],
             points[i],
             textcoords="offset points",
-            xytext=(4 * side, 6 + 12 * row),
+            xytext=(4 * side, 6 + 12 * row if above else -6 + 12 * (row + 1)),
             ha="left" if side > 0 else "right",
+            va="baseline" if above else "top",
             fontsize=8,
             arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5} if row else None,
         )
         text.update_positions(renderer)
         return text, Text.get_window_extent(text, renderer)  # the words, not the leader line
 
+    def clear(box: Any) -> bool:
+        return (
+            box.y1 <= top
+            and box.y0 >= fig.bbox.y0
+            and not (title is not None and box.overlaps(title))
+            and not any(box.overlaps(other) for other in placed)
+        )
+
+    rows = [*range(len(points)), *range(-1, -len(points) - 1, -1)]
     for i in sorted(range(len(points)), key=lambda i: points[i]):
-        for row in range(len(points)):
+        for n, row in enumerate(rows):
             text, box = annotate(i, row, 1)
             if box.x1 > right:  # past the axes' right edge: written to the left of its point
                 text.remove()
                 text, box = annotate(i, row, -1)
-            if row == len(points) - 1 or not any(box.overlaps(other) for other in placed):
+            if n == len(rows) - 1 or clear(box):
                 placed.append(box)
                 break
             text.remove()
