@@ -666,7 +666,7 @@ def test_resuming_a_run_out_of_time_says_so_not_finished(tmp_path: Path) -> None
     assert manifest(run)["checkpoint"]["global_step"] > step
 
 
-def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
+def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) -> None:
     from lightship.errors import ConfigError, DataError
     from lightship.train.fit import _check_resume_matches
 
@@ -687,6 +687,21 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path) -> None:
     assert str(changed_err.value) == (
         f"cannot resume {tiny_run}: its data changed since it trained (data images {n} -> 9, "
         "or changed): put the data back as it was, or train afresh without --resume"
+    )
+    # more images in a folder holding .jfif files, which an older lightship skipped: that
+    # cause is named too, as quantize and report name it
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "1.jfif").touch()
+    folder = {**spec, "source": "folder", "path": str(tmp_path)}
+    then = {**hparams, "data_spec": {**folder, "fingerprint": "5:a"}}
+    now = SimpleNamespace(hparams={**hparams, "data_spec": {**folder, "fingerprint": "6:b"}})
+    with pytest.raises(DataError) as later_err:
+        _check_resume_matches(then, now, RunDir(tiny_run))  # type: ignore[arg-type]
+    assert str(later_err.value) == (
+        f"cannot resume {tiny_run}: its data changed since it trained (data images 5 -> 6, or "
+        "changed) (or, if nothing changed, an older lightship trained the run and skipped its "
+        ".jfif and .jpe files, which this one reads: move them out of the folder to use the "
+        "run): put the data back as it was, or train afresh without --resume"
     )
     # resumed with the run's own config.yaml, which the checkpoint disagrees with: to offer
     # "resume with the run's config" would be to offer what was just refused

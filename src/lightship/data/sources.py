@@ -437,6 +437,25 @@ def stratified_split(
 LATER_SUFFIXES = (".jfif", ".jpe")
 
 
+def older_reader_cause(then: str, now: str, folder: Path | None) -> str:
+    """Where a folder's fingerprint counts more images `now` than `then` and the folder holds
+    files of `LATER_SUFFIXES`, the other cause of the change, for its refusal; else ""."""
+    was, now_n = then.partition(":")[0], now.partition(":")[0]
+    later = (
+        folder is not None
+        and was.isdigit()
+        and now_n.isdigit()
+        and int(was) < int(now_n)
+        and any(p.suffix.lower() in LATER_SUFFIXES for p in folder.rglob("*") if p.is_file())
+    )
+    return (
+        " (or, if nothing changed, an older lightship trained the run and skipped its .jfif "
+        "and .jpe files, which this one reads: move them out of the folder to use the run)"
+        if later
+        else ""
+    )
+
+
 def _check_unchanged(spec: DataSpec, now: str, folder: Path | None = None) -> None:
     """Data that changed since the run trained on it: the split is drawn anew over what is
     there now, so its test images would no longer be the ones the model never saw."""
@@ -445,20 +464,9 @@ def _check_unchanged(spec: DataSpec, now: str, folder: Path | None = None) -> No
     was, now_n = spec.fingerprint.partition(":")[0], now.partition(":")[0]
     counts = f"{was} images then, {now_n} now" if was != now_n else f"{now_n} images, not the same"
     where = f"{spec.source} data {spec.path}" if spec.path else f"the {spec.source} data"
-    later = (
-        folder is not None
-        and was.isdigit()
-        and int(was) < int(now_n)
-        and any(p.suffix.lower() in LATER_SUFFIXES for p in folder.rglob("*") if p.is_file())
-    )
-    cause = (
-        " (or, if nothing changed, an older lightship trained the run and skipped its .jfif "
-        "and .jpe files, which this one reads: move them out of the folder to use the run)"
-        if later
-        else ""
-    )
     raise DataError(
-        f"{where} changed since this run trained on it ({counts}){cause}: its test split "
+        f"{where} changed since this run trained on it ({counts})"
+        f"{older_reader_cause(spec.fingerprint, now, folder)}: its test split "
         "would no longer be the images held out from training; put the data back as it was, "
         "or train a new run on it"
     )

@@ -42,6 +42,7 @@ from lightship.config import (
     without_unread_path,
 )
 from lightship.data.module import ImageDataModule, drops_last, process_share, spec_from_config
+from lightship.data.sources import older_reader_cause
 from lightship.errors import ConfigError, DataError, LightshipError, RunError, first_line
 from lightship.models.checkpoint import (
     load_checkpoint,
@@ -160,7 +161,7 @@ def _check_resume_matches(
     or would silently continue on other data). `own_config`: the config is the run's own
     config.yaml as it is, so that is no fix to offer."""
     diffs: list[str] = []
-    data_changed = False
+    data_changed, cause = False, ""
     for key, name in _RESUME_HPARAMS.items():
         old, new = hparams[key], lit.hparams[key]
         if key == "model_spec":  # where the module lies is no part of the model
@@ -173,6 +174,8 @@ def _check_resume_matches(
             if data_changed:
                 counts = [str(f).partition(":")[0] for f in (was, now)]
                 diffs.append(f"data images {counts[0]} -> {counts[1]}, or changed")
+                folder = new.get("path") if new.get("source") == "folder" else None
+                cause = older_reader_cause(str(was), str(now), folder and Path(folder))
         if key == "labels" and old != new:
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
@@ -180,7 +183,7 @@ def _check_resume_matches(
     if data_changed:  # the normalisation measured on the data follows it: no news of its own
         diffs = [d for d in diffs if not d.startswith(_MEASURED_ON_DATA)]
     if diffs:
-        raise _other_model_data(run, diffs, data_changed, own_config)
+        raise _other_model_data(run, diffs, data_changed, own_config, cause)
 
 
 # What training measures on the data when the config does not set it: the pixel mean and std
@@ -188,13 +191,15 @@ _MEASURED_ON_DATA = ("model.mean ", "model.std ", "input.mean ", "input.std ")
 
 
 def _other_model_data(
-    run: RunDir, diffs: list[str], data_changed: bool, own_config: bool
+    run: RunDir, diffs: list[str], data_changed: bool, own_config: bool, cause: str = ""
 ) -> LightshipError:
+    """The refusal of a resume whose model or data differ (`diffs`), by its cause: the data
+    changed (with `cause`, `sources.older_reader_cause`), or reads otherwise, or the config."""
     shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
     if data_changed:  # a data error (exit 3), as quantize and report say it
         return DataError(
-            f"cannot resume {run.root}: its data changed since it trained ({shown}): put the "
-            "data back as it was, or train afresh without --resume"
+            f"cannot resume {run.root}: its data changed since it trained ({shown}){cause}: "
+            "put the data back as it was, or train afresh without --resume"
         )
     if own_config and all(d.startswith(_MEASURED_ON_DATA) for d in diffs):
         # The run's own config, and only the mean/std measured on its data moved: the data
