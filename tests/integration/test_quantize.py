@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -864,7 +864,10 @@ def test_a_test_split_that_is_not_what_training_measured_is_refused(
 
 
 def test_fallback_nodes_that_gain_no_accuracy_stay_int8(
-    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    exported_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """ResNet-18 with entropy calibration: three fallback rounds at 0.9591 each, and all three
     fp32 islands kept in a model about 10 % slower for nothing. Rounds that gain nothing over
@@ -881,8 +884,20 @@ def test_fallback_nodes_that_gain_no_accuracy_stay_int8(
         return flat.setdefault("acc", val_accuracy(self, model))
 
     monkeypatch.setattr(Quantizer, "_val_accuracy", no_gain)
+    caplog.set_level(logging.INFO, "lightship.quantize.core")
     (v,) = quantize(RunDir(run), "static", settings=QuantizeSettings(gate=1.01, fallback_budget=2))
     assert not v.gate_passed and v.entry["nodes_fp32_by_fallback"] == []
+    islands: list[list[str]] = [  # each round's island, as the rounds logged them
+        cast(tuple[Any, ...], r.args)[0]
+        for r in caplog.records
+        if r.getMessage().startswith("gate failed: keeping")
+    ]
+    undone = f"their {sum(map(len, islands))} node(s) go back to int8"  # not "2 node(s)"
+    assert len(islands) == 2 and any(
+        r.getMessage().startswith("the fallback's last 2 round(s) gained no validation")
+        and r.getMessage().endswith(undone)
+        for r in caplog.records
+    ), caplog.text
     first_conv = v.entry["first_conv_fp32"] or {}
     kept = len(first_conv.get("island", [])) if first_conv.get("kept") else 0
     assert int8_share(v.path)["float_nodes"] == kept  # no fallback island left in fp32

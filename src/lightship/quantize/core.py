@@ -524,10 +524,11 @@ class Quantizer:
                 # Failed the gate, and the last rounds' fp32 islands gained nothing over an
                 # earlier round's model: they would only slow it down.
                 log.info(
-                    "the fallback's last %d node(s) gained no validation accuracy over %.4f: "
-                    "kept in int8",
+                    "the fallback's last %d round(s) gained no validation accuracy over %.4f: "
+                    "their %d node(s) go back to int8",
                     len(fallback_nodes) - best[1],
                     best[0],
+                    len(exclude) - best[2],
                 )
                 # both only grew, round by round: that round's are their first entries
                 fallback_nodes, exclude = fallback_nodes[: best[1]], exclude[: best[2]]
