@@ -186,6 +186,9 @@ class ServeSettings(BaseSettings):
 # Read elsewhere (lightship.runtime.ort, with --device cuda), not settings of the server; the
 # help of `lightship serve` says what they do.
 OTHER_VARIABLES = {"LIGHTSHIP_TENSORRT", "LIGHTSHIP_TRT_CACHE"}
+# Set by the Makefile for every stage it runs (`runs.MAKE_GOALS`), `make serve` included: no
+# user's typo to warn of.
+MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS"}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
@@ -193,7 +196,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     them, so a typo in a container's environment would silently leave the default in force."""
     prefix = ENV_PREFIX
     known = {name.upper() for name in ServeSettings.model_fields}
-    known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES}
+    known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES | MAKES_OWN}
     warnings = []
     for name in sorted(environ):
         key = name.upper().removeprefix(prefix)
