@@ -669,9 +669,14 @@ class RunDir:
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
         only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''."""
-        from lightship.models import spec_pythonpath  # imports torch: only when asked
-
-        return spec_pythonpath((self.artifact("checkpoint") or {}).get("model") or {})
+        spec = (self.artifact("checkpoint") or {}).get("model") or {}
+        if ":" not in str(spec.get("name", "")):  # a registry model: nothing to import
+            return ""
+        try:
+            from lightship.models import spec_pythonpath  # imports torch: only when asked
+        except ImportError:  # a serving install without torch, where no stage can run
+            return ""
+        return spec_pythonpath(spec)
 
     def command(self, *stages: str) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a
@@ -694,14 +699,14 @@ class RunDir:
     def remake_command(self, variant: str) -> str:
         """The command that makes just `variant` of this run again, quoted for a message.
         Where no stage can run (`can_make`), `remake_hint` says what to do instead."""
-        stage = _stage_of(variant)
+        stage, env = _stage_of(variant), self.pythonpath()
         if stage == "train":
-            return self.train_command()
-        run = shlex.quote(str(self.root))
+            return self.train_command(env=env)
         if stage == "quantize":
             method = variant.removeprefix("onnx-int8-")
-            return f"`lightship quantize --run {run} --methods {method}`"
-        return f"`lightship export --run {run} --formats {variant.removesuffix('-fp32')}`"
+            return f"`{stage_on(self.root, stage, env, 'methods', [method])}`"
+        fmt = variant.removesuffix("-fp32")
+        return f"`{stage_on(self.root, stage, env, 'formats', [fmt])}`"
 
     def make_hint(self, variant: str) -> str:
         """How to make a missing `variant` of this run, for a message's fix: run its stage,

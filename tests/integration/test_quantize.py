@@ -371,8 +371,8 @@ def test_report_refuses_an_artifact_changed_after_it_was_recorded(
     assert proc.returncode == 4, proc.stderr
     assert last_line(proc.stderr) == (
         f"error: {run}/quantize/model.int8-static.onnx differs from its manifest entry (sha256): "
-        f"it changed after `lightship` wrote it; re-run `lightship quantize --run {run} "
-        "--methods static`"
+        f"it changed after `lightship` wrote it; re-run `make quantize RUN={run} "
+        "QUANTIZE_ARGS='--methods static'`"
     )
     assert not (run / "report" / "report.json").exists() or (
         (run / "report" / "report.json").read_bytes()
@@ -431,7 +431,7 @@ def test_a_report_names_a_listed_variant_whose_file_is_gone(
     proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)
     why = (
         "listed in the manifest but export/model.ts is gone; "
-        f"`lightship export --run {run} --formats torchscript` makes it again"
+        f"`make export RUN={run} EXPORT_ARGS='--formats torchscript'` makes it again"
     )
     assert f"torchscript is {why} (not measured)" in proc.stderr
     result = json.loads((run / "report/report.json").read_text())
@@ -759,7 +759,7 @@ def test_quantize_refuses_a_model_of_another_shape_recorded_as_the_runs(
         quantize(RunDir(run), "dynamic")
     assert str(err.value) == (
         f"{run}/export/model.onnx is not this run's model (it takes [N,3,8,8], the run's images "
-        f"are [N,1,16,16]): re-run `lightship export --run {run} --formats onnx`"
+        f"are [N,1,16,16]): re-run `make export RUN={run} EXPORT_ARGS='--formats onnx'`"
     )
     assert "onnx-int8-dynamic" not in entries(run) and not list(run.glob(".quantize.*"))
 

@@ -495,18 +495,22 @@ def test_accuracy_of_a_dynamic_int8_model_is_the_same_on_any_core_count(
     ("name", "file", "command"),
     [
         ("eager", "best.ckpt", "`make train RESUME=1 RUN={run}`"),
-        ("torchscript", "export/model.ts", "`lightship export --run {run} --formats torchscript`"),
-        ("pt2", "export/model.pt2", "`lightship export --run {run} --formats pt2`"),
-        ("onnx-fp32", "export/model.onnx", "`lightship export --run {run} --formats onnx`"),
+        (
+            "torchscript",
+            "export/model.ts",
+            "`make export RUN={run} EXPORT_ARGS='--formats torchscript'`",
+        ),
+        ("pt2", "export/model.pt2", "`make export RUN={run} EXPORT_ARGS='--formats pt2'`"),
+        ("onnx-fp32", "export/model.onnx", "`make export RUN={run} EXPORT_ARGS='--formats onnx'`"),
         (
             "onnx-int8-dynamic",
             "quantize/model.int8-dynamic.onnx",
-            "`lightship quantize --run {run} --methods dynamic`",
+            "`make quantize RUN={run} QUANTIZE_ARGS='--methods dynamic'`",
         ),
         (
             "onnx-int8-qat",
             "quantize/model.int8-qat.onnx",
-            "`lightship quantize --run {run} --methods qat`",
+            "`make quantize RUN={run} QUANTIZE_ARGS='--methods qat'`",
         ),
     ],
 )

@@ -48,7 +48,7 @@ def test_a_variant_its_runtime_cannot_load_is_left_out_with_the_command_to_remak
     assert [c.name for c in found] == ["eager", "torchscript"]
     warning = caplog.text
     assert "onnx-fp32: onnxruntime cannot load export/model.onnx" in warning, warning
-    assert f"lightship export --run {run} --formats onnx" in warning, warning
+    assert f"make export RUN={run} EXPORT_ARGS='--formats onnx'" in warning, warning
     assert list(left_out) == ["onnx-fp32"]  # for report.json and report.md to name
     assert left_out["onnx-fp32"].startswith("onnxruntime cannot load export/model.onnx (")
 
@@ -391,7 +391,7 @@ def test_a_model_of_another_shape_recorded_in_the_run_is_left_out_of_the_report(
     assert [c.name for c in found] == ["eager", "torchscript"]
     assert left_out == {
         "onnx-fp32": "export/model.onnx is not this run's model (it takes [N,3,8,8], the run's "
-        f"images are [N,1,16,16]); `lightship export --run {run} --formats onnx` makes it again"
+        f"images are [N,1,16,16]); `make export RUN={run} EXPORT_ARGS='--formats onnx'` makes it again"
     }
     assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text
 

@@ -54,6 +54,25 @@ def test_a_missing_model_of_a_trained_run_names_the_stage_that_writes_it(tmp_pat
     assert run.remake_hint("checkpoint") == f"re-run `lightship train --run {run.root}`"
 
 
+def test_the_command_that_remakes_a_variant_of_a_user_model_carries_its_pythonpath(
+    tmp_path: Path,
+) -> None:
+    # followed as printed, it failed: "cannot import mynet ... run with PYTHONPATH=..."
+    module = tmp_path / "mods" / "lightship_test_mynet.py"
+    run = RunDir(tmp_path / "run")
+    model = {"name": "lightship_test_mynet:Net", "module_file": str(module)}
+    run.record("checkpoint", {"file": "best.ckpt", "model": model})
+    run.best_ckpt.write_bytes(b"weights")
+    env = "PYTHONPATH=mods "  # the folder it trained from, from here
+    assert run.remake_hint("onnx-fp32") == (
+        f"re-run `{env}lightship export --run {run.root} --formats onnx`"
+    )
+    assert run.remake_hint("onnx-int8-qat") == (
+        f"re-run `{env}lightship quantize --run {run.root} --methods qat`"
+    )
+    assert run.remake_hint("checkpoint") == f"re-run `{env}lightship train --run {run.root}`"
+
+
 def test_a_run_without_best_ckpt_says_how_to_have_a_variant_not_to_run_a_stage_there(
     tmp_path: Path,
 ) -> None:

@@ -425,7 +425,7 @@ def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
     (run / "best.ckpt").write_bytes(b"weights")  # a trained run: export can make it again
     with pytest.raises(RunError, match="differs from its manifest entry") as err:
         verify(choose(ServeSettings(run=run)))
-    assert str(err.value).endswith(f"re-run `lightship export --run {run} --formats onnx`")
+    assert str(err.value).endswith(f"re-run `make export RUN={run} EXPORT_ARGS='--formats onnx'`")
 
 
 def test_a_folder_name_that_is_no_model_name_is_made_one(tmp_path: Path) -> None:
