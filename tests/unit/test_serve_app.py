@@ -2849,3 +2849,110 @@ def test_the_docs_state_the_infer_shape_and_headers_on_both_infer_routes(tmp_pat
         assert (shape["minItems"], shape["maxItems"]) == (3, 4), route
         headers = {p["name"] for p in infer["parameters"] if p["in"] == "header"}
         assert headers == {"Inference-Header-Content-Length", "x-request-timeout-ms"}, route
+
+
+@pytest.mark.parametrize("route", ["/v1/predict", "/v1/predict/image"])
+def test_a_request_whose_client_left_stops_waiting_for_its_parse_or_decode_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """A large JSON body waits for the one parse slot, an upload for a decode slot. One whose
+    client left waited on, holding its body, until the slot came (then was parsed for no one)
+    or its deadline passed: 8 clients that sent large bodies and closed took a server to 5 GB.
+    It now leaves the wait when its client does, counted 499 `disconnected`."""
+    import lightship.serve.app as app_module
+
+    monkeypatch.setattr(serve_app._DisconnectWatch, "WATCH_AFTER_S", 3600)  # the protocol's
+    monkeypatch.setattr(app_module, "DECODE_SLOTS", 1)
+    app, _ = make_app(tmp_path)
+    release, entered, calls = threading.Event(), threading.Event(), []
+    image = route.endswith("image")
+    name = "decode_image" if image else "decode_instances"
+    real = getattr(app_module.v1, name)
+
+    def held(*args: Any) -> Any:  # the first request keeps the slot until released
+        calls.append(args)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(app_module.v1, name, held)
+    headers: list[str] = []
+    if image:
+        upload = httpx.Request("POST", "http://t/", files=[("files", ("a.png", png(X[0, 0])))])
+        body = upload.read()
+        headers.append(f"content-type: {upload.headers['content-type']}")
+    else:
+        body = json.dumps({"instances": X.tolist()}).encode() + b" " * app_module.LARGE_BODY_BYTES
+
+    async def main() -> tuple[float, str, bytes]:
+        async with raw_http(app) as (connect, _, client):
+            reader, writer = await connect()
+            writer.write(post(route, body, *headers))
+            await asyncio.to_thread(entered.wait, 10)  # the slot is taken
+            _, leaver = await connect()
+            leaver.write(post(route, body, *headers))
+            await leaver.drain()
+            await asyncio.sleep(0.2)  # its body is read, and it waits for the slot
+            leaver.close()
+            start = time.monotonic()
+            for _ in range(300):
+                text = (await client.get("/metrics")).text
+                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
+                    break
+                await asyncio.sleep(0.01)
+            waited = time.monotonic() - start
+            release.set()
+            answer = await reader.readuntil(b"}")
+            writer.close()
+            return waited, (await client.get("/metrics")).text, answer
+
+    waited, text, answer = run(main())
+    assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+    assert waited < 2, waited  # while the slot was still taken: not at the 10 s deadline
+    assert len(calls) == 1  # the leaver's body was never parsed or decoded
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 0
+    template = route if image else "/v1/predict"
+    assert metric(text, f'lightship_requests_total{{route="{template}",status="499"}}') == 1
+
+
+def test_waiting_for_a_slot_never_keeps_it_for_no_one() -> None:
+    from lightship.serve.app import acquire_unless_gone
+    from lightship.serve.batcher import ClientGone
+    from lightship.serve.metrics import Metrics
+
+    metrics = Metrics(4)
+    watched: list[Any] = []
+
+    def watch(ticket: Any) -> Callable[[], None]:
+        watched.append(ticket)
+        return lambda: None
+
+    async def main() -> None:
+        slots = asyncio.Semaphore(1)
+        await acquire_unless_gone(slots, 1, watch, metrics)  # free: taken at once
+        assert slots.locked()
+        with pytest.raises(TimeoutError):  # the deadline passes while another holds it
+            await acquire_unless_gone(slots, 0.05, watch, metrics)
+        waiting = asyncio.ensure_future(acquire_unless_gone(slots, 5, watch, metrics))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # shutdown: the waiter is cancelled, the slot not taken
+        await asyncio.wait((waiting,))
+        slots.release()
+        assert not slots.locked()  # nothing holds it
+        # the client leaves as the slot frees: it is handed back, and the request dropped
+        await slots.acquire()
+        waiting = asyncio.ensure_future(acquire_unless_gone(slots, 5, watch, metrics))
+        await asyncio.sleep(0.01)
+        slots.release()
+        watched[-1].abandon()
+        with pytest.raises(ClientGone):
+            await waiting
+        assert not slots.locked()
+
+    asyncio.run(main())
+    assert (
+        metric(metrics.exposition().decode(), 'lightship_rejections_total{reason="disconnected"}')
+        == 1
+    )

@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import uvicorn
@@ -55,7 +55,6 @@ from lightship.serve.batcher import (
     DeadlineExceeded,
     InferenceFailed,
     QueueFull,
-    Ticket,
     TooManyRows,
     WorkerDied,
 )
@@ -276,9 +275,63 @@ class Service:
             stop()
 
 
-# Starts watching for the client of a queued request to leave, abandoning its ticket if it
-# does; returns the function that stops watching.
-Watch = Callable[[Ticket], Callable[[], None]]
+class Abandonable(Protocol):
+    """What a `Watch` abandons when the client leaves: a queued `Ticket`, or a `_Departure`."""
+
+    @property
+    def future(self) -> asyncio.Future[Any]: ...
+
+    def abandon(self) -> None: ...
+
+
+# Starts watching for the client of a queued request (or one waiting for a slot) to leave,
+# abandoning its ticket if it does; returns the function that stops watching.
+Watch = Callable[[Abandonable], Callable[[], None]]
+
+
+class _Departure:
+    """A request's stand-in ticket while it waits for a slot (to parse, to decode): its `Watch`
+    abandons it when the client leaves, which ends the wait."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def abandon(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+async def acquire_unless_gone(
+    slots: asyncio.Semaphore, timeout_s: float, watch: Watch, metrics: Metrics
+) -> None:
+    """One of `slots` for a request, waited for until its deadline (`timeout_s` from now:
+    TimeoutError) or until its client leaves (`ClientGone`, counted `disconnected`): a request
+    whose client left held its body while it waited, and 8 clients that sent large bodies
+    and closed took the server to 5 GB, each kept to its deadline, then parsed for no one."""
+    gone = _Departure()
+    stop = watch(gone)
+    acquire = asyncio.ensure_future(slots.acquire())
+    waited = False
+    try:
+        await asyncio.wait(
+            (acquire, gone.future), timeout=max(timeout_s, 0), return_when=asyncio.FIRST_COMPLETED
+        )
+        waited = True
+    finally:  # cancelled too (shutdown): the slot is given back, never kept by no one
+        stop()
+        if not acquire.done():
+            acquire.cancel()
+            await asyncio.wait((acquire,))  # cancelled, or it took the slot just before
+        acquired = not acquire.cancelled() and acquire.exception() is None
+        if acquired and (not waited or gone.future.done()):
+            slots.release()
+    if gone.future.done():
+        metrics.rejected("disconnected")
+        raise ClientGone()
+    if not acquired:
+        raise TimeoutError
 
 
 def asgi_watch(receive: Receive, after_s: float | None = None) -> Watch:
@@ -286,7 +339,7 @@ def asgi_watch(receive: Receive, after_s: float | None = None) -> Watch:
     Watching starts `after_s` (default `_DisconnectWatch.WATCH_AFTER_S`) after the request is
     queued."""
 
-    def watch(ticket: Ticket) -> Callable[[], None]:
+    def watch(ticket: Abandonable) -> Callable[[], None]:
         return _DisconnectWatch(asyncio.get_running_loop(), ticket, receive, after_s).close
 
     return watch
@@ -309,7 +362,7 @@ class _DisconnectWatch:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        ticket: Ticket,
+        ticket: Abandonable,
         receive: Receive,
         after_s: float | None = None,
     ) -> None:
@@ -827,8 +880,9 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         if json_bytes < LARGE_BODY_BYTES:
             return await run_in_threadpool(parse, *args)
         try:
-            async with asyncio.timeout(service.timeout_s(hot.head)):
-                await parse_slots.acquire()
+            await acquire_unless_gone(
+                parse_slots, service.timeout_s(hot.head), hot.watch, service.metrics
+            )
         except TimeoutError:
             service.metrics.rejected("deadline")
             raise DeadlineExceeded(
@@ -1024,9 +1078,12 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
 
         # Decoding a large photo takes milliseconds: keep it off the event loop, and decode
         # only as many requests' images at once as there are slots (memory, see DECODE_SLOTS).
+        # the upload was read whole: a client that closed is seen now, not at its deadline
+        watch = asgi_watch(request.receive, after_s=0)
         try:
-            async with asyncio.timeout(deadline - time.monotonic()):
-                await decode_slots.acquire()
+            await acquire_unless_gone(
+                decode_slots, deadline - time.monotonic(), watch, service.metrics
+            )
         except TimeoutError:
             service.metrics.rejected("deadline")
             raise DeadlineExceeded(
@@ -1046,7 +1103,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             raise DeadlineExceeded("deadline passed while decoding the images")
         # Watched from the start: an upload costs milliseconds to decode, where a watch costs
         # tens of µs, and a client that left while its images decoded is dropped before compute
-        logits = await service.predict(x, remaining, asgi_watch(request.receive, after_s=0))
+        logits = await service.predict(x, remaining, watch)
         return Response(
             v1.encode_predictions(
                 logits,

@@ -39,8 +39,7 @@ from lightship.serve.metrics import REFUSED
 from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
-    from lightship.serve.app import Head, TensorRoutes
-    from lightship.serve.batcher import Ticket
+    from lightship.serve.app import Abandonable, Head, TensorRoutes
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ class _TensorCycle:
         self._chunks: list[bytes] = []
         self._seen = 0  # body bytes received
         self._over = False  # the body went past the limit
-        self._ticket: Ticket | None = None
+        self._ticket: Abandonable | None = None
         self._waiter: asyncio.Future[None] | None = None  # while run_asgi waits for the body
         self.keep_alive = keep_alive
         self.more_body = True
@@ -263,7 +262,7 @@ class _TensorCycle:
 
     # -- the request's task -----------------------------------------------------------------
 
-    def watch(self, ticket: Ticket) -> Callable[[], None]:
+    def watch(self, ticket: Abandonable) -> Callable[[], None]:
         """The request's `Watch`: a lost connection abandons its queued ticket."""
         if self.disconnected:
             ticket.abandon()
