@@ -917,7 +917,7 @@ def test_a_batch_norm_head_trains_where_an_epoch_would_end_in_one_image(tmp_path
                    "--set", "model.kwargs={}", "--set", "data.batch_size=629",
                    "--set", "trainer.max_epochs=1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "epochs, step 2)" in proc.stdout  # two batches of 629: the last one image is out
+    assert "(1 epoch, step 2)" in proc.stdout  # two batches of 629: the last one image is out
 
 
 def test_resuming_an_older_run_that_recorded_a_path_beside_digits(

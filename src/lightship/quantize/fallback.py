@@ -61,10 +61,11 @@ def few_images_warning(fp32_accuracy: float, gate: float, images: int) -> str | 
     allowed = (1 - Fraction(str(float(gate)))) * fp32_right  # images a variant may lose
     if images <= 0 or not 0 < allowed < 1:
         return None
+    points = f"{float(100 * allowed / images):.2g}"
     return (
         f"the accuracy gate is decided on {images} images: one image is {100 / images:.2g} "
-        f"points of accuracy and the gate allows {float(100 * allowed / images):.2g} below "
-        "fp32's, so a single image decides pass or FAIL"
+        f"points of accuracy and the gate lets a variant lose at most {points} "
+        f"point{'' if points == '1' else 's'} below fp32's, so a single image decides pass or FAIL"
     )
 
 

@@ -857,6 +857,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             "report kept",
             flush=True,
         )
+    epochs = f"{trainer.current_epoch} epoch{'' if trainer.current_epoch == 1 else 's'}"
     if trained_nothing:  # a finished run whose best.ckpt, or its manifest entry, was lost
         done = (
             f"{finished}; its best.ckpt is recorded in manifest.json again"
@@ -865,13 +866,13 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         )
     elif resumed is None:
         done = (
-            f"trained {cfg.model.name} in {train_seconds:.1f} s ({trainer.current_epoch} "
-            f"epochs, step {trainer.global_step})"
+            f"trained {cfg.model.name} in {train_seconds:.1f} s ({epochs}, step "
+            f"{trainer.global_step})"
         )
     else:  # the seconds are this session's; the epochs and step count from the run's start
         done = (
             f"trained {cfg.model.name} from step {resumed_from_step} to {trainer.global_step} "
-            f"in {train_seconds:.1f} s ({trainer.current_epoch} epochs in all)"
+            f"in {train_seconds:.1f} s ({epochs} in all)"
         )
     # an unchanged best.ckpt kept its exports: exporting again is not what comes next
     after = "quantize" if unchanged and run.artifact("onnx-fp32") else "export"
