@@ -214,6 +214,7 @@ def bench_serve(
         typer.Option(
             help="digits run (trained and exported here when missing)",
             parser=run_dir_parser("--digits-run"),
+            metavar="<path>",  # as the other paths' (a parser's type would say <Path>)
         ),
     ] = Path("runs/bench/digits"),
     resnet_run: Annotated[
@@ -221,6 +222,7 @@ def bench_serve(
         typer.Option(
             help="ResNet-18 run (1 epoch, exported here when missing)",
             parser=run_dir_parser("--resnet-run"),
+            metavar="<path>",  # as the other paths' (a parser's type would say <Path>)
         ),
     ] = Path("runs/bench/resnet"),
     duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 4.0,
