@@ -674,6 +674,8 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) 
     from lightship.train.fit import _check_resume_matches
 
     hparams = torch.load(tiny_run / "best.ckpt", weights_only=False)["hyper_parameters"]
+    # the run's own config on the data as it is: make's target here, in the checkout
+    afresh = f"train afresh with `make train RUN={tiny_run} CONFIG={tiny_run}/config.yaml`"
     spec, model = hparams["data_spec"], hparams["model_spec"]
     n = spec["fingerprint"].partition(":")[0]
     # the mean and std measured on the changed data moved with it: not news of their own
@@ -689,7 +691,7 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) 
         _check_resume_matches(hparams, changed, RunDir(tiny_run))  # type: ignore[arg-type]
     assert str(changed_err.value) == (
         f"cannot resume {tiny_run}: its data changed since it trained (data images {n} -> 9, "
-        "or changed): put the data back as it was, or train afresh without --resume"
+        f"or changed): put the data back as it was, or {afresh}"
     )
     # more images in a folder holding .jfif files, which an older lightship skipped: that
     # cause is named too, as quantize and report name it
@@ -704,7 +706,7 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) 
         f"cannot resume {tiny_run}: its data changed since it trained (data images 5 -> 6, or "
         "changed) (or, if nothing changed, an older lightship trained the run and skipped its "
         ".jfif and .jpe files, which this one reads: move them out of the folder to use the "
-        "run): put the data back as it was, or train afresh without --resume"
+        f"run): put the data back as it was, or {afresh}"
     )
     # resumed with the run's own config.yaml, which the checkpoint disagrees with: to offer
     # "resume with the run's config" would be to offer what was just refused
@@ -713,7 +715,7 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) 
         _check_resume_matches(hparams, wider, RunDir(tiny_run), own_config=True)  # type: ignore[arg-type]
     assert str(err.value).endswith(
         "its config.yaml and checkpoints/last.ckpt disagree: put back the config.yaml or "
-        "last.ckpt the run trained with, or train afresh without --resume"
+        f"last.ckpt the run trained with, or {afresh}"
     )
     with pytest.raises(ConfigError, match=r"resume with the run's config \("):
         _check_resume_matches(hparams, wider, RunDir(tiny_run))  # type: ignore[arg-type]
@@ -733,7 +735,7 @@ def test_resume_on_data_that_changed_is_refused(tiny_run: Path, tmp_path: Path) 
     )
     assert str(moved_err.value).endswith(
         "an older lightship trained the run and read it otherwise; put the data back as it "
-        "was, or train afresh without --resume"
+        f"was, or {afresh}"
     )
 
 

@@ -196,10 +196,12 @@ def _other_model_data(
     """The refusal of a resume whose model or data differ (`diffs`), by its cause: the data
     changed (with `cause`, `sources.older_reader_cause`), or reads otherwise, or the config."""
     shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    # on the data as it is now, with the run's own config (make's target in the checkout)
+    afresh = f"train afresh with {run.train_command(afresh=True, env=run.pythonpath())}"
     if data_changed:  # a data error (exit 3), as quantize and report say it
         return DataError(
             f"cannot resume {run.root}: its data changed since it trained ({shown}){cause}: "
-            "put the data back as it was, or train afresh without --resume"
+            f"put the data back as it was, or {afresh}"
         )
     if own_config and all(d.startswith(_MEASURED_ON_DATA) for d in diffs):
         # The run's own config, and only the mean/std measured on its data moved: the data
@@ -207,13 +209,13 @@ def _other_model_data(
         return DataError(
             f"cannot resume {run.root}: the pixel mean/std measured on its data moved since it "
             f"trained ({shown}): the data changed, or an older lightship trained the run and "
-            "read it otherwise; put the data back as it was, or train afresh without --resume"
+            f"read it otherwise; put the data back as it was, or {afresh}"
         )
     return ConfigError(
         f"cannot resume {run.root}: it was trained with a different model/data ({shown}): "
         + (
             f"its {run.config.name} and checkpoints/last.ckpt disagree: put back the "
-            "config.yaml or last.ckpt the run trained with, or train afresh without --resume"
+            f"config.yaml or last.ckpt the run trained with, or {afresh}"
             if own_config
             else f"train without --resume, or resume with the run's config ({run.config})"
         )
