@@ -2956,3 +2956,36 @@ def test_waiting_for_a_slot_never_keeps_it_for_no_one() -> None:
         metric(metrics.exposition().decode(), 'lightship_rejections_total{reason="disconnected"}')
         == 1
     )
+
+
+def test_a_request_answered_before_its_body_cannot_hold_its_connection(tmp_path: Path) -> None:
+    """A GET with a body is answered before the body arrives. uvicorn's keep-alive timer stops
+    at every read and comes back only with the next answer: a client that sent one more byte
+    then nothing held its connection for good (still open after 120 s). The rest of the body
+    must now come within the head's time; and a head that starts in the read that ends such
+    a body is timed as any other (it got no 408, and was held too)."""
+    app, _ = make_app(tmp_path, timeout_ms=300)
+    head = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\n"
+
+    async def held(connect: Callable[[], Awaitable[Any]], rest: bytes) -> tuple[bytes, float]:
+        reader, writer = await connect()
+        writer.write(head)
+        status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+        assert status == 200
+        writer.write(rest)  # then nothing more
+        start = time.monotonic()
+        after = await asyncio.wait_for(reader.read(), 5)  # b"": the server closed
+        writer.close()
+        return after, time.monotonic() - start
+
+    async def main() -> list[tuple[bytes, float]]:
+        async with raw_http(app) as (connect, _, _client):
+            return [
+                await held(connect, b"ab"),  # 2 of its 5 body bytes
+                await held(connect, b"abcdeGET /v2/health/live HTTP/1.1\r\nho"),  # next head
+            ]
+
+    (trickled, waited), (late, late_waited) = run(main())
+    assert trickled == b"" and waited < 2, waited
+    assert late.startswith(b"HTTP/1.1 408 Request Timeout") and late_waited < 2, late
+    assert b"request head incomplete after 0.3 s" in late

@@ -419,6 +419,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _head_timer: asyncio.TimerHandle | None = None
         # The answer to a request that could not be read, while those ahead of it are running
         _deferred_error: tuple[bytes, str] | None = None
+        # Armed when a request answered before its body arrived (a 404, a GET with a body)
+        # gets more of it: the body must end in time. uvicorn's keep-alive timer stops at
+        # every read, and a client trickling a byte now and then held the connection for good
+        _body_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -441,6 +445,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 )
             elif self.cycle is None:
                 self._out.close_now()
+
+        def _body_late(self) -> None:
+            """The body of a request answered before it arrived is still coming: closed (the
+            answer went out; there is no other to give)."""
+            self._body_timer = None
+            cycle = self.cycle
+            if not self._in_head and cycle is not None and cycle.more_body:
+                self._out.close_now()
+
+        def on_message_begin(self) -> None:
+            # A head whose first bytes came in the read that ended the request before it was
+            # not counted there (`data_received`): timed all the same, as any other
+            if self._in_head and not self._head_bytes:
+                self._head_bytes = 1
+            HttpToolsProtocol.on_message_begin(self)
 
         def _close(self) -> None:
             """Close the connection: at once, or, while the client may still be sending the
@@ -490,6 +509,15 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.parser.feed_data(data)
                 if self._in_head and self._head_bytes and self._head_timer is None:
                     self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+                cycle = self.cycle
+                if (
+                    not self._in_head
+                    and self._body_timer is None
+                    and cycle is not None
+                    and cycle.response_complete
+                    and cycle.more_body
+                ):
+                    self._body_timer = self.loop.call_later(head_timeout_s, self._body_late)
             except httptools.HttpParserError as exc:
                 if self._broken:  # refused at its head (`_Refused`)
                     return
@@ -685,11 +713,16 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def on_message_complete(self) -> None:
             if self._upgrade_body:  # llhttp ends it at its head: the body is still to come
                 return
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             cycle = self.cycle
             if type(cycle) is _TensorCycle:
                 cycle.complete()
             else:
                 HttpToolsProtocol.on_message_complete(self)
+                if cycle is not None:  # uvicorn leaves it set where the answer came first:
+                    cycle.more_body = False  # a later head's 408 read as this body's error
             self._in_head = True
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -697,6 +730,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._linger.cancel()
             if self._head_timer is not None:
                 self._head_timer.cancel()
+            if self._body_timer is not None:
+                self._body_timer.cancel()
             cycle = self.cycle
             if type(cycle) is _TensorCycle:
                 cycle.lost()
