@@ -437,10 +437,12 @@ def stratified_split(
 LATER_SUFFIXES = (".jfif", ".jpe")
 
 
-def older_reader_cause(then: str, now: str, folder: Path | None) -> str:
-    """Where a folder's fingerprint counts more images `now` than `then` and the folder holds
-    files of `LATER_SUFFIXES`, the other cause of the change, for its refusal; else ""."""
+def older_reader_cause(then: str, now: str, source: str | None, path: str | None) -> str:
+    """Where an image folder's (`source`, `path`: a data spec's) fingerprint counts more
+    images `now` than `then` and the folder holds files of `LATER_SUFFIXES`, the other cause
+    of the change, for its refusal; else ""."""
     was, now_n = then.partition(":")[0], now.partition(":")[0]
+    folder = Path(path).expanduser() if source == "folder" and path else None
     later = (
         folder is not None
         and was.isdigit()
@@ -456,7 +458,7 @@ def older_reader_cause(then: str, now: str, folder: Path | None) -> str:
     )
 
 
-def _check_unchanged(spec: DataSpec, now: str, folder: Path | None = None) -> None:
+def _check_unchanged(spec: DataSpec, now: str) -> None:
     """Data that changed since the run trained on it: the split is drawn anew over what is
     there now, so its test images would no longer be the ones the model never saw."""
     if spec.fingerprint is None or spec.fingerprint == now:
@@ -466,7 +468,7 @@ def _check_unchanged(spec: DataSpec, now: str, folder: Path | None = None) -> No
     where = f"{spec.source} data {spec.path}" if spec.path else f"the {spec.source} data"
     raise DataError(
         f"{where} changed since this run trained on it ({counts})"
-        f"{older_reader_cause(spec.fingerprint, now, folder)}: its test split "
+        f"{older_reader_cause(spec.fingerprint, now, spec.source, spec.path)}: its test split "
         "would no longer be the images held out from training; put the data back as it was, "
         "or train a new run on it"
     )
@@ -545,8 +547,7 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
     now = f"{len(y)}:{digest.hexdigest()}"
-    folder_root = Path(spec.path).expanduser() if spec.source == "folder" and spec.path else None
-    _check_unchanged(spec, now, folder_root)
+    _check_unchanged(spec, now)
     x = resize_uint8(x, spec.image_size, spec.channels)
     train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     if min(len(train), len(val), len(test)) == 0:

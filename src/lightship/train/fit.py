@@ -174,8 +174,7 @@ def _check_resume_matches(
             if data_changed:
                 counts = [str(f).partition(":")[0] for f in (was, now)]
                 diffs.append(f"data images {counts[0]} -> {counts[1]}, or changed")
-                folder = new.get("path") if new.get("source") == "folder" else None
-                cause = older_reader_cause(str(was), str(now), folder and Path(folder))
+                cause = older_reader_cause(str(was), str(now), new.get("source"), new.get("path"))
         if key == "labels" and old != new:
             diffs.append(f"labels {len(old)} classes -> {len(new)}, or renamed")
         else:
