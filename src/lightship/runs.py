@@ -632,11 +632,13 @@ class RunDir:
     def manifest_path(self) -> Path:
         return self.root / "manifest.json"
 
-    def train_command(self, afresh: bool = False, env: str = "") -> str:
+    def train_command(self, afresh: bool = False, env: str | None = None) -> str:
         """The command that gives this run its best.ckpt again, quoted for a message. A run that
         trained before resumes: that puts back the best checkpoint it wrote (keeping what was
         made from it) and finishes the epochs left. Else, or `afresh` (its last.ckpt is what is
-        broken), the run's own config, when it has one: make's default may be another model."""
+        broken), the run's own config, when it has one: make's default may be another model.
+        `env` (PYTHONPATH=...) goes first; by default, what the run's model needs."""
+        env = self.pythonpath() if env is None else env
         run = shlex.quote(str(self.root))
         if self.last_ckpt.is_file() and not afresh:
             command = stage_command(
@@ -650,7 +652,7 @@ class RunDir:
             )
         else:
             command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
-        return f"`{env}{command}`"  # env: PYTHONPATH=... that a user's model needs
+        return f"`{env}{command}`"
 
     def unrecorded(self, *then: str) -> RunError:
         """The error of a stage that needs the run's checkpoint entry (data spec, input spec)
@@ -668,8 +670,13 @@ class RunDir:
 
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
-        only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''."""
-        spec = (self.artifact("checkpoint") or {}).get("model") or {}
+        only PYTHONPATH gives it (`models.pythonpath_prefix`), else ''. Read as it is, never
+        raising: the fix in the message of a malformed manifest asks for it."""
+        try:
+            entry = json.loads(self.manifest_path.read_text())["artifacts"]["checkpoint"]
+            spec = dict(entry["model"])
+        except (OSError, ValueError, LookupError, TypeError):  # not there, or malformed
+            return ""
         if ":" not in str(spec.get("name", "")):  # a registry model: nothing to import
             return ""
         try:
@@ -680,10 +687,11 @@ class RunDir:
 
     def command(self, *stages: str) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a
-        message: one make call in the checkout, else a lightship command per stage."""
-        run = shlex.quote(str(self.root))
-        make = f"make {' '.join(stages)} RUN={run}"
-        cli = "`, then `".join(f"lightship {stage} --run {run}" for stage in stages)
+        message: one make call in the checkout, else a lightship command per stage; each with
+        the PYTHONPATH= the run's model needs (`pythonpath`)."""
+        run, env = shlex.quote(str(self.root)), self.pythonpath()
+        make = f"{env}make {' '.join(stages)} RUN={run}"
+        cli = "`, then `".join(f"{env}lightship {stage} --run {run}" for stage in stages)
         return f"`{stage_command(make, cli)}`"
 
     def can_make(self) -> bool:
@@ -701,7 +709,7 @@ class RunDir:
         Where no stage can run (`can_make`), `remake_hint` says what to do instead."""
         stage, env = _stage_of(variant), self.pythonpath()
         if stage == "train":
-            return self.train_command(env=env)
+            return self.train_command()
         if stage == "quantize":
             method = variant.removeprefix("onnx-int8-")
             return f"`{stage_on(self.root, stage, env, 'methods', [method])}`"

@@ -71,6 +71,19 @@ def test_the_command_that_remakes_a_variant_of_a_user_model_carries_its_pythonpa
         f"re-run `{env}lightship quantize --run {run.root} --methods qat`"
     )
     assert run.remake_hint("checkpoint") == f"re-run `{env}lightship train --run {run.root}`"
+    # a variant not made yet, and the stages named after a missing export: the same import
+    assert run.make_hint("onnx-int8-static") == (
+        f"run `{env}lightship quantize --run {run.root}` first"
+    )
+    assert run.command("export", "quantize") == (
+        f"`{env}lightship export --run {run.root}`, then `{env}lightship quantize --run {run.root}`"
+    )
+    run.best_ckpt.unlink()
+    with pytest.raises(RunError) as err:
+        run.require_checkpoint()
+    assert str(err.value) == (
+        f"no best.ckpt in {run.root}: run `{env}lightship train --run {run.root}` first"
+    )
 
 
 def test_a_run_without_best_ckpt_says_how_to_have_a_variant_not_to_run_a_stage_there(

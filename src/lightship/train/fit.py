@@ -196,7 +196,7 @@ def _other_model_data(
     changed (with `cause`, `sources.older_reader_cause`), or reads otherwise, or the config."""
     shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
     # on the data as it is now, with the run's own config (make's target in the checkout)
-    afresh = f"train afresh with {run.train_command(afresh=True, env=run.pythonpath())}"
+    afresh = f"train afresh with {run.train_command(afresh=True)}"
     if data_changed:  # a data error (exit 3), as quantize and report say it
         return DataError(
             f"cannot resume {run.root}: its data changed since it trained ({shown}){cause}: "
