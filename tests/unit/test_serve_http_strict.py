@@ -311,3 +311,36 @@ def test_a_refused_head_pipelined_is_answered_in_order_and_ends_the_connection(
     assert (second[0], second[1]["connection"], rest) == (505, "close", b"")
     assert json.loads(second[2])["error"].startswith("HTTP/2.0 is not supported")
     assert reached == ([] if path == INFER else [INFER])  # the first, decoded by uvicorn
+
+
+@WAYS
+def test_a_broken_body_pipelined_is_answered_after_the_requests_ahead_of_it(
+    tmp_path: Path, path: str
+) -> None:
+    """A request whose chunked body does not parse, queued behind one not answered yet, was
+    answered at once: its 400 went out in the first request's place, whose own answer the
+    close then dropped. It never starts; its 400 follows the first answer, as a refused
+    head's does."""
+    app, _ = make_app(tmp_path)
+    good = request(path, "host: t", length())
+    broken = request(path, "host: t", "transfer-encoding: chunked", body=b"2\r\n{}\r\nZZ\r\n")
+
+    async def main() -> tuple[list[tuple[int, dict[str, str], bytes]], bytes, list[str], float]:
+        async with raw_http(app) as (connect, counting, http):
+            reader, writer = await connect()
+            writer.write(good + broken)
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(2)]
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            reached = list(counting.paths)
+            rejections = metric((await http.get("/metrics")).text, BAD_HTTP)
+            return answers, rest, reached, rejections
+
+    (first, second), rest, reached, rejections = run(main())
+    assert first[0] == 200 and logits(first[2]) == LOGITS
+    assert (second[0], second[1]["connection"], rest) == (400, "close", b"")
+    assert json.loads(second[2]) == {
+        "error": "malformed HTTP request: Invalid HTTP request received"
+    }
+    assert reached == ([] if path == INFER else [INFER])  # the first only
+    assert rejections == 1

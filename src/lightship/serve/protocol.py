@@ -423,6 +423,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # gets more of it: the body must end in time. uvicorn's keep-alive timer stops at
         # every read, and a client trickling a byte now and then held the connection for good
         _body_timer: asyncio.TimerHandle | None = None
+        # The request read before the one in `cycle`: answered last before it, where that one
+        # is taken out of the pipeline (`_refuse`)
+        _before: Any = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -548,6 +551,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            self._before = self.cycle
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
@@ -759,6 +763,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             as the 499 (or whatever its route answered into the closed connection) it would
             count; answered already, the connection closes without a second answer."""
             cycle = self.cycle
+            queued = bool(self.pipeline) and self.pipeline[0][0] is cycle
+            if cycle is not None and cycle.more_body and queued:
+                # queued behind a request not answered yet, its body broken (a malformed
+                # chunk): it never starts, and is refused as a head that cannot be read is,
+                # after the answers ahead of it, not in the place of the first
+                self.pipeline.popleft()
+                self.cycle = cycle = self._before
             if cycle is not None and cycle.more_body and cycle.response_complete:
                 # answered before its body was read (a 404): a second answer would be one to
                 # no request; the connection just closes
