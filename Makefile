@@ -25,11 +25,48 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # that runs another stage after its own adds it).
 export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
 
+# The stages of one run run one after another: with -j (or MAKEFLAGS=-jN in a profile) make
+# started a stage twice on one run, and the second stopped on the run's lock, failing the make.
+.NOTPARALLEL:
+# A path as one word for bash.
+q = '$(subst ','"'"',$(1))'
+lparen := (
+rparen := )
+# What a path given to make may not hold: a space splits it into arguments; make reads RUN in
+# a rule's target ($(RUN)/best.ckpt:), where these mean other things; bash reads the recipes.
+# src/lightship/runs.py prints lightship's own command for such a run, not make's.
+unsafe_chars := : % ; * ? [ ] \ | ' " ` & < > { } $(lparen) $(rparen)
+unsafe = $(strip $(foreach c,$(unsafe_chars),$(findstring $(c),$(1))) $(if $(filter file \
+	default,$(origin $(2))),,$(findstring $$,$(value $(2)))))
+stage := $(or $(firstword $(filter train export quantize report serve,$(MAKECMDGOALS))),export)
 # An empty RUN (`make export RUN=`) or one with a space would reach lightship as other
 # arguments, and its error would name those.
-ifneq ($(words $(RUN)),1)
-$(error RUN must be one run directory without spaces, e.g. RUN=runs/default (got '$(RUN)'); \
-	for a path with spaces call lightship itself: `lightship export --run 'my runs/x'`)
+ifeq ($(strip $(RUN)),)
+$(error RUN must name a run directory, e.g. RUN=runs/default (got ''))
+endif
+ifneq ($(words $(RUN))$(call unsafe,$(RUN),RUN),1)
+$(error RUN must be one run directory without spaces or any of $(unsafe_chars) $$, e.g. \
+	RUN=runs/default (got $(call q,$(value RUN))); for such a path call lightship itself: \
+	`$(BIN)/lightship $(stage) --run $(call q,$(value RUN))`)
+endif
+ifneq ($(words $(CONFIG))$(call unsafe,$(CONFIG),CONFIG),1)
+$(error CONFIG must be one file without spaces or any of $(unsafe_chars) $$, e.g. \
+	CONFIG=configs/digits.yaml (got $(call q,$(value CONFIG))): copy it to such a path, or call \
+	lightship itself: `$(BIN)/lightship train --run $(RUN) --config $(call q,$(value CONFIG))`)
+endif
+
+# Made by a recipe that goes on after writing them (export writes ONNX first, then the other
+# formats): on Ctrl-C make deleted the model.onnx lightship said it kept.
+.PRECIOUS: $(RUN)/best.ckpt $(RUN)/export/model.onnx
+
+# A checkout moved or renamed after `make setup`: .venv's commands still name the Python of
+# the old folder, and every target failed with "cannot execute: required file not found". (A
+# path with a space has pip write `#!/bin/sh` and the Python on a later line: not checked.)
+venv_python := $(shell sed -n '1s/^\#!//p' $(VENV)/bin/lightship 2>/dev/null)
+ifeq ($(and $(venv_python),$(filter-out /bin/sh,$(venv_python)),$(if $(wildcard \
+	$(venv_python)),,missing)),missing)
+$(error .venv was made in another folder (this checkout was moved or renamed since), and its \
+	commands run $(venv_python), which is gone: `rm -rf .venv`, then make again)
 endif
 
 .PHONY: help setup train export quantize report serve test test-slow check docker docker-gpu docker-model docker-smoke bench-train bench-serve clean clean-runs
@@ -63,6 +100,9 @@ help: ## list the targets
 # this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo ".venv's Python is \
+	$$($(PY) -V 2>&1), and lightship needs 3.11 or newer: \`rm -rf .venv\`, then make again \
+	(PYTHON=python3.11 names the interpreter)"; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[train,serve,dev]'
@@ -75,9 +115,9 @@ setup: $(STAMP) ## create .venv and install lightship with all extras
 args_note = $(if $(and $(ARGS),$(if $(filter train,$(MAKECMDGOALS)),,1)),$(warning note: ARGS is passed to training only (train, bench-train, or \
 	the training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
-# Training's flags: anew with CONFIG, or, when $(1) is not empty, resumed with the run's own
+# Training's flags: anew with CONFIG, or, when $(1) is 1 (yes, true), resumed with the run's own
 # config.yaml unless CONFIG is given.
-train_flags = $(if $(1),$(if $(filter file,$(origin CONFIG)),,--config $(CONFIG)) --resume,--config $(CONFIG))
+train_flags = $(if $(filter 1 yes true,$(1)),$(if $(filter file,$(origin CONFIG)),,--config $(CONFIG)) --resume,--config $(CONFIG))
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(RESUME)) $(ARGS)
@@ -98,7 +138,7 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # stops too.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(if $(train_asked),,$(error $(no_run)))
-	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) export' $(BIN)/lightship train --run $(RUN) $(call train_flags,$(wildcard $(RUN)/checkpoints/last.ckpt)) $(ARGS)
+	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) export' $(BIN)/lightship train --run $(RUN) $(call train_flags,$(if $(wildcard $(RUN)/checkpoints/last.ckpt),1)) $(ARGS)
 
 comma := ,
 empty :=

@@ -136,10 +136,12 @@ def train(
             resume_with = stage_command(
                 f"make train RESUME=1 RUN={_q(run)} CONFIG=...",
                 f"lightship train --run {_q(run)} --resume --config ...",
+                run,
             )
             afresh = stage_command(
                 f"make train RUN={_q(run)} CONFIG=...",
                 f"lightship train --run {_q(run)} --config ...",
+                run,
             )
             unusable_fix = (
                 f"restore it, resume with the config the run was trained with (`{resume_with}`), "
@@ -331,6 +333,7 @@ def report(
             by_name = stage_command(
                 f"make serve RUN={_q(run)} SERVE_ARGS='--variant ...'",
                 f"lightship serve --run {_q(run)} --variant ...",
+                run,
             )
             print(f"next: serve one by name: {by_name}")
         else:
@@ -341,10 +344,11 @@ def report(
                     f"{env}make export RUN={_q(run)}, then {env}make report RUN={_q(run)}",
                     f"{env}lightship export --run {_q(run)}, then {env}lightship report --run "
                     f"{_q(run)}",
+                    run,
                 )
             )
     else:
-        serve = stage_command(f"make serve RUN={_q(run)}", f"lightship serve --run {_q(run)}")
+        serve = stage_command(f"make serve RUN={_q(run)}", f"lightship serve --run {_q(run)}", run)
         print(f"next: {serve}")
 
 

@@ -370,10 +370,22 @@ def makefile_here() -> bool:
     return (here / "Makefile").is_file() and (here / "src" / "lightship").is_dir()
 
 
-def stage_command(make: str, lightship: str) -> str:
-    """A command for a message that runs from here: `make` in lightship's checkout (its
-    targets chain the stages), else the lightship command."""
-    return make if makefile_here() else lightship
+# What the Makefile refuses in RUN (its `unsafe_chars`, and whitespace): make reads RUN in a
+# rule's target, where these mean other things, and bash reads its recipes
+NOT_FOR_MAKE = re.compile(r"""[\s:%;*?\[\]\\|'"`&<>{}()$]""")
+
+
+def make_takes(run: Path | str) -> bool:
+    """Whether a message may give make's target for `run`: in lightship's checkout, for a path
+    the Makefile takes as RUN."""
+    return makefile_here() and NOT_FOR_MAKE.search(str(run)) is None
+
+
+def stage_command(make: str, lightship: str, run: Path | str) -> str:
+    """A command on `run` for a message that runs from here: `make` in lightship's checkout
+    (its targets chain the stages), else, or for a run path make cannot take, the lightship
+    command."""
+    return make if make_takes(run) else lightship
 
 
 def stage_on(
@@ -394,6 +406,7 @@ def stage_on(
     return stage_command(
         f"{env}make {stage} RUN={q}" + (f" {stage.upper()}_ARGS='{flag}'" if flag else ""),
         f"{env}lightship {stage} --run {q}" + (f" {flag}" if flag else ""),
+        run,
     )
 
 
@@ -410,7 +423,7 @@ def next_command(stage: str, run: Path, env: str = "") -> str:
         return f"{stage}, which make runs now"
     q = shlex.quote(str(run))
     cli = f"{env}lightship {stage} --run {q}"
-    return stage_command(f"{env}make {stage} RUN={q}   (or `{cli}`)", cli)
+    return stage_command(f"{env}make {stage} RUN={q}   (or `{cli}`)", cli, run)
 
 
 def enclosing_run(path: Path) -> Path | None:
@@ -642,16 +655,21 @@ class RunDir:
         run = shlex.quote(str(self.root))
         if self.last_ckpt.is_file() and not afresh:
             command = stage_command(
-                f"make train RESUME=1 RUN={run}", f"lightship train --run {run} --resume"
+                f"make train RESUME=1 RUN={run}",
+                f"lightship train --run {run} --resume",
+                self.root,
             )
         elif self.config.is_file():
             config = shlex.quote(str(self.config))
             command = stage_command(
                 f"make train RUN={run} CONFIG={config}",
                 f"lightship train --run {run} --config {config}",
+                self.root,
             )
         else:
-            command = stage_command(f"make train RUN={run}", f"lightship train --run {run}")
+            command = stage_command(
+                f"make train RUN={run}", f"lightship train --run {run}", self.root
+            )
         return f"`{env}{command}`"
 
     def unrecorded(self, *then: str) -> RunError:
@@ -692,7 +710,7 @@ class RunDir:
         run, env = shlex.quote(str(self.root)), self.pythonpath()
         make = f"{env}make {' '.join(stages)} RUN={run}"
         cli = "`, then `".join(f"{env}lightship {stage} --run {run}" for stage in stages)
-        return f"`{stage_command(make, cli)}`"
+        return f"`{stage_command(make, cli, self.root)}`"
 
     def can_make(self) -> bool:
         """Whether a stage can make this run's variants here: not where it has no best.ckpt,

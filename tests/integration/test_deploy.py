@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -306,15 +309,149 @@ def checkout(root: Path, runs: dict[str, str]) -> Path:
     return root
 
 
-@pytest.mark.parametrize("run", ["", "runs/my run"])
-def test_make_with_an_empty_run_or_one_with_a_space_says_so(run: str) -> None:
+def test_make_with_an_empty_run_says_so() -> None:
     # `make train RUN=` ran `lightship train --run  --config ...`: "unexpected extra argument"
-    proc = make("-n", "train", f"RUN={run}")
+    proc = make("-n", "train", "RUN=")
     assert proc.returncode != 0
-    assert (
-        f"*** RUN must be one run directory without spaces, e.g. RUN=runs/default (got '{run}')"
-        in proc.stderr
+    assert "*** RUN must name a run directory, e.g. RUN=runs/default (got '')" in proc.stderr
+
+
+UNSAFE = ":%;*?[]\\|'\"`&<>{}()"
+
+
+def test_lightship_and_the_makefile_agree_on_the_paths_make_cannot_take() -> None:
+    from lightship.runs import NOT_FOR_MAKE
+
+    listed = re.search(r"^unsafe_chars := (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert listed is not None
+    names = {"$(lparen)": "(", "$(rparen)": ")"}
+    assert sorted(names.get(c, c) for c in listed.group(1).split()) == sorted(UNSAFE)
+    assert sorted(c for c in map(chr, range(33, 127)) if NOT_FOR_MAKE.search(c)) == sorted(
+        UNSAFE + "$"
+    )
+
+
+@pytest.mark.parametrize("char", [" ", "$", *UNSAFE])
+def test_a_path_make_cannot_take_is_refused_and_lightship_names_its_own_command(
+    char: str, tmp_path: Path
+) -> None:
+    """A space split RUN into arguments; make read `:` and `%` in the rule `$(RUN)/best.ckpt:`
+    as other syntax (every target failed with "target pattern contains no '%'"), dropped `$1`
+    (`RUN='runs/$1'` trained into runs/ itself), and bash read quotes and parentheses. The
+    `next:` lines lightship printed for such runs were make commands that failed so."""
+    from lightship.runs import next_command, stage_on
+
+    run = f"runs/a{char}1"
+    quoted, in_make = shlex.quote(run), "'" + run.replace("'", """'"'"'""") + "'"
+    proc = make("-n", "quantize", f"RUN={run}")
+    assert proc.returncode == 2, proc
+    assert f" (got {in_make}); for such a path call lightship itself: `.venv/bin/lightship " in (
+        proc.stderr
     ), proc.stderr
+    assert proc.stderr.endswith(f"quantize --run {in_make}`.  Stop.\n"), proc.stderr
+    proc = make("-n", "train", f"CONFIG=configs/a{char}1.yaml")
+    assert proc.returncode == 2 and "*** CONFIG must be one file without spaces" in proc.stderr
+    # and lightship, in the checkout, gives its own command for such a run
+    assert next_command("report", Path(run)) == f"lightship report --run {quoted}"
+    assert stage_on(Path(run), "export") == f"lightship export --run {quoted}"
+    # where a path it can take gets make's
+    assert make("-n", "help", "RUN=runs/a=1,b@c+d~e#f-é").returncode == 0
+    assert stage_on(Path("runs/a=1,b@c+d~e#f-é"), "export").startswith("make export RUN=")
+
+
+STAND_IN = """#!/bin/sh
+# lightship STAGE --run RUN ...: logs its start and end, and writes what the stage would
+echo "start $1" >> stages.log
+mkdir -p "$3/export"
+case "$1" in
+  train) touch "$3/best.ckpt" ;;
+  export) echo onnx > "$3/export/model.onnx"; touch exported; sleep "${HOLD:-0.3}" ;;
+esac
+sleep 0.3
+echo "end $1" >> stages.log
+"""
+
+
+def stand_in_checkout(root: Path) -> Path:
+    """`checkout` whose .venv/bin/lightship is `STAND_IN`."""
+    checkout(root, {})
+    lightship = root / ".venv" / "bin" / "lightship"
+    lightship.parent.mkdir()
+    lightship.write_text(STAND_IN)
+    lightship.chmod(0o755)
+    return root
+
+
+def test_parallel_make_runs_the_stages_of_a_run_one_after_another(tmp_path: Path) -> None:
+    # `make -j2 train export quantize` (or MAKEFLAGS=-j2 in a profile) started train twice,
+    # the second stopped on the run's lock, and the make failed
+    root = stand_in_checkout(tmp_path / "checkout")
+    proc = make("-j2", "train", "export", "quantize", "RUN=runs/new", cwd=root)
+    assert proc.returncode == 0, proc
+    stages = ["train", "export", "quantize", "report"]
+    log = (root / "stages.log").read_text().split("\n")
+    assert log == [f"{e} {s}" for s in stages for e in ("start", "end")] + [""]
+
+
+def test_ctrl_c_in_the_export_a_later_stage_starts_keeps_model_onnx(tmp_path: Path) -> None:
+    # make deleted the target of the recipe it stopped: the model.onnx export said it kept
+    root = stand_in_checkout(tmp_path / "checkout")
+    (root / "runs" / "x").mkdir(parents=True)
+    (root / "runs" / "x" / "best.ckpt").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
+    proc = subprocess.Popen(
+        ["make", "quantize", "RUN=runs/x"],
+        cwd=root,
+        env={**env, "HOLD": "30"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a terminal's Ctrl-C goes to make and its recipe alike
+    )
+    for _ in range(300):
+        if (root / "exported").exists():
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "Deleting file" not in err, err
+    assert (root / "runs" / "x" / "export" / "model.onnx").read_text() == "onnx\n"
+
+
+def test_make_in_a_moved_checkout_says_to_make_the_venv_again(tmp_path: Path) -> None:
+    root = stand_in_checkout(tmp_path / "checkout")
+    lightship = root / ".venv" / "bin" / "lightship"
+    gone = tmp_path / "old" / ".venv" / "bin" / "python"
+    lightship.write_text(f"#!{gone}\n")  # what pip wrote in the folder the checkout was in
+    proc = make("-n", "export", "RUN=runs/x", cwd=root)
+    assert proc.returncode == 2
+    assert proc.stderr.endswith(
+        ".venv was made in another folder (this checkout was moved or renamed since), and its "
+        f"commands run {gone}, which is gone: `rm -rf .venv`, then make again.  Stop.\n"
+    ), proc.stderr
+    lightship.write_text(f"#!{sys.executable}\n")
+    assert make("-n", "help", cwd=root).returncode == 0
+
+
+def test_make_setup_with_a_venv_of_an_older_python_says_so_before_installing(
+    tmp_path: Path,
+) -> None:
+    # torch installed for 2 minutes, then pip failed: "requires a different Python"
+    root = checkout(tmp_path / "checkout", {})
+    (root / ".venv" / ".installed").unlink()
+    python = root / ".venv" / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(
+        '#!/bin/sh\necho "$@" >> calls\ncase "$1" in -V) echo "Python 3.10.13";; *) exit 1;; esac\n'
+    )
+    python.chmod(0o755)
+    proc = make("setup", cwd=root)
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines()[-1] == (
+        ".venv's Python is Python 3.10.13, and lightship needs 3.11 or newer: `rm -rf .venv`, "
+        "then make again (PYTHON=python3.11 names the interpreter)"
+    )
+    assert "-m pip" not in (root / "calls").read_text()
 
 
 @pytest.mark.parametrize("target", ["export", "quantize", "report", "serve"])

@@ -141,8 +141,12 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
 
 
 def test_make_maps_resume_flag() -> None:
-    out = make_n("train", "RESUME=1", "RUN=runs/x")
-    assert "lightship train --run runs/x" in out and "--resume" in out
+    for yes in ("1", "yes", "true"):
+        out = make_n("train", f"RESUME={yes}", "RUN=runs/x")
+        assert "lightship train --run runs/x" in out and "--resume" in out
+    for no in ("0", "no", "false", ""):  # any word at all resumed
+        out = make_n("train", f"RESUME={no}", "RUN=runs/x")
+        assert "lightship train --run runs/x" in out and "--resume" not in out, no
 
 
 def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> None:

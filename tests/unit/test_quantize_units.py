@@ -817,9 +817,10 @@ def test_a_quantize_stopped_names_what_it_kept_the_rest_and_the_report_it_took(
         + stage_command(
             f"make quantize RUN={run} QUANTIZE_ARGS='{again}'",
             f"lightship quantize --run {run} {again}",
+            run,
         )
         + f"`; {run / 'report'} went with the variants it measured: write it again with `"
-        + stage_command(f"make report RUN={run}", f"lightship report --run {run}")
+        + stage_command(f"make report RUN={run}", f"lightship report --run {run}", run)
         + "`"
     )
     assert rd.artifact("onnx-int8-dynamic") == {
@@ -832,7 +833,7 @@ def test_a_quantize_stopped_names_what_it_kept_the_rest_and_the_report_it_took(
     assert cli._invoke(["quantize", "--run", str(run)]) == 128 + getattr(signal, sig)
     assert capsys.readouterr().err.splitlines()[-1] == (
         "interrupted: quantize again with `"
-        + stage_command(f"make quantize RUN={run}", f"lightship quantize --run {run}")
+        + stage_command(f"make quantize RUN={run}", f"lightship quantize --run {run}", run)
         + "`"
     )
 

@@ -203,7 +203,7 @@ BUSY_WARNING = (
     "the middle half of the rounds over ±20% from their median): other processes used 48% of "
     "the CPU while measuring, eager (p90 200x p50), torchscript (img/s ±30%; x eager ±30%). "
     "The machine was busy while measuring, so the speed figures and the recommendation may be "
-    "off: re-run `lightship report --run {run}` when it is quiet"
+    "off: re-run `make report RUN={run}` when it is quiet"
 )
 
 

@@ -117,6 +117,7 @@ def test_an_export_stopped_between_formats_keeps_and_names_those_done(
         + stage_command(
             f"make export RUN={run} EXPORT_ARGS='--formats torchscript'",
             f"lightship export --run {run} --formats torchscript",
+            run,
         )
         + "`"
     )

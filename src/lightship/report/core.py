@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import platform
-import shlex
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -340,6 +339,6 @@ def _noise_warning(
         return None
     return (
         f"timings are noisy ({NOISE_RULE}): {', '.join(found)}. The machine was busy while "
-        "measuring, so the speed figures and the recommendation may be off: re-run "
-        f"`lightship report --run {shlex.quote(str(run.root))}` when it is quiet"
+        f"measuring, so the speed figures and the recommendation may be off: re-run "
+        f"{run.command('report')} when it is quiet"
     )

@@ -21,7 +21,7 @@ from lightship.runs import (
     check_recorded,
     enclosing_run,
     export_hint,
-    makefile_here,
+    make_takes,
     variant_of,
 )
 from lightship.runtime import Predictor, load_predictor
@@ -105,7 +105,7 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
             "or serve an explicit --variant"
         ) from None
     report = run.command("report")
-    if makefile_here():
+    if make_takes(run.root):
         report += f" (or `lightship report --run {shlex.quote(str(run.root))}`)"
     fix = f"re-run {report}, or serve without it: --variant {DEFAULT_VARIANT}"
     # Recorded after the report: no variant it measured had their file and size. (A file that
