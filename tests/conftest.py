@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,25 +27,110 @@ def run_cli(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     check: bool = False,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m lightship ARGS` as a user would, capturing output."""
+    """Run `python -m lightship ARGS` as a user would, capturing output: a process forked from
+    `cli_forkserver` (torch and Lightning imported), or a fresh interpreter where `env` sets
+    what is read at import time (but PYTHONPATH, which the fork server sets), or `fresh`."""
     # `serve` checks its port before it loads the model: a test that expects a model's error
     # must not get "address in use" because something on this machine holds 8000
     port = {"LIGHTSHIP_PORT": "0"} if args[:1] == ("serve",) else {}
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **port, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightship", *args],
-        cwd=cwd or ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-    )
+    if fresh or any(not k.startswith("LIGHTSHIP_") and k != "PYTHONPATH" for k in env or {}):
+        proc = subprocess.run(
+            [sys.executable, "-m", "lightship", *args],
+            cwd=cwd or ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+        )
+    else:
+        proc = _FORKSERVER.run(list(args), cwd or ROOT, full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"lightship {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+class _ForkServer:
+    """The parent's end of `cli_forkserver`: started at the first command, one command at a
+    time (the tests run one at a time), and ended with the test session."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def _server(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "cli_forkserver.py")],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return self._proc
+
+    def _reply(self, server: subprocess.Popen[str], until: float | None) -> str:
+        """The server's next line, read a byte at a time from its pipe: a buffered reader
+        could take the "exit" line with the "pid" one, and `select` would then wait for it."""
+        assert server.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            wait = None if until is None else max(until - time.monotonic(), 0)
+            if not select.select([server.stdout], [], [], wait)[0]:
+                raise TimeoutError
+            byte = os.read(server.stdout.fileno(), 1)
+            if not byte:
+                raise RuntimeError(f"cli_forkserver.py exited ({server.wait()})")
+            line += byte
+        return line.split()[1].decode()
+
+    def run(
+        self, args: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        with self._lock, tempfile.TemporaryDirectory(prefix="lightship-cli-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            server = self._server()
+            assert server.stdin is not None
+            request = {"argv": args, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            pid = int(self._reply(server, time.monotonic() + 120))
+            try:
+                code = int(self._reply(server, time.monotonic() + timeout))
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self._reply(server, None)
+                raise subprocess.TimeoutExpired(
+                    args, timeout, out.read_text(errors="replace"), err.read_text(errors="replace")
+                ) from None
+            except BaseException:  # pytest-timeout, Ctrl-C: the server's next line would be
+                os.kill(pid, signal.SIGKILL)  # this command's, read as the next one's
+                server.kill()
+                self._proc = None
+                raise
+            return subprocess.CompletedProcess(
+                ["lightship", *args], code, out.read_text(), err.read_text()
+            )
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            self._proc.wait(timeout=30)
+
+
+_FORKSERVER = _ForkServer()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver_ends_with_the_session() -> Iterator[None]:
+    yield
+    _FORKSERVER.close()
 
 
 def last_line(text: str) -> str:

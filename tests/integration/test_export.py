@@ -413,7 +413,7 @@ def test_an_export_from_another_checkout_is_the_same_model(exported: Path, tmp_p
     (run / "quantize").mkdir()
     (run / "quantize" / "model.int8-static.onnx").write_text("int8")
     report = fake_report(run)
-    run_cli("export", "--run", str(run), cwd=tmp_path, env=env, check=True)
+    run_cli("export", "--run", str(run), cwd=tmp_path, env=env, check=True, fresh=True)
     entries = artifacts(run)
     assert {variant: entries[variant]["sha256"] for variant in FILES} == sha
     assert "onnx-int8-static" in entries and (run / "quantize" / "model.int8-static.onnx").is_file()

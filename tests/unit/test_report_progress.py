@@ -13,7 +13,7 @@ def test_report_prints_one_line_per_round_without_a_terminal(
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(exported_run, run)
-    proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)  # stderr: a pipe
+    proc = run_cli("report", "--run", str(run), "--rounds", "2", check=True)  # stderr: no terminal
     lines = proc.stderr.splitlines()
     assert "measuring 3 variants, 2 rounds: eager, torchscript, onnx-fp32" in lines, proc.stderr
     assert [line for line in lines if line.startswith("measured round")] == [
