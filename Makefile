@@ -25,6 +25,13 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # that runs another stage after its own adds it).
 export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
 
+# A misspelt variable (`EXPRT_ARGS=...`) would be ignored without a word, as make does.
+variables := RUN CONFIG RESUME ARGS EXPORT_ARGS QUANTIZE_ARGS REPORT_ARGS SERVE_ARGS \
+	BENCH_SERVE_ARGS IMAGE TORCH PYTHON BIN STAMP
+$(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(filter-out \
+	$(variables),$(v))),$(warning note: $(v) is not a variable of this Makefile and is ignored \
+	(`make help` lists them))))
+
 # The stages of one run run one after another: with -j (or MAKEFLAGS=-jN in a profile) make
 # started a stage twice on one run, and the second stopped on the run's lock, failing the make.
 .NOTPARALLEL:

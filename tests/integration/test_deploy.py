@@ -418,6 +418,19 @@ def test_ctrl_c_in_the_export_a_later_stage_starts_keeps_model_onnx(tmp_path: Pa
     assert (root / "runs" / "x" / "export" / "model.onnx").read_text() == "onnx\n"
 
 
+def test_a_misspelt_make_variable_is_named_not_ignored_without_a_word() -> None:
+    # `make export EXPRT_ARGS='--formats onnx'` exported every format
+    proc = make("-n", "help", "EXPRT_ARGS=--formats onnx", "QUANTIZE_ARGS=--methods static")
+    assert proc.returncode == 0
+    assert re.fullmatch(
+        r"Makefile:\d+: note: EXPRT_ARGS is not a variable of this Makefile and is ignored "
+        r"\(`make help` lists them\)\n",
+        proc.stderr,
+    ), proc.stderr
+    listed = re.findall(r'@echo "  ([A-Z_]+)=', (ROOT / "Makefile").read_text())
+    assert make("-n", "help", *(f"{v}=x" for v in listed if v != "RESUME")).stderr == ""
+
+
 def test_make_in_a_moved_checkout_says_to_make_the_venv_again(tmp_path: Path) -> None:
     root = stand_in_checkout(tmp_path / "checkout")
     lightship = root / ".venv" / "bin" / "lightship"
