@@ -398,3 +398,62 @@ def test_no_two_labels_of_the_plot_overlap(
     title, figure = ax.title.get_window_extent(renderer), ax.figure.bbox
     assert not any(box.overlaps(title) for box in boxes)
     assert all(figure.y0 <= box.y0 and box.y1 <= figure.y1 for box in boxes)
+
+
+# Two reports of one digits run (an independent check): "torchscript" and "eager" on one row,
+# one space apart, read as one name; the minor latency ticks ran together as "0.70.8"
+TRUTH_CHECK = {
+    "close names": {
+        "eager": (0.9045, 0.9963),
+        "torchscript": (0.6449, 0.9963),
+        "pt2": (1.857, 0.9963),
+        "onnx-fp32": (0.2175, 0.9963),
+        "onnx-int8-static": (0.0978, 0.9963),
+        "onnx-int8-dynamic": (0.4068, 0.9926),
+        "onnx-int8-qat": (0.0917, 0.9926),
+    },
+    "crowded ticks": {
+        "eager": (1.331, 0.9963),
+        "torchscript": (0.6583, 0.9963),
+        "pt2": (5.282, 0.9963),
+        "onnx-fp32": (0.2446, 0.9963),
+        "onnx-int8-static": (0.0867, 0.9963),
+        "onnx-int8-dynamic": (0.3998, 0.9926),
+        "onnx-int8-qat": (0.0872, 0.9926),
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(TRUTH_CHECK))
+def test_the_plots_names_and_latency_labels_keep_apart(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.text import Text
+
+    from lightship.report.render import LABEL_GAP_PX
+
+    r = report_dict()
+    template = r["variants"][0]
+    r["variants"] = [
+        {**template, "name": name, "recommended": False, "accuracy": acc, "latency_ms": {"p50": p}}
+        for name, (p, acc) in TRUTH_CHECK[case].items()
+    ]
+    ax = plotted(r, tmp_path, monkeypatch)
+    fig = ax.figure
+    fig.canvas.draw()  # as savefig drew it: the tick labels the formatters gave
+    renderer = fig.canvas.get_renderer()
+    names = [Text.get_window_extent(t, renderer) for t in ax.texts]
+    for i, a in enumerate(names):
+        assert not any(a.padded(LABEL_GAP_PX / 2, 0).overlaps(b.padded(LABEL_GAP_PX / 2, 0))
+                       for b in names[i + 1 :]), ax.texts[i].get_text()  # fmt: skip
+    low, high = sorted(ax.get_xlim())
+    ticks = [
+        t.label1
+        for t in [*ax.xaxis.get_major_ticks(), *ax.xaxis.get_minor_ticks()]
+        if low <= t.get_loc() <= high and t.label1.get_text()
+    ]
+    boxes = [t.get_window_extent(renderer).padded(LABEL_GAP_PX / 2, 0) for t in ticks]
+    for i, a in enumerate(boxes):
+        crowded = [ticks[j].get_text() for j, b in enumerate(boxes) if j > i and a.overlaps(b)]
+        assert not crowded, (ticks[i].get_text(), crowded)
+    assert len(ticks) >= 6  # thinned, not emptied
