@@ -35,7 +35,7 @@ from uvicorn.logging import AccessFormatter
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
 from lightship.serve import app as serve_app
-from lightship.serve import v1
+from lightship.serve import memory, v1
 from lightship.serve.app import Service, create_app
 from lightship.serve.model import ServedModel
 from lightship.serve.settings import ServeSettings
@@ -977,7 +977,7 @@ def test_the_heap_is_trimmed_once_the_server_is_ready(
     app, gate = make_app(tmp_path, gate=True)
     assert gate is not None
     trims: list[bool] = []
-    monkeypatch.setattr(serve_app, "_trim_heap", lambda: trims.append(service(app).ready))
+    monkeypatch.setattr(serve_app, "trim_heap", lambda: trims.append(service(app).ready))
 
     async def main() -> None:
         async with serving(app, wait_ready=False):
@@ -988,6 +988,37 @@ def test_the_heap_is_trimmed_once_the_server_is_ready(
 
     run(main())
     assert trims == [False]  # once, just before the server turned ready
+
+
+def test_the_heap_a_burst_took_is_trimmed_once_the_server_is_quiet() -> None:
+    watch = memory.QuietWatch(0)
+    # idle from the start; answering; answered nothing for a period: trimmed, once; idle
+    assert [watch.due(n) for n in (0, 0, 3, 9, 9, 9, 9)] == [0, 0, 0, 0, 1, 0, 0]
+    assert [watch.due(n) for n in (10, 10, 10)] == [0, 1, 0]  # one /metrics scrape
+
+
+def test_the_server_trims_the_heap_after_a_burst(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _ = make_app(tmp_path)
+    trims: list[int] = []
+    monkeypatch.setattr(memory, "QUIET_S", 0.2)
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(service(app).metrics.answered))
+
+    async def main() -> None:
+        async with serving(app) as client:
+            await asyncio.sleep(0.5)
+            assert trims == []  # nothing answered yet
+            for _ in range(3):
+                assert (await client.post(INFER, json=v2_json(X))).status_code == 200
+            for _ in range(50):
+                if trims:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+
+    run(main())
+    assert trims == [3]
 
 
 def test_trimming_the_heap_hands_freed_memory_back() -> None:
@@ -1014,7 +1045,7 @@ def test_trimming_the_heap_hands_freed_memory_back() -> None:
     thread.start()
     thread.join()
     before = rss_mib()
-    serve_app._trim_heap()
+    memory.trim_heap()
     assert before - rss_mib() > 16
     libc.free(kept[0])
 

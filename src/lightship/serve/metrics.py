@@ -115,6 +115,7 @@ class Metrics:
             registry=r,
         )
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self.answered = 0  # requests answered over HTTP (`memory.trim_when_quiet` watches it)
 
     # Observer of the batcher (called from the inference thread; prometheus-client is thread-safe)
     def queue_depth(self, rows: int) -> None:
@@ -140,6 +141,7 @@ class Metrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        self.answered += 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

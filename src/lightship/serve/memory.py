@@ -1,0 +1,56 @@
+"""The memory a burst of requests took, handed back to the system once the server is quiet.
+
+glibc keeps the heap a burst grew: after 15 s of clients sending 2.25 MB uploads and leaving, a
+server that idled at 102 MB stayed at 262 MB for good. `malloc_trim` gives back what is free
+(156 MB there), in a few milliseconds: done once the server has answered nothing for
+`QUIET_S`, after answering something since it last did. An idle server wakes once a period
+and does nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from collections.abc import Callable
+
+QUIET_S = 5.0
+
+
+def trim_heap() -> None:
+    """Hand the heap glibc keeps back to the OS (`malloc_trim(0)`); no-op off glibc. After the
+    warm-up, the heap that loading freed: a served ResNet-18's resident memory after 300
+    requests is 15-23 % lower (int8), 28-43 % (fp32); digits' is unchanged."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: libc's
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim; macOS)
+        return
+    trim(0)
+
+
+class QuietWatch:
+    """When to trim, from the count of requests answered, read once a period: when it stood
+    still for a period after it moved since the last trim. An idle server never is."""
+
+    def __init__(self, answered: int) -> None:
+        self.seen = self.trimmed = answered
+
+    def due(self, answered: int) -> bool:
+        due = answered == self.seen and answered != self.trimmed
+        if due:
+            self.trimmed = answered
+        self.seen = answered
+        return due
+
+
+async def trim_when_quiet(
+    answered: Callable[[], int],
+    trim: Callable[[], object] | None = None,
+    quiet_s: float | None = None,
+) -> None:
+    """Run until cancelled: `trim` (`trim_heap`) once `answered()`, the count of requests
+    answered, has stood still for `quiet_s` (QUIET_S) after it moved (`QuietWatch`)."""
+    watch = QuietWatch(answered())
+    while True:
+        await asyncio.sleep(QUIET_S if quiet_s is None else quiet_s)
+        if watch.due(answered()):
+            (trim or trim_heap)()
