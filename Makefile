@@ -24,6 +24,9 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # A stage's `next:` line names no stage this make runs after it (`make train export`; a recipe
 # that runs another stage after its own adds it).
 export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
+# The folder make was run from (`make -C CHECKOUT`): a `make ...` in a message says -C then.
+export LIGHTSHIP_MAKE_FROM := $(PWD)
+here = $(if $(and $(PWD),$(filter-out $(CURDIR),$(realpath $(PWD)))),-C $(call q,$(CURDIR)) )
 
 # A misspelt variable (`EXPRT_ARGS=...`) would be ignored without a word, as make does.
 variables := RUN CONFIG RESUME ARGS EXPORT_ARGS QUANTIZE_ARGS REPORT_ARGS SERVE_ARGS \
@@ -154,7 +157,7 @@ train_asked = $(or $(filter train,$(MAKECMDGOALS)),$(filter $(abspath $(DEFAULT_
 	$(RUN))),$(filter-out file,$(origin CONFIG)),$(ARGS),$(wildcard $(RUN)/checkpoints/last.ckpt))
 runs_parent = $(dir $(patsubst %/,%,$(RUN)))
 trained_runs = $(patsubst $(runs_parent)%/best.ckpt,%,$(wildcard $(runs_parent)*/best.ckpt))
-no_run = no trained run at $(RUN): train it first with `make train RUN=$(RUN) \
+no_run = no trained run at $(RUN): train it first with `make $(here)train RUN=$(RUN) \
 	CONFIG=configs/...` (or check the name: $(runs_parent) $(if $(trained_runs),holds: \
 	$(subst $(space),$(comma)$(space),$(strip $(trained_runs))),holds no trained run))
 

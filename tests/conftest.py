@@ -20,6 +20,11 @@ from lightship import runs
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
+# What `make test` sets for the stages it runs (`make -C DIR test` from elsewhere: -C in every
+# command a message gives): the tests' own stages are no make's
+for _name in (runs.MAKE_GOALS, runs.MAKE_FROM):
+    os.environ.pop(_name, None)
+
 
 def run_cli(
     *args: str,

@@ -381,11 +381,31 @@ def make_takes(run: Path | str) -> bool:
     return makefile_here() and NOT_FOR_MAKE.search(str(run)) is None
 
 
+# The folder make was run from (the Makefile sets it): `make -C CHECKOUT` runs the stages in
+# the checkout, and a message's `make ...` must say -C for the user's own folder
+MAKE_FROM = "LIGHTSHIP_MAKE_FROM"
+
+
+def make_elsewhere() -> str:
+    """'-C CHECKOUT ' where make was run from another folder than this one (`make -C`), else
+    ''. Harmless where that folder is stale: the command runs from anywhere."""
+    came_from = os.environ.get(MAKE_FROM)
+    try:
+        if not came_from or Path(came_from).resolve() == Path.cwd().resolve():
+            return ""
+        return f"-C {shlex.quote(str(Path.cwd()))} "
+    except OSError:  # a folder deleted under us
+        return ""
+
+
 def stage_command(make: str, lightship: str, run: Path | str) -> str:
     """A command on `run` for a message that runs from here: `make` in lightship's checkout
-    (its targets chain the stages), else, or for a run path make cannot take, the lightship
-    command."""
-    return make if make_takes(run) else lightship
+    (its targets chain the stages; with -C where make ran from elsewhere), else, or for a run
+    path make cannot take, the lightship command."""
+    if not make_takes(run):
+        return lightship
+    elsewhere = make_elsewhere()
+    return re.sub(r"(^|\s)make ", lambda m: f"{m.group(1)}make {elsewhere}", make)
 
 
 def stage_on(
@@ -423,7 +443,9 @@ def next_command(stage: str, run: Path, env: str = "") -> str:
         return f"{stage}, which make runs now"
     q = shlex.quote(str(run))
     cli = f"{env}lightship {stage} --run {q}"
-    return stage_command(f"{env}make {stage} RUN={q}   (or `{cli}`)", cli, run)
+    # the lightship command's run path is the checkout's: no alternative from elsewhere
+    also = "" if make_elsewhere() else f"   (or `{cli}`)"
+    return stage_command(f"{env}make {stage} RUN={q}{also}", cli, run)
 
 
 def enclosing_run(path: Path) -> Path | None:

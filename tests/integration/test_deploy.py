@@ -243,6 +243,7 @@ def make(*args: str, path: str | None = None, cwd: Path = ROOT) -> subprocess.Co
     # as if typed in a shell: not a sub-make of `make test` (MAKELEVEL adds "Entering directory")
     given = ("MAKEFLAGS", "MAKELEVEL", "RUN", "CONFIG", "ARGS")
     env = {k: v for k, v in os.environ.items() if k not in given}
+    env["PWD"] = str(cwd)  # as a shell in `cwd` sets it: where make is run from
     if path is not None:
         env["PATH"] = path
     return subprocess.run(
@@ -486,6 +487,9 @@ def test_make_stage_on_a_mistyped_run_stops_before_training(target: str, tmp_pat
             line,
         ), line
     assert not (root / "runs" / "shapez").exists()
+    # `make -C CHECKOUT` from elsewhere: the command to train names the checkout
+    proc = make("-C", str(root), "-n", target, "RUN=runs/shapez", cwd=tmp_path)
+    assert f"train it first with `make -C '{root}' train RUN=runs/shapez CONFIG=" in proc.stderr
     proc = make("-n", target, "RUN=elsewhere/x", cwd=root)
     assert "(or check the name: elsewhere/ holds no trained run)" in proc.stderr, proc.stderr
 

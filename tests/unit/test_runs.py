@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -838,6 +839,26 @@ def test_next_names_no_stage_the_running_make_runs_next(
     assert runs.next_command("serve", run).startswith("make serve RUN=runs/x")
     monkeypatch.setenv(runs.MAKE_GOALS, "reports")  # a word, not a part of one
     assert runs.next_command("report", run).startswith("make report RUN=runs/x")
+
+
+def test_make_run_from_another_folder_is_named_with_its_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `make -C CHECKOUT export` from elsewhere printed `next: make quantize RUN=runs/x`, which
+    # finds no Makefile there (the Makefile sets MAKE_FROM to the folder make was run from)
+    run = Path("runs/x")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(runs.MAKE_FROM, str(tmp_path))
+    checkout = shlex.quote(str(ROOT))
+    assert runs.next_command("quantize", run) == f"make -C {checkout} quantize RUN=runs/x"
+    assert runs.RunDir(run).command("export", "quantize") == (
+        f"`make -C {checkout} export quantize RUN=runs/x`"
+    )
+    assert runs.stage_on(run, "export", "PYTHONPATH=mm ") == (
+        f"PYTHONPATH=mm make -C {checkout} export RUN=runs/x"
+    )
+    monkeypatch.setenv(runs.MAKE_FROM, str(ROOT))  # make run from the checkout itself
+    assert runs.next_command("quantize", run).startswith("make quantize RUN=runs/x   (or `")
 
 
 def test_commands_in_messages_run_from_where_the_user_is(

@@ -438,11 +438,11 @@ def test_a_folder_name_that_is_no_model_name_is_made_one(tmp_path: Path) -> None
 
 
 def test_a_lightship_variable_that_is_no_setting_is_warned_about() -> None:
-    from lightship.runs import MAKE_GOALS
+    from lightship.runs import MAKE_FROM, MAKE_GOALS
     from lightship.serve.settings import unknown_variables
 
     env = {"LIGHTSHIP_MAX_BATCH_ROW": "8", "LIGHTSHIP_PORT": "1", "LIGHTSHIP_TRT_CACHE": "/c",
-           "LIGHTSHIP_ZZZ": "1", "PATH": "/bin", MAKE_GOALS: "serve"}  # fmt: skip
+           "LIGHTSHIP_ZZZ": "1", "PATH": "/bin", MAKE_GOALS: "serve", MAKE_FROM: "/"}  # fmt: skip
     assert unknown_variables(env) == [
         "LIGHTSHIP_MAX_BATCH_ROW is not a serve setting and is ignored "
         "(did you mean LIGHTSHIP_MAX_BATCH_ROWS?)",

@@ -186,9 +186,9 @@ class ServeSettings(BaseSettings):
 # Read elsewhere (lightship.runtime.ort, with --device cuda), not settings of the server; the
 # help of `lightship serve` says what they do.
 OTHER_VARIABLES = {"LIGHTSHIP_TENSORRT", "LIGHTSHIP_TRT_CACHE"}
-# Set by the Makefile for every stage it runs (`runs.MAKE_GOALS`), `make serve` included: no
-# user's typo to warn of.
-MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS"}
+# Set by the Makefile for every stage it runs (`runs.MAKE_GOALS`, `runs.MAKE_FROM`), `make
+# serve` included: no user's typo to warn of.
+MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS", "LIGHTSHIP_MAKE_FROM"}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
