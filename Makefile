@@ -85,7 +85,7 @@ help: ## list the targets
 	@echo "make train export quantize   # the main job (RUN=$(RUN), CONFIG=$(CONFIG))"
 	@echo "make test                    # the test suite"
 	@echo
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(call q,$(strip $(MAKEFILE_LIST))) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 	@echo
 	@echo "variables:"
 	@echo "  RUN=runs/NAME                 the run directory every target reads and writes (docker-smoke: only when given)"

@@ -419,6 +419,15 @@ def test_ctrl_c_in_the_export_a_later_stage_starts_keeps_model_onnx(tmp_path: Pa
     assert (root / "runs" / "x" / "export" / "model.onnx").read_text() == "onnx\n"
 
 
+def test_make_help_lists_the_targets_of_a_makefile_in_a_folder_with_a_space(
+    tmp_path: Path,
+) -> None:
+    root = checkout(tmp_path / "my checkout", {})
+    proc = make("-f", str(root / "Makefile"), "help", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "  help         list the targets" in proc.stdout.splitlines()
+
+
 def test_a_misspelt_make_variable_is_named_not_ignored_without_a_word() -> None:
     # `make export EXPRT_ARGS='--formats onnx'` exported every format
     proc = make("-n", "help", "EXPRT_ARGS=--formats onnx", "QUANTIZE_ARGS=--methods static")
