@@ -19,7 +19,7 @@ SERVE_ARGS ?=
 BENCH_SERVE_ARGS ?=
 TORCH  := torch==2.13.0
 IMAGE  ?= lightship-serve
-VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml 2>/dev/null)
 
 # A stage's `next:` line names no stage this make runs after it (`make train export`; a recipe
 # that runs another stage after its own adds it).
