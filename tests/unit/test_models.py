@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -341,3 +342,51 @@ def test_every_model_scripts_for_the_torchscript_fallback(
     x = torch.randint(0, 256, (2, channels, size, size), dtype=torch.uint8)
     with torch.inference_mode():
         torch.testing.assert_close(scripted(x), model(x))
+
+
+class _DrawsEverywhere(nn.Module):
+    """A model whose forward draws from torch's, Python's and numpy's generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(784, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        random.random()
+        np.random.rand()
+        return self.head(x.float())
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "drawing"])
+def test_checking_a_model_before_training_leaves_the_seeded_draws_as_they_were(
+    name: str,
+) -> None:
+    """The training-mode check of the digits model (it ends in Dropout) drew a mask after
+    seeding: every later draw moved, and one seed gave two trainings before and after it."""
+    import random
+
+    import numpy as np
+
+    from lightship.config import load_config
+
+    fit = importlib.import_module("lightship.train.fit")  # lightship.train.fit: the function
+    cfg = load_config(None, None)
+    spec = {"name": "digits_cnn", "kwargs": {}, "in_channels": 1, "num_classes": 10,
+            "image_size": cfg.data.image_size, "mean": [0.0], "std": [1.0]}  # fmt: skip
+    model = models.create(spec) if name == "digits_cnn" else _DrawsEverywhere()
+
+    def draws() -> tuple[list[float], float, float]:
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    def seed() -> None:
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+    seed()
+    expected = draws()
+    seed()
+    fit._check_model_trains(model, cfg, 10)
+    assert draws() == expected

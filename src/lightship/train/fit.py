@@ -7,6 +7,7 @@ import copy
 import logging
 import math
 import os
+import random
 import shlex
 import shutil
 import sys
@@ -16,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import yaml
@@ -357,28 +359,50 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
     what = f"model.name={cfg.model.name} model.kwargs={dict(cfg.model.kwargs)}"
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{what} has no trainable parameters: choose a model that can learn")
-    size, channels = cfg.data.image_size, cfg.data.channels
     was_training = model.training
     try:
-        for n, training in ((2, False), (1, False), (2, True)):
-            x = torch.zeros(n, channels, size, size, dtype=torch.uint8)
-            probe = copy.deepcopy(model) if training else model
-            probe.train(training)
-            mode = " in training mode" if training else ""
-            try:
-                with torch.no_grad():
-                    out = probe(x)
-            except Exception as exc:  # any failure of user code: its message, on one line
-                reason = first_line(exc) or type(exc).__name__
-                raise ConfigError(
-                    f"{what} fails on a [{n}, {channels}, {size}, {size}] input{mode}: "
-                    f"{type(exc).__name__}: {reason}; fix the model, model.kwargs or "
-                    "data.image_size/channels"
-                ) from None
-            if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
-                raise _wrong_output(what, cfg, out, n, num_classes, mode)
+        with _seeded_draws_kept():
+            _probe(model, what, cfg, num_classes)
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _seeded_draws_kept() -> Iterator[None]:
+    """The random generators as they were, after what runs inside: the probes of
+    `_check_model_trains` run after seeding, and a Dropout in training mode drew a mask from
+    torch's generator, moving every later draw (the shuffle, the augmentation, the masks) with
+    it. The same seed then gave another training than before the check (a digits run: QAT
+    and dynamic int8 one test image lower). Python's and numpy's too, for a user's model."""
+    state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)
+
+
+def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> None:
+    """`_check_model_trains`' runs of the model, each refused with its fix."""
+    size, channels = cfg.data.image_size, cfg.data.channels
+    for n, training in ((2, False), (1, False), (2, True)):
+        x = torch.zeros(n, channels, size, size, dtype=torch.uint8)
+        probe = copy.deepcopy(model) if training else model
+        probe.train(training)
+        mode = " in training mode" if training else ""
+        try:
+            with torch.no_grad():
+                out = probe(x)
+        except Exception as exc:  # any failure of user code: its message, on one line
+            reason = first_line(exc) or type(exc).__name__
+            raise ConfigError(
+                f"{what} fails on a [{n}, {channels}, {size}, {size}] input{mode}: "
+                f"{type(exc).__name__}: {reason}; fix the model, model.kwargs or "
+                "data.image_size/channels"
+            ) from None
+        if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
+            raise _wrong_output(what, cfg, out, n, num_classes, mode)
 
 
 def _wrong_output(
