@@ -91,7 +91,7 @@ help: ## list the targets
 	@echo "  RUN=runs/NAME                 the run directory every target reads and writes (docker-smoke: only when given)"
 	@echo "  CONFIG=configs/X.yaml         the training config (train, and a stage that trains first)"
 	@echo "                                a stage trains a RUN without best.ckpt only when RUN is $(DEFAULT_RUN),"
-	@echo "                                CONFIG or ARGS is given, train is among the targets, or RUN"
+	@echo "                                CONFIG or ARGS is given to make, train is among the targets, or RUN"
 	@echo "                                trained before (it resumes from checkpoints/last.ckpt)"
 	@echo "  RESUME=1                      train: continue from last.ckpt with the run's config.yaml"
 	@echo "  ARGS='--set trainer.max_epochs=3'   train, bench-train (and training a stage starts)"
@@ -142,7 +142,8 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # (checkpoints/last.ckpt) resumes with its own config.yaml: that puts its best checkpoint back
 # and keeps what was made from it, where CONFIG's model would replace it.
 # A run that is not there is trained only when that is plainly what was asked: the default run
-# (a fresh clone's `make serve`), CONFIG or ARGS given, or `train` among the goals. A mistyped
+# (a fresh clone's `make serve`), CONFIG or ARGS given on make's command line (not left in the
+# shell's environment under those generic names), or `train` among the goals. A mistyped
 # RUN (`make export RUN=runs/shapez`) would otherwise train CONFIG's model for minutes and
 # export and serve it under the wrong name. Checked as the recipe is expanded, so `make -n`
 # stops too.
@@ -154,7 +155,8 @@ comma := ,
 empty :=
 space := $(empty) $(empty)
 train_asked = $(or $(filter train,$(MAKECMDGOALS)),$(filter $(abspath $(DEFAULT_RUN)),$(abspath \
-	$(RUN))),$(filter-out file,$(origin CONFIG)),$(ARGS),$(wildcard $(RUN)/checkpoints/last.ckpt))
+	$(RUN))),$(filter command line,$(origin CONFIG)),$(if $(filter command line,$(origin \
+	ARGS)),$(ARGS)),$(wildcard $(RUN)/checkpoints/last.ckpt))
 runs_parent = $(dir $(patsubst %/,%,$(RUN)))
 trained_runs = $(patsubst $(runs_parent)%/best.ckpt,%,$(wildcard $(runs_parent)*/best.ckpt))
 no_run = no trained run at $(RUN): train it first with `make $(here)train RUN=$(RUN) \

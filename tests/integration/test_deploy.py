@@ -501,6 +501,11 @@ def test_make_stage_on_a_mistyped_run_stops_before_training(target: str, tmp_pat
     assert f"train it first with `make -C '{root}' train RUN=runs/shapez CONFIG=" in proc.stderr
     proc = make("-n", target, "RUN=elsewhere/x", cwd=root)
     assert "(or check the name: elsewhere/ holds no trained run)" in proc.stderr, proc.stderr
+    # a CONFIG or ARGS left in the shell (generic names) is no asking to train
+    env = {**os.environ, "CONFIG": "/etc/app.conf", "ARGS": "-v", "MAKEFLAGS": "", "PWD": str(root)}
+    proc = subprocess.run(["make", "-n", target, "RUN=runs/shapez"], cwd=root, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "no trained run at runs/shapez" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(
