@@ -42,15 +42,11 @@ class QuietWatch:
         return due
 
 
-async def trim_when_quiet(
-    answered: Callable[[], int],
-    trim: Callable[[], object] | None = None,
-    quiet_s: float | None = None,
-) -> None:
-    """Run until cancelled: `trim` (`trim_heap`) once `answered()`, the count of requests
-    answered, has stood still for `quiet_s` (QUIET_S) after it moved (`QuietWatch`)."""
+async def trim_when_quiet(answered: Callable[[], int]) -> None:
+    """Run until cancelled: `trim_heap` once `answered()`, the count of requests answered,
+    has stood still for QUIET_S after it moved (`QuietWatch`)."""
     watch = QuietWatch(answered())
     while True:
-        await asyncio.sleep(QUIET_S if quiet_s is None else quiet_s)
+        await asyncio.sleep(QUIET_S)
         if watch.due(answered()):
-            (trim or trim_heap)()
+            trim_heap()
