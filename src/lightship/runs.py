@@ -747,9 +747,10 @@ class RunDir:
     def remake_command(self, variant: str) -> str:
         """The command that makes just `variant` of this run again, quoted for a message.
         Where no stage can run (`can_make`), `remake_hint` says what to do instead."""
-        stage, env = _stage_of(variant), self.pythonpath()
+        stage = _stage_of(variant)
         if stage == "train":
-            return self.train_command()
+            return self.train_command()  # with the run's PYTHONPATH itself
+        env = self.pythonpath()
         if stage == "quantize":
             method = variant.removeprefix("onnx-int8-")
             return f"`{stage_on(self.root, stage, env, 'methods', [method])}`"
