@@ -42,6 +42,7 @@ $(foreach v,$(.VARIABLES),$(if $(and $(filter command line,$(origin $(v))),$(fil
 q = '$(subst ','"'"',$(1))'
 lparen := (
 rparen := )
+lbrace := {
 # What a path given to make may not hold: a space splits it into arguments; make reads RUN in
 # a rule's target ($(RUN)/best.ckpt:), where these mean other things; bash reads the recipes.
 # src/lightship/runs.py prints lightship's own command for such a run, not make's.
@@ -49,6 +50,14 @@ unsafe_chars := : % ; * ? [ ] \ | ' " ` & < > { } $(lparen) $(rparen)
 unsafe = $(strip $(foreach c,$(unsafe_chars),$(findstring $(c),$(1))) $(if $(filter file \
 	default,$(origin $(2))),,$(findstring $$,$(value $(2)))))
 stage := $(or $(firstword $(filter train export quantize report serve,$(MAKECMDGOALS))),export)
+# make reads a `$` in a value given to it as its own variable: ARGS='--set data.path=$HOME/x'
+# reached lightship as `OME/x`, without a word. ($$ is make's escape for one `$`; $(X) and
+# ${X} are taken as meant for make.)
+$(foreach v,$(filter ARGS %_ARGS,$(variables)),$(if $(and $(filter command line \
+	environment,$(origin $(v))),$(findstring $$,$(subst $$$(lparen),,$(subst $$$(lbrace),,$(subst \
+	$$$$,,$(value $(v))))))),$(warning note: make reads each \
+	$$ in $(v) as one of its own variables ($$HOME as $$H then OME): write $$$$ for a $$ lightship \
+	should see, or let the shell expand it ($(v)="...$$HOME...", in double quotes))))
 # An empty RUN (`make export RUN=`) or one with a space would reach lightship as other
 # arguments, and its error would name those.
 ifeq ($(strip $(RUN)),)

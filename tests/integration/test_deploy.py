@@ -441,6 +441,23 @@ def test_a_misspelt_make_variable_is_named_not_ignored_without_a_word() -> None:
     assert make("-n", "help", *(f"{v}=x" for v in listed if v != "RESUME")).stderr == ""
 
 
+def test_a_dollar_make_would_eat_from_args_gets_a_note_and_the_escaped_one_passes() -> None:
+    # make reads `$H` of ARGS='--set data.path=$HOME/x' as its own variable: lightship got OME/x
+    note = (
+        r"Makefile:\d+: note: make reads each \$ in {v} as one of its own variables \(\$HOME as "
+        r"\$H then OME\): write \$\$ for a \$ lightship should see, or let the shell expand it "
+        r'\({v}="\.\.\.\$HOME\.\.\.", in double quotes\)\n'
+    )
+    proc = make("-n", "help", "ARGS=--set data.path=$HOME/x", "SERVE_ARGS=--port $1")
+    assert re.fullmatch(note.format(v="ARGS") + note.format(v="SERVE_ARGS"), proc.stderr), (
+        proc.stderr
+    )
+    for meant in ("--set data.path=$$HOME/x", "--set run=$(RUN) --set x=${RUN}"):
+        assert make("-n", "help", f"ARGS={meant}").stderr == "", meant
+    proc = make("-n", "train", "RUN=runs/x", "ARGS=--set data.path=$$HOME/x")
+    assert " --set data.path=$HOME/x" in proc.stdout, proc.stdout
+
+
 def test_make_in_a_moved_checkout_says_to_make_the_venv_again(tmp_path: Path) -> None:
     root = stand_in_checkout(tmp_path / "checkout")
     lightship = root / ".venv" / "bin" / "lightship"
