@@ -27,6 +27,8 @@ export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
 # The folder make was run from (`make -C CHECKOUT`): a `make ...` in a message says -C then.
 export LIGHTSHIP_MAKE_FROM := $(PWD)
 here = $(if $(and $(PWD),$(filter-out $(CURDIR),$(realpath $(PWD)))),-C $(call q,$(CURDIR)) )
+# ... and a lightship command, run where .venv and the run's relative path are.
+cd_here = $(if $(here),cd $(call q,$(CURDIR)) && )
 
 # A misspelt variable (`EXPRT_ARGS=...`) would be ignored without a word, as make does.
 variables := RUN CONFIG RESUME ARGS EXPORT_ARGS QUANTIZE_ARGS REPORT_ARGS SERVE_ARGS \
@@ -66,12 +68,13 @@ endif
 ifneq ($(words $(RUN))$(call unsafe,$(RUN),RUN),1)
 $(error RUN must be one run directory without spaces or any of $(unsafe_chars) $$, e.g. \
 	RUN=runs/default (got $(call q,$(value RUN))); for such a path call lightship itself: \
-	`$(BIN)/lightship $(stage) --run $(call q,$(value RUN))`)
+	`$(cd_here)$(BIN)/lightship $(stage) --run $(call q,$(value RUN))`)
 endif
 ifneq ($(words $(CONFIG))$(call unsafe,$(CONFIG),CONFIG),1)
 $(error CONFIG must be one file without spaces or any of $(unsafe_chars) $$, e.g. \
 	CONFIG=configs/digits.yaml (got $(call q,$(value CONFIG))): copy it to such a path, or call \
-	lightship itself: `$(BIN)/lightship train --run $(RUN) --config $(call q,$(value CONFIG))`)
+	lightship itself: `$(cd_here)$(BIN)/lightship train --run $(RUN) --config $(call \
+	q,$(value CONFIG))`)
 endif
 
 # Made by a recipe that goes on after writing them (export writes ONNX first, then the other

@@ -360,6 +360,25 @@ def test_a_path_make_cannot_take_is_refused_and_lightship_names_its_own_command(
     assert stage_on(Path("runs/a=1,b@c+d~e#f-é"), "export").startswith("make export RUN=")
 
 
+def test_a_path_make_cannot_take_gets_a_lightship_command_that_runs_from_another_folder(
+    tmp_path: Path,
+) -> None:
+    # `make -C CHECKOUT`: a bare `.venv/bin/lightship` was not there, nor was the run
+    in_root = "'" + str(ROOT).replace("'", """'"'"'""") + "'"  # as make quotes
+    proc = make("-C", str(ROOT), "-n", "export", "RUN=runs/a b", cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    assert (
+        f"for such a path call lightship itself: `cd {in_root} && .venv/bin/lightship export "
+        "--run 'runs/a b'`.  Stop.\n"
+    ) in proc.stderr, proc.stderr
+    proc = make("-C", str(ROOT), "-n", "train", "CONFIG=c (1).yaml", cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    assert (
+        f"call lightship itself: `cd {in_root} && .venv/bin/lightship train --run runs/default "
+        "--config 'c (1).yaml'`.  Stop.\n"
+    ) in proc.stderr, proc.stderr
+
+
 STAND_IN = """#!/bin/sh
 # lightship STAGE --run RUN ...: logs its start and end, and writes what the stage would
 echo "start $1" >> stages.log
