@@ -75,6 +75,11 @@ PLATFORMS = {
     "pt2": "pytorch_pt2",
     "eager": "pytorch",
 }
+# A body still arriving at the server's request deadline gets one more second for every
+# MIN_BODY_RATE bytes that arrived (Apache's mod_reqtimeout MinRate): a phone photo over a slow
+# uplink (5.8 MB at 4 Mbit/s: 12 s) was refused 408 at 10 s, 90 % of it in, while a client
+# that trickles bytes still goes at the deadline. A client's own deadline is not extended.
+MIN_BODY_RATE = 64 * 1024
 # Status for a client that left before its answer (nginx's convention); only metrics see it.
 CLIENT_CLOSED = 499
 # Requests whose uploaded images are decoded at once. A PNG may declare up to
@@ -95,9 +100,15 @@ BUG = "internal server error (a bug: see the server's log)"
 
 class BodyTooLarge(Exception):
     @classmethod
-    def of(cls, limit: int) -> BodyTooLarge:
-        """A body that streamed past `limit` bytes (counted in the rejections where answered)."""
-        return cls(f"request body over the limit of {limit} bytes")
+    def of(cls, limit: int, path: str = "") -> BodyTooLarge:
+        """A body past `limit` bytes, sent to `path` (counted in the rejections where
+        answered): the error says what to send instead."""
+        fix = (
+            "send fewer files per request, or smaller ones (each is resized to the model's input)"
+            if path == IMAGE_ROUTE
+            else "send fewer rows per request"
+        )
+        return cls(f"request body over the limit of {limit} bytes (--max-body-bytes): {fix}")
 
 
 class BodyTimeout(Exception):
@@ -452,20 +463,29 @@ def head_of(scope: Scope) -> Head | None:
     return head
 
 
-def too_large_by_length(limit: int, metrics: Metrics) -> Response:
+def too_large_by_length(limit: int, metrics: Metrics, path: str = "") -> Response:
     """The answer to a Content-Length over `limit`, sent before the body and closing the
-    connection: reading the rest would only cost."""
+    connection: reading the rest would only cost. `path`: the route it was sent to."""
     metrics.rejected("body_too_large")
-    return _error(
-        413,
-        f"request body over the limit of {limit} bytes (max_body_bytes): send fewer rows per "
-        "request",
-        {"connection": "close"},
-    )
+    return _error(413, str(BodyTooLarge.of(limit, path)), {"connection": "close"})
+
+
+def body_allowed_until(head: Head, seen: int) -> float:
+    """When (time.monotonic()) a body must have arrived, `seen` bytes in: the request's
+    deadline, and past the server's own one more second for every MIN_BODY_RATE bytes."""
+    return head.deadline if head.clients else head.deadline + seen / MIN_BODY_RATE
+
+
+def body_arrived(head: Head) -> None:
+    """A body in whole after the server's deadline, within its allowance: the request gets
+    the server's deadline again, counted from now, for its queue and compute."""
+    now = time.monotonic()
+    if now > head.deadline and not head.clients:
+        head.deadline = now + head.timeout_s
 
 
 def body_timeout(head: Head, seen: int, metrics: Metrics) -> BodyTimeout:
-    """The error of a body still incomplete, `seen` bytes in, when the deadline passed."""
+    """The error of a body still incomplete, `seen` bytes in, when its time ran out."""
     if head.clients:
         metrics.rejected("deadline")
         return BodyTimeout(
@@ -474,10 +494,13 @@ def body_timeout(head: Head, seen: int, metrics: Metrics) -> BodyTimeout:
             504,
         )
     metrics.rejected("body_timeout")
+    took = time.monotonic() - (head.deadline - head.timeout_s)
+    took_s = f"{took:.1f}" if took >= 1 else f"{took:.2g}"
     return BodyTimeout(
-        f"request body incomplete after {head.timeout_s:g} s ({seen} bytes arrived), "
-        "the server's request deadline: send it at once, or serve with a longer "
-        "--timeout-ms (LIGHTSHIP_TIMEOUT_MS)",
+        f"request body incomplete after {took_s} s ({seen} bytes arrived): past the "
+        f"server's request deadline ({head.timeout_s:g} s) a body must keep arriving at "
+        f"{MIN_BODY_RATE // 1024} KiB/s; send it faster, or serve with a longer --timeout-ms "
+        "(LIGHTSHIP_TIMEOUT_MS)",
         408,
     )
 
@@ -505,23 +528,30 @@ class BodyLimit:
             return
         head = read_head(scope["headers"], self.limit, self.timeout_s)
         if head.too_large:
-            await too_large_by_length(self.limit, self.metrics)(scope, receive, send)
+            await too_large_by_length(self.limit, self.metrics, scope["path"])(scope, receive, send)
             return
         # The deadline counts from arrival, body reading included; the routes read it here.
         scope.setdefault("state", {})["head"] = head
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + head.timeout_s
+        clock = loop.time() - time.monotonic()  # the loop's clock, from time.monotonic()'s
+        deadline = clock + head.deadline
         seen = 0
         body_done = False
         expired = False
+        timer: asyncio.TimerHandle | None = None
 
         def expire(task: asyncio.Task[Any]) -> None:
-            nonlocal expired
+            nonlocal expired, deadline, timer
+            later = clock + body_allowed_until(head, seen)  # still arriving fast enough
+            if later > loop.time():
+                deadline = later
+                timer = loop.call_at(deadline, expire, task)
+                return
             expired = True
             task.cancel()
 
         async def counted() -> Message:
-            nonlocal seen, body_done
+            nonlocal seen, body_done, timer
             if body_done:  # after the body only a disconnect comes, whenever it comes
                 return await receive()
             # asyncio.timeout_at() does the same with a context object per call; this is the
@@ -540,7 +570,9 @@ class BodyLimit:
             body_done = not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise BodyTooLarge.of(self.limit)
+                raise BodyTooLarge.of(self.limit, scope["path"])
+            if body_done:
+                body_arrived(head)
             return message
 
         await self.app(scope, counted, send)
@@ -711,6 +743,9 @@ class TensorRoutes:
 
     def body_timeout(self, head: Head, seen: int) -> BodyTimeout:
         return body_timeout(head, seen, self.metrics)
+
+    body_allowed_until = staticmethod(body_allowed_until)
+    body_arrived = staticmethod(body_arrived)
 
     async def answer(
         self, name: str, params: dict[str, str], head: Head, body: bytes, watch: Watch
@@ -1055,17 +1090,23 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     decode_slots = asyncio.Semaphore(DECODE_SLOTS)
 
     @app.post(
-        "/v1/predict/image",
+        IMAGE_ROUTE,
         tags=["v1"],
         summary="Labels and top-k probabilities for uploaded PNG/JPEG files",
-        responses=openapi.errors(400, 408, 413, 415, 429, 503, 504),
+        description=IMAGE_ROUTE_DOC.format(c=service.chw[0], h=service.chw[1], w=service.chw[2]),
+        responses={
+            **openapi.response(openapi.V1_IMAGE_RESPONSE, "one prediction per file, in order"),
+            **openapi.errors(400, 408, 413, 415, 429, 503, 504),
+        },
         openapi_extra=openapi.image_body(IMAGES_FIELD, settings.max_batch_rows),
     )
     async def v1_predict_image(request: Request, top_k: int | None = None) -> Response:
         if top_k is not None and top_k < 1:
             raise ProtocolError(f"top_k must be a positive integer, got {top_k}")
-        deadline = time.monotonic() + service.timeout_s(head_of(request.scope))
         contents = await _uploaded_images(request, settings.max_batch_rows)
+        # read after the upload: one that arrived past the deadline, within its allowance,
+        # has the deadline again from its end (`body_arrived`)
+        deadline = time.monotonic() + service.timeout_s(head_of(request.scope))
 
         def decode_all() -> np.ndarray:
             images: list[np.ndarray] = []
@@ -1215,7 +1256,17 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
     app.add_exception_handler(Exception, server_error)
 
 
+IMAGE_ROUTE = "/v1/predict/image"
 IMAGES_FIELD = "files"
+IMAGE_ROUTE_DOC = (
+    "Each file becomes one {c} x {h} x {w} input the way training reads an image file: turned "
+    "upright by its EXIF orientation, converted to gray or RGB with any alpha dropped, and "
+    "resized to {h} x {w}: no crop, no inversion. Send images like the training data. The "
+    "embedded digits model learnt light strokes on a dark background, the digit filling the "
+    "frame: a dark digit on white paper, a small digit in a large frame, or strokes on a "
+    "transparent canvas (a blank image once the alpha is dropped) get a wrong label with a high "
+    "score."
+)
 SEND_IMAGES = f'send one or more images as multipart form field "{IMAGES_FIELD}"'
 
 

@@ -130,7 +130,9 @@ def image_body(field: str, max_files: int) -> dict[str, Any]:
         "type": "array",
         "minItems": 1,
         "maxItems": max_files,
-        "items": {"type": "string", "contentMediaType": "application/octet-stream"},
+        # `format: binary` (OpenAPI 3.0's way) is what Swagger UI draws a file picker for: with
+        # 3.1's `contentMediaType` alone /docs showed text boxes, and Execute sent text (400)
+        "items": {"type": "string", "format": "binary"},
         "description": "one or more PNG or JPEG images",
     }
     schema = {"type": "object", "required": [field], "properties": {field: files}}
@@ -187,6 +189,23 @@ V1_RESPONSE: dict[str, Any] = {
                             },
                         },
                     },
+                },
+            },
+        },
+    },
+}
+# The image route's answer: /v1/predict's, each prediction naming the file it is for.
+V1_IMAGE_RESPONSE: dict[str, Any] = {
+    **V1_RESPONSE,
+    "properties": {
+        **V1_RESPONSE["properties"],
+        "predictions": {
+            "type": "array",
+            "items": {
+                **V1_RESPONSE["properties"]["predictions"]["items"],
+                "properties": {
+                    **V1_RESPONSE["properties"]["predictions"]["items"]["properties"],
+                    "file": {"type": "string", "description": "the uploaded file's name"},
                 },
             },
         },

@@ -308,17 +308,24 @@ class _TensorCycle:
             if self._expect_100 and not transport.is_closing():
                 transport.write_now(b"HTTP/1.1 100 Continue\r\n\r\n")
             loop = protocol.loop
-            # BodyLimit's deadline, counted from the head's arrival in the loop's clock
-            deadline = loop.time() + self._head.deadline - time.monotonic()
+            # BodyLimit's deadline, counted from the head's arrival in the loop's clock, and
+            # past it the body's allowance (`body_allowed_until`)
+            clock = loop.time() - time.monotonic()
+            deadline = clock + self._head.deadline
             while self.more_body and not (self._over or self.disconnected):
                 self._waiter = loop.create_future()
                 try:
                     async with asyncio.timeout_at(deadline):
                         await self._waiter
                 except TimeoutError:
-                    raise self._routes.body_timeout(self._head, self._seen) from None
+                    later = clock + self._routes.body_allowed_until(self._head, self._seen)
+                    if later <= loop.time():
+                        raise self._routes.body_timeout(self._head, self._seen) from None
+                    deadline = later
                 finally:
                     self._waiter = None
+            if not (self._over or self.disconnected):
+                self._routes.body_arrived(self._head)
         if self.disconnected:
             raise ClientDisconnect()
         if self._over:
