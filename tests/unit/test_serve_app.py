@@ -32,6 +32,7 @@ from PIL import Image, PngImagePlugin
 from starlette.types import Message
 from uvicorn.logging import AccessFormatter
 
+from lightship.data.images import decode as _decode
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
 from lightship.serve import app as serve_app
@@ -309,6 +310,46 @@ def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
             assert r.status_code == 400 and "x.png: not a readable PNG or JPEG" in r.json()["error"]
 
     run(main())
+
+
+def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 PNGs of 116 KB declaring 40 MP each held a decode slot for 10 s, every other upload
+    waiting, and ended in 504. The budget reads the headers; a JPEG counts as its decoder
+    shrinks it for the model's input (400x400 for 2x2: by 8 a side, 2,500 pixels)."""
+    monkeypatch.setattr(v1, "MAX_REQUEST_PIXELS", 3000, raising=False)
+    decoded: list[str] = []
+    monkeypatch.setattr(
+        v1.images,
+        "decode",
+        lambda data, chw, name, limit: decoded.append(name) or _decode(data, chw, name, limit),
+    )
+    app, _ = make_app(tmp_path)
+    photo = png(Image.new("RGB", (400, 400), (250, 250, 250)), "JPEG")
+    small, large = png(np.full((20, 20), 250, np.uint8)), png(np.full((40, 40), 250, np.uint8))
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with serving(app) as client:
+            within = await client.post(
+                "/v1/predict/image",
+                files=[("files", ("p.jpg", photo, "image/jpeg")), ("files", ("s.png", small))],
+            )
+            over = await client.post(
+                "/v1/predict/image",
+                files=[("files", ("a.png", large)), ("files", ("b.png", large))],
+            )
+            return within, over
+
+    within, over = run(main())
+    assert within.status_code == 200, within.text
+    assert [p["label"] for p in within.json()["predictions"]] == ["bright", "bright"]
+    assert over.status_code == 413
+    assert over.json()["error"] == (
+        "the 2 images hold 3,200 pixels to decode, over the limit of 3,000 a request: send "
+        "fewer or smaller images (each is resized to 2x2), or spread them over several requests"
+    )
+    assert decoded == ["p.jpg", "s.png"]
 
 
 def test_uploads_reach_the_model_as_the_image_folder_trains_on_them(tmp_path: Path) -> None:

@@ -94,6 +94,23 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
 _OPENING = threading.Lock()
 
 
+def pixels_to_decode(source: bytes, chw: tuple[int, int, int]) -> int:
+    """The pixels `decode` would decode of the PNG/JPEG `source`, read from its header only (a
+    small file can declare a huge canvas); 0 for a file that does not open, which `decode`
+    refuses with the reason."""
+    try:
+        with _OPENING, warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(source))
+        with im:
+            if im.format in ("JPEG", "MPO"):  # shrunk as it decodes, as `decode` asks it to
+                side = max(chw[1], chw[2])
+                im.draft({1: "L", 3: "RGB"}.get(chw[0], "RGB"), (side, side))
+            return int(im.width * im.height)
+    except Exception:  # anything that does not open: decode says why
+        return 0
+
+
 def decode(
     source: bytes | Path,
     chw: tuple[int, int, int],

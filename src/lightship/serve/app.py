@@ -1120,7 +1120,13 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             return np.stack(images)
 
         # Decoding a large photo takes milliseconds: keep it off the event loop, and decode
-        # only as many requests' images at once as there are slots (memory, see DECODE_SLOTS).
+        # only as many requests' images at once as there are slots (memory, see DECODE_SLOTS),
+        # each request's within a budget of pixels, so that it holds its slot briefly (one
+        # image is within it: over v1.MAX_IMAGE_PIXELS it is refused as it opens).
+        if len(contents) > 1:
+            await run_in_threadpool(
+                v1.check_decode_budget, [data for data, _ in contents], service.chw
+            )
         # the upload was read whole: a client that closed is seen now, not at its deadline
         watch = asgi_watch(request.receive, after_s=0)
         try:

@@ -18,6 +18,10 @@ from lightship.serve.v2 import ProtocolError, holds_bool, json_error
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
 # huge canvas: a decompression bomb). Far above any classifier's input.
 MAX_IMAGE_PIXELS = 40_000_000
+# The pixels one request's uploads may take to decode together (a JPEG counts as its decoder
+# shrinks it: a 12 MP photo, 0.19 MP). 64 PNGs of 116 KB declaring 40 MP each held a decode
+# slot for 10 s, every other upload waiting, and ended in 504; this is ~0.8 s of decoding.
+MAX_REQUEST_PIXELS = 100_000_000
 
 
 def decode_instances(
@@ -120,6 +124,19 @@ def encode_predictions(
 
 # HTTP status for each way an upload fails to decode
 _STATUS = {"unreadable": 400, "exif": 400, "format": 415, "size": 413}
+
+
+def check_decode_budget(datas: list[bytes], chw: tuple[int, int, int]) -> None:
+    """413 for uploads that would take more than MAX_REQUEST_PIXELS to decode together, read
+    from their headers before any is decoded."""
+    total = sum(images.pixels_to_decode(data, chw) for data in datas)
+    if total > MAX_REQUEST_PIXELS:
+        raise ProtocolError(
+            f"the {len(datas)} images hold {total:,} pixels to decode, over the limit of "
+            f"{MAX_REQUEST_PIXELS:,} a request: send fewer or smaller images (each is resized "
+            f"to {chw[2]}x{chw[1]}), or spread them over several requests",
+            413,
+        )
 
 
 def decode_image(data: bytes, chw: tuple[int, int, int], filename: str = "image") -> np.ndarray:
