@@ -2251,6 +2251,83 @@ async def exchange(connect: Callable[[], Awaitable[Any]], *data: bytes) -> Excha
     return status, headers, body, rest
 
 
+def test_cors_lets_a_page_of_a_listed_origin_call_every_route_and_no_other(
+    tmp_path: Path,
+) -> None:
+    """A demo page on :3000 calling the server on :8000: the browser's preflight (OPTIONS) is
+    answered, and every answer carries the headers, the tensor routes' too (answered by the
+    protocol without ASGI for a client that is no browser). Off by default."""
+    page = "http://localhost:3000"
+    app, _ = make_app(tmp_path, cors_origins=f" {page} ,https://app.example.com")
+    binary, binary_headers = v2_binary(X)
+    preflight = {
+        "origin": page,
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type,inference-header-content-length",
+    }
+
+    async def main() -> tuple[list[httpx.Response], list[str]]:
+        async with raw_http(app) as (_, counting, client):
+            answers = [
+                await client.options(INFER, headers=preflight),
+                await client.post(
+                    INFER, content=binary, headers={**binary_headers, "origin": page}
+                ),
+                await client.post(
+                    "/v1/predict", json={"instances": [[[[1]]]]}, headers={"origin": page}
+                ),
+                await client.post(
+                    "/v1/predict/image",
+                    files=[("files", ("b.png", png(np.full((2, 2), 250, np.uint8))))],
+                    headers={"origin": page},
+                ),
+                await client.post(
+                    INFER, json=v2_json(X), headers={"origin": "http://evil.example"}
+                ),
+                await client.options(INFER, headers={**preflight, "origin": "http://evil.example"}),
+            ]
+            before = list(counting.paths)
+            plain = await client.post(INFER, json=v2_json(X))  # no browser: the protocol's
+            return [*answers, plain], [before, list(counting.paths)]
+
+    answers, (before, after) = run(main())
+    ok, infer, bad_rows, upload, other, other_preflight, plain = answers
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["access-control-allow-origin"] == page
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    allowed = ok.headers["access-control-allow-headers"].lower()
+    assert "inference-header-content-length" in allowed and "x-request-timeout-ms" in allowed
+    assert infer.status_code == 200
+    np.testing.assert_array_equal(logits_of(infer), expected_logits(X))
+    assert infer.headers["access-control-allow-origin"] == page
+    assert (
+        "inference-header-content-length" in infer.headers["access-control-expose-headers"].lower()
+    )
+    assert bad_rows.status_code == 400 and bad_rows.headers["access-control-allow-origin"] == page
+    assert upload.status_code == 200 and upload.headers["access-control-allow-origin"] == page
+    assert upload.json()["predictions"][0]["label"] == "bright"
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    assert other_preflight.status_code == 400
+    assert plain.status_code == 200 and before == after  # not through ASGI
+    assert INFER in before  # the browser's were
+
+    (tmp_path / "default").mkdir()
+    default, _ = make_app(tmp_path / "default")
+
+    async def off() -> httpx.Response:
+        async with serving(default) as client:
+            return await client.options(INFER, headers=preflight)
+
+    assert run(off()).status_code == 405
+
+
+def test_a_cors_origin_that_is_no_origin_is_refused_with_what_to_give() -> None:
+    with pytest.raises(ValueError, match="cors_origins lists 'http://localhost:3000/', which"):
+        ServeSettings(run=Path("m.onnx"), cors_origins="http://localhost:3000/")
+    assert ServeSettings(run=Path("m.onnx"), cors_origins="*").origins == ["*"]
+    assert ServeSettings(run=Path("m.onnx")).origins == []
+
+
 def test_tensor_routes_over_http_are_answered_without_asgi(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     binary, binary_headers = v2_binary(X)

@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -724,8 +725,12 @@ class TensorRoutes:
         body_limit: int,
         timeout_s: float,
         compress_min_bytes: int,
+        cors: bool = False,
     ) -> None:
         self.handlers = handlers
+        # CORS is on: a request with an Origin (a browser's) goes through ASGI, whose
+        # middleware gives its answer the headers
+        self.cors = cors
         self.answers = answers
         self.metrics = metrics
         self.body_limit = body_limit
@@ -871,6 +876,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         body_limit=settings.max_body_bytes,
         timeout_s=settings.timeout_ms / 1000,
         compress_min_bytes=settings.compress_min_bytes,
+        cors=bool(settings.origins),
     )
     app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
     app.add_middleware(HotRoutes, routes=tensor_routes)
@@ -892,6 +898,23 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 return getattr(route, "path", None)
         return None
 
+    if settings.origins:
+        # Inside the metrics (a preflight is counted as any request), outside the body limit
+        # (its 413 and 408 reach the page). The server's protocol hands a request with an
+        # Origin to ASGI, so the tensor routes get the headers too (`TensorRoutes.cors`).
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.origins,
+            allow_methods=["GET", "HEAD", "POST"],
+            allow_headers=[
+                "content-type",
+                "content-encoding",
+                TIMEOUT_HEADER,
+                v2.HEADER_LENGTH,
+            ],
+            expose_headers=[v2.HEADER_LENGTH, "retry-after"],
+            max_age=600,
+        )
     app.add_middleware(
         MetricsMiddleware, metrics=service.metrics, paths=raw_routes, route_of=route_of
     )

@@ -160,6 +160,13 @@ def serve(
     top_k: Annotated[
         int | None, typer.Option(help=f"default top-k of /v1/predict ({ENV}TOP_K; 5)")
     ] = None,
+    cors_origins: Annotated[
+        str | None,
+        typer.Option(
+            help="origins a web page may call the server from, comma-separated "
+            f"(http://localhost:3000), or * ({ENV}CORS_ORIGINS; none)"
+        ),
+    ] = None,
     access_log: Annotated[
         bool | None, typer.Option("--access-log/--no-access-log", help=f"({ENV}ACCESS_LOG; off)")
     ] = None,
@@ -197,6 +204,7 @@ def serve(
         isa_check=isa_check,
         warmup_rows=warmup_rows,
         top_k=top_k,
+        cors_origins=cors_origins,
         access_log=access_log,
         log_level=log_level,
     )

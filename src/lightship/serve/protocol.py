@@ -682,6 +682,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if (
                 parser.get_method() != b"POST"
                 or self.limit_concurrency is not None  # uvicorn's 503 for it: not set here
+                or (routes.cors and any(k == b"origin" for k, _ in self.headers))
             ):
                 return False
             url = httptools.parse_url(self.url)

@@ -18,6 +18,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # A model name goes into URL paths and metric labels: keep it to safe characters.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ENV_PREFIX = "LIGHTSHIP_"
+# An origin as a browser's Origin header gives it (RFC 6454): scheme://host[:port].
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s,:]+(:\d{1,5})?")
 
 
 def flag(field: str) -> str:
@@ -115,6 +117,13 @@ class ServeSettings(BaseSettings):
     )
     warmup_rows: int = Field(1, ge=1, description="rows in the warm-up batch run before ready")
     top_k: int = Field(5, ge=1, description="default top-k of /v1/predict")
+    # Browsers call a server of another origin only where its answers allow it (a demo page
+    # on :3000 calling :8000): off by default, as Triton and TorchServe have it.
+    cors_origins: str = Field(
+        "",
+        description="origins a web page may call the server from, comma-separated "
+        "(https://app.example.com,http://localhost:3000), or *; empty: none",
+    )
     access_log: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn's and lightship's log lines below this level are dropped"
@@ -150,6 +159,24 @@ class ServeSettings(BaseSettings):
                 f"model name {value!r} must be letters, digits, '.', '_' or '-' (at most 128)"
             )
         return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _cors_origins(cls, value: str) -> str:
+        origins = [o.strip() for o in value.split(",") if o.strip()]
+        for origin in origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"cors_origins lists {origin!r}, which is no origin: give scheme://host"
+                    "[:port] as a browser sends it, no path or trailing slash (e.g. "
+                    "http://localhost:3000), or *"
+                )
+        return ",".join(origins)
+
+    @property
+    def origins(self) -> list[str]:
+        """The origins `cors_origins` lists; [] for none."""
+        return self.cors_origins.split(",") if self.cors_origins else []
 
     def model_threads(self, model: Path | None = None) -> int:
         """Intra-op threads for each instance: the setting, else the cores shared out; but one
