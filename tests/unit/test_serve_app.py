@@ -436,7 +436,9 @@ BAD_FORMS: list[tuple[str, dict[str, Any], str]] = [
     (
         "a text field",
         {"data": {"files": "a.png"}, "files": [("other", ("a.png", b"x", "image/png"))]},
-        f'form field "files" holds text: {SEND_IMAGES}',
+        f'form field "files" holds text, a part with no filename: {SEND_IMAGES}, each part '
+        'with a filename (Content-Disposition: form-data; name="files"; filename="a.png"), as '
+        "`curl -F files=@a.png` sends it",
     ),
     (
         "top_k not a number",

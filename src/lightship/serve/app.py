@@ -1338,7 +1338,11 @@ class _ImageForm(MultiPartParser):
         name = self._current_part.field_name
         if self._current_part.file is None:
             if name == IMAGES_FIELD:
-                raise ProtocolError(f'form field "{name}" holds text: {SEND_IMAGES}')
+                raise ProtocolError(
+                    f'form field "{name}" holds text, a part with no filename: {SEND_IMAGES}, '
+                    'each part with a filename (Content-Disposition: form-data; name="files"; '
+                    'filename="a.png"), as `curl -F files=@a.png` sends it'
+                )
             return
         if name != IMAGES_FIELD:
             raise ProtocolError(f'form field "{name}" holds a file: {SEND_IMAGES}')
