@@ -243,11 +243,7 @@ class Service:
     def check_model(self, name: str, version: str | None = None) -> None:
         if name != self.name:
             if name == "stats":  # GET /v2/models/stats: tritonclient's get_inference_statistics
-                raise ProtocolError(
-                    "the statistics extension is not served here: this server's request, queue"
-                    " and batch figures are Prometheus metrics at /metrics",
-                    404,
-                )
+                raise ProtocolError(STATISTICS, 404)
             raise ProtocolError(f"unknown model '{name}': this server serves '{self.name}'", 404)
         if version is not None and version != v2.VERSION:
             raise ProtocolError(
@@ -1265,7 +1261,10 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
         app.add_exception_handler(cls, handler(respond))
 
     async def http_error(request: Request, exc: Any) -> Response:
-        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":  # the router's: no such route
+            detail = not_found(request.url.path)
+        return _error(exc.status_code, detail, getattr(exc, "headers", None))
 
     async def validation_error(request: Request, exc: Any) -> Response:
         # 400 like every other bad input here, not FastAPI's 422 (openapi.py drops the 422
@@ -1283,6 +1282,43 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, server_error)
+
+
+# Triton's other V2 extensions, which tritonclient has calls for: what to use here instead.
+STATISTICS = (
+    "the statistics extension is not served here: this server's request, queue and batch "
+    "figures are Prometheus metrics at /metrics"
+)
+_EXTENSIONS = (
+    (re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/stats/?"), STATISTICS),
+    (
+        re.compile(r"/v2/repository(/.*)?"),
+        "the model repository extension is not served here: the server serves the one model "
+        "it started with (GET /v2/models/{name} describes it)",
+    ),
+    (
+        re.compile(r"/v2/(system|cuda)sharedmemory(/.*)?"),
+        "the shared-memory extensions are not served here: send the tensors in the request, "
+        "as JSON or binary data (binary_tensor_data)",
+    ),
+    (
+        re.compile(r"/v2(/models/[^/]+(/versions/[^/]+)?)?/trace(/.*)?"),
+        "the trace extension is not served here: --access-log logs each request, and /metrics "
+        "has their latency",
+    ),
+    (
+        re.compile(r"/v2/logging/?"),
+        "the logging extension is not served here: the server's --log-level sets it at start",
+    ),
+)
+
+
+def not_found(path: str) -> str:
+    """The 404 of a path no route has: a V2 extension this server lacks says what to use."""
+    for pattern, message in _EXTENSIONS:
+        if pattern.fullmatch(path):
+            return message
+    return f"no route {path}: the routes are listed at /docs (GET /v2 describes the server)"
 
 
 IMAGE_ROUTE = "/v1/predict/image"
