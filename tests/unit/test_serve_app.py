@@ -320,11 +320,12 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
     shrinks it for the model's input (400x400 for 2x2: by 8 a side, 2,500 pixels)."""
     monkeypatch.setattr(v1, "MAX_REQUEST_PIXELS", 3000, raising=False)
     decoded: list[str] = []
-    monkeypatch.setattr(
-        v1.images,
-        "decode",
-        lambda data, chw, name, limit: decoded.append(name) or _decode(data, chw, name, limit),
-    )
+
+    def decode(data: bytes, chw: tuple[int, int, int], name: str, limit: int) -> Any:
+        decoded.append(name)
+        return _decode(data, chw, name, limit)
+
+    monkeypatch.setattr(v1.images, "decode", decode)
     app, _ = make_app(tmp_path)
     photo = png(Image.new("RGB", (400, 400), (250, 250, 250)), "JPEG")
     small, large = png(np.full((20, 20), 250, np.uint8)), png(np.full((40, 40), 250, np.uint8))
@@ -2286,7 +2287,7 @@ def test_cors_lets_a_page_of_a_listed_origin_call_every_route_and_no_other(
         "access-control-request-headers": "content-type,inference-header-content-length",
     }
 
-    async def main() -> tuple[list[httpx.Response], list[str]]:
+    async def main() -> tuple[list[httpx.Response], list[list[str]]]:
         async with raw_http(app) as (_, counting, client):
             answers = [
                 await client.options(INFER, headers=preflight),
