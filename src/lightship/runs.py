@@ -757,6 +757,25 @@ class RunDir:
         fmt = variant.removesuffix("-fp32")
         return f"`{stage_on(self.root, stage, env, 'formats', [fmt])}`"
 
+    def requantize(self, variant: str, target: str, flags: Sequence[str] = ()) -> str:
+        """How to make int8 `variant` of this run again for `target` (auto: this machine), with
+        the other options it was made with (its entry's `flags`), for a message's fix."""
+        kept = list(flags)
+        if "--target" in kept[:-1]:  # the option and its value: the new target replaces them
+            at = kept.index("--target")
+            del kept[at : at + 2]
+        if target != "auto":
+            kept += ["--target", target]
+        method = variant.removeprefix("onnx-int8-")
+        if not self.can_make():  # a model image: quantized where its run is, for this CPU
+            return (
+                f"{self.root} has no best.ckpt to make it from ({IN_AN_IMAGE}): rebuild the "
+                "image from a run quantized for this CPU: `make quantize docker-model "
+                f"RUN=runs/NAME QUANTIZE_ARGS='{' '.join(['--methods', method, *kept])}'`"
+            )
+        command = stage_on(self.root, "quantize", self.pythonpath(), "methods", [method], (), kept)
+        return f"re-quantize it: `{command}`"
+
     def make_hint(self, variant: str) -> str:
         """How to make a missing `variant` of this run, for a message's fix: run its stage,
         or where none can run here (`can_make`), why, and how to have it all the same."""

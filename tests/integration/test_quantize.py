@@ -310,7 +310,8 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         (
             ["--target", "tensorrt"],
             "--target tensorrt makes static int8 only (dynamic, qat int8 would be a CPU model "
-            "labelled for TensorRT): quantize with --methods static --target tensorrt",
+            "labelled for TensorRT): quantize with `make quantize RUN=RUN QUANTIZE_ARGS='--methods "
+            "static --target tensorrt'`",
         ),
     ]
     for args, message in cases:
@@ -318,6 +319,7 @@ def test_bad_inputs_exit_with_one_line(tiny_run: Path, exported_run: Path, tmp_p
         shutil.copytree(exported_run, run)
         proc = run_cli("quantize", "--run", str(run), *args)
         assert proc.returncode == 2, (args, proc.stderr)  # usage, as the README says
+        message = message.replace("RUN=RUN", f"RUN={run}")  # the run quantized, named
         assert message in last_line(proc.stderr) and last_line(proc.stderr).startswith("error:")
         assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
 

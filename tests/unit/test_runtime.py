@@ -622,8 +622,8 @@ def test_an_int8_model_made_for_another_cpu_is_warned_of_once(
         load_predictor(made_for_vnni, split=False)
     assert [r.getMessage() for r in caplog.records] == [
         f"{made_for_vnni}: model was quantized for vnni (full-range int8 weights) but this CPU "
-        "has no VNNI: int16 accumulation saturates and answers drift; re-quantize with "
-        "`lightship quantize --target avx2` (or auto on this machine)"
+        "has no VNNI: int16 accumulation saturates and answers drift; re-quantize it in the "
+        "run it came from: `lightship quantize --run RUN --target avx2`"
     ]
     load_predictor(handmade_onnx(tmp_path / "fp32.onnx"))  # no target: runs anywhere
     assert len(caplog.records) == 1

@@ -193,9 +193,9 @@ def test_a_lone_int8_file_is_checked_against_this_cpu_by_its_metadata(
         verify(model, "refuse", cpu=AVX2)
     assert str(err.value) == (
         f"{path}: model was quantized for vnni (full-range int8 weights) but this CPU has no "
-        "VNNI: int16 accumulation saturates and answers drift; re-quantize with `lightship "
-        "quantize --target avx2` (or auto on this machine) (or start with --isa-check warn to "
-        "serve it)"
+        "VNNI: int16 accumulation saturates and answers drift; re-quantize it in the run it "
+        "came from: `lightship quantize --run RUN --target avx2` (or start with --isa-check warn "
+        "to serve it)"
     )
     with caplog.at_level(logging.WARNING):
         verify(model, "warn", cpu=AVX2)

@@ -419,6 +419,42 @@ def test_int8_for_another_cpu_is_refused_or_warned(
     )  # 7-bit: anywhere
 
 
+def test_the_fix_for_int8_made_for_another_cpu_requantizes_the_served_run(tmp_path: Path) -> None:
+    """`lightship quantize --target auto`, the fix it gave, quantized runs/default (--run's
+    default), not the run served, replacing that one's int8 models and report."""
+    run = make_run(
+        tmp_path,
+        {
+            "onnx-int8-static": {
+                "target": "tensorrt",
+                "flags": ["--target", "tensorrt", "--calibration-samples", "64"],
+            },
+            "onnx-int8-dynamic": {"target": "vnni", "flags": []},
+        },
+    )
+    (run / "best.ckpt").write_bytes(b"weights")  # a trained run: quantize can run on it
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-int8-static")), "refuse", cpu=VNNI)
+    assert str(err.value) == (
+        "onnx-int8-static: model was quantized for TensorRT (S8S8); for this CPU re-quantize "
+        f"it: `make quantize RUN={run} QUANTIZE_ARGS='--methods static --calibration-samples "
+        "64'` (or start with --isa-check warn to serve it)"
+    )
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-int8-dynamic")), "refuse", cpu=AVX2)
+    assert str(err.value).endswith(
+        f"answers drift; re-quantize it: `make quantize RUN={run} QUANTIZE_ARGS='--methods "
+        "dynamic --target avx2'` (or start with --isa-check warn to serve it)"
+    )
+    (run / "best.ckpt").unlink()  # a model image: quantized where its run is
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-int8-dynamic")), "refuse", cpu=AVX2)
+    assert (
+        "`make quantize docker-model RUN=runs/NAME QUANTIZE_ARGS='--methods dynamic --target "
+        "avx2'`" in str(err.value)
+    )
+
+
 def test_a_file_changed_after_the_manifest_is_refused(tmp_path: Path) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}})
     handmade_onnx(run / "export" / "onnx-fp32.onnx", bias=5.0)  # rewritten behind the manifest

@@ -366,8 +366,8 @@ class Quantizer:
             # asymmetric uint8 (X86InductorQuantizer), not the S8S8 TensorRT takes
             raise ConfigError(
                 f"--target tensorrt makes static int8 only ({', '.join(cpu_only)} int8 would be "
-                "a CPU model labelled for TensorRT): quantize with --methods static --target "
-                "tensorrt"
+                "a CPU model labelled for TensorRT): quantize with "
+                f"`{_command(run, 'quantize', ['static'], self.repeat)}`"
             )
         self.scheme = isa.SCHEMES[self.target]
         if "qat" in methods:  # QAT fine-tunes best.ckpt: said before any method runs

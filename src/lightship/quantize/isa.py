@@ -12,6 +12,7 @@ Pure standard library: the server imports this to re-check a model at start-up w
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -143,21 +144,28 @@ def resolve_target(target: str) -> str:
     return target
 
 
-def compatibility(made_for: str, cpu: CpuInfo | None = None) -> str | None:
+def requantize_in_its_run(target: str) -> str:
+    """The fix of `compatibility` for a model whose run is not known (a lone file)."""
+    option = "" if target == "auto" else f" --target {target}"
+    return f"re-quantize it in the run it came from: `lightship quantize --run RUN{option}`"
+
+
+def compatibility(
+    made_for: str,
+    cpu: CpuInfo | None = None,
+    redo: Callable[[str], str] = requantize_in_its_run,
+) -> str | None:
     """None when a model quantized for `made_for` runs correctly on `cpu` (default: this host),
-    else one sentence on what goes wrong and how to fix it."""
+    else one sentence on what goes wrong and how to fix it: `redo(target)`, the command that
+    quantizes it again for `target` (auto: this machine), naming its run (`RunDir.requantize`)."""
     here = (cpu or host_cpu()).target
     if made_for == "avx2" or made_for == here:
         return None  # 7-bit weights are exact everywhere
     if made_for == "tensorrt":
-        return (
-            "model was quantized for TensorRT (S8S8); on a CPU re-run "
-            "`lightship quantize --target auto` for this machine"
-        )
+        return f"model was quantized for TensorRT (S8S8); for this CPU {redo('auto')}"
     if here == "avx2":
         return (
             f"model was quantized for {made_for} (full-range int8 weights) but this CPU has no "
-            "VNNI: int16 accumulation saturates and answers drift; re-quantize with "
-            "`lightship quantize --target avx2` (or auto on this machine)"
+            f"VNNI: int16 accumulation saturates and answers drift; {redo('avx2')}"
         )
     return None

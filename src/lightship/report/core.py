@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -179,7 +180,13 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         recommendable = bool(c.entry.get("recommendable", True)) and c.name not in ("eager",)
         # an int8 model made for another CPU (or TensorRT): the server here refuses it
         target = c.entry.get("target")
-        refused = isa.compatibility(target) if isinstance(target, str) else None
+        flags = c.entry.get("flags")
+        redo = functools.partial(
+            run.requantize,
+            c.name,
+            flags=[str(f) for f in flags] if isinstance(flags, list) else [],
+        )
+        refused = isa.compatibility(target, redo=redo) if isinstance(target, str) else None
         if refused is not None:
             recommendable = False
             log.warning("%s is not recommended: serve refuses it on this CPU: %s", c.name, refused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -16,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 from lightship.errors import RunError
-from lightship.quantize.isa import compatibility
-from lightship.runs import export_hint
+from lightship.quantize.isa import compatibility, requantize_in_its_run
+from lightship.runs import RunDir, enclosing_run, export_hint, variant_of
 from lightship.runtime.base import (
     LoadError,
     Predictor,
@@ -199,8 +200,20 @@ def _warn_if_made_for_another_cpu(path: Path, made_for: str | None) -> None:
     """A warning, once per file, when an int8 model's metadata says it was quantized for a CPU
     that computes it differently from this one (`isa.compatibility`): its answers here drift.
     The server checks this itself, by its `--isa-check` policy, before it loads anything."""
-    problem = compatibility(made_for) if made_for else None
-    if problem is None or path.resolve() in _WARNED_ISA:
+    if not made_for or path.resolve() in _WARNED_ISA:
+        return
+    root = enclosing_run(path)
+    redo = requantize_in_its_run
+    if root is not None:
+        run, variant = RunDir(root), variant_of(path)
+        try:
+            flags = (run.artifact(variant) or {}).get("flags")
+        except RunError:  # a malformed manifest: the stage that reads it says so
+            flags = None
+        made_with = [str(f) for f in flags] if isinstance(flags, list) else []
+        redo = functools.partial(run.requantize, variant, flags=made_with)
+    problem = compatibility(made_for, redo=redo)
+    if problem is None:
         return
     _WARNED_ISA.add(path.resolve())
     log.warning("%s: %s", path, problem)

@@ -5,6 +5,7 @@ Reads only files (manifest.json, report/report.json): serving never imports the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightship.errors import ConfigError, RunError
-from lightship.quantize.isa import CpuInfo, compatibility, host_cpu
+from lightship.quantize.isa import CpuInfo, compatibility, host_cpu, requantize_in_its_run
 from lightship.runs import (
     IN_AN_IMAGE,
     RunDir,
@@ -272,6 +273,7 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
     """The file is the one the manifest describes, and an int8 model suits this CPU: the CPU it
     was made for is its manifest entry's, or for a lone ONNX file its own metadata's."""
     entry = model.entry
+    redo = requantize_in_its_run
     if entry is None:
         what = str(model.path)
         made_for = file_metadata(model.path).get(TARGET) if model.path.suffix == ".onnx" else None
@@ -286,6 +288,10 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
         check_recorded(model.path, entry, f"it changed after it was recorded; {remake}")
         made_for = entry.get("target")
         gemm = entry.get("gemm_convs")
+        if root is not None:
+            run, flags = RunDir(root), entry.get("flags")
+            made_with = [str(f) for f in flags] if isinstance(flags, list) else []
+            redo = functools.partial(run.requantize, variant, flags=made_with)
     if not made_for:
         return
     cpu = cpu or host_cpu()  # read once, for both checks
@@ -296,7 +302,7 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
             "they could: `lightship quantize` on this machine measures again",
             what,
         )
-    problem = compatibility(str(made_for), cpu)
+    problem = compatibility(str(made_for), cpu, redo)
     if problem is None:
         return
     if isa_check == "refuse":
