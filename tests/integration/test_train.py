@@ -457,7 +457,12 @@ def test_resuming_a_finished_run_keeps_its_exports_and_report(
     before = {p: p.read_bytes() for p in [run / "manifest.json", run / "best.ckpt", *downstream]}
     best_mtime = (run / "best.ckpt").stat().st_mtime_ns
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
-    assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout, proc.stdout
+    assert proc.stdout.splitlines()[-2:] == [
+        f"nothing to train: {run} already finished 4 epochs (step 40); best.ckpt, exports, "
+        "quantized models and report kept",
+        # all made: what is left is to serve it
+        f"next: make serve RUN={run}   (or `lightship serve --run {run}`)",
+    ], proc.stdout
     assert "outdates" not in proc.stdout
     assert "is not empty" not in proc.stderr  # Lightning's warning about the kept checkpoints
     assert {p: p.read_bytes() for p in before} == before  # manifest, best.ckpt, exports, report
@@ -662,11 +667,14 @@ def test_resuming_a_run_out_of_time_says_so_not_finished(tmp_path: Path) -> None
     run_cli("train", "--run", str(run), "--config", TINY, *limit, check=True)
     proc = run_cli("train", "--run", str(run), "--resume", check=True)
     step = manifest(run)["checkpoint"]["global_step"]
-    assert proc.stdout.splitlines()[-1] == (
+    # it said "best.ckpt, exports, quantized models and report kept" of a run never exported,
+    # and gave no next: line
+    assert proc.stdout.splitlines()[-2:] == [
         f"nothing to train: {run} used up its trainer.max_time_s=0.0001 by step {step} (to "
-        "train on, resume with --set trainer.max_time_s= a longer time, or null); best.ckpt, "
-        "exports, quantized models and report kept"
-    )
+        "train on, resume with --set trainer.max_time_s= a longer time, or null); best.ckpt "
+        "kept",
+        f"next: make export RUN={run}   (or `lightship export --run {run}`)",
+    ]
     more = ["--set", "trainer.max_time_s=null"]
     proc = run_cli("train", "--run", str(run), "--resume", *more, check=True)
     assert manifest(run)["checkpoint"]["global_step"] > step

@@ -594,6 +594,31 @@ def _out_of_time(trainer: pl.Trainer) -> bool:
     return remaining is not None and remaining <= 0
 
 
+def _kept(run: RunDir) -> tuple[str, str]:
+    """What a run whose best.ckpt stays as it was keeps, said for the line that says so, and
+    the stage that comes next: the first of export, quantize, report that it lacks, or serve
+    (a run never exported had been told it kept "exports, quantized models and report")."""
+    artifacts = run.manifest()["artifacts"]
+    exported = "onnx-fp32" in artifacts
+    quantized = any(k.startswith("onnx-int8-") for k in artifacts)
+    reported = (run.report_dir / "report.json").is_file()
+    kept = ["best.ckpt"]
+    kept += ["exports"] if any(k in artifacts for k in ("onnx-fp32", "torchscript", "pt2")) else []
+    kept += ["quantized models"] if quantized else []
+    kept += ["report"] if reported else []
+    said = ", ".join(kept[:-1]) + f" and {kept[-1]}" if len(kept) > 1 else kept[0]
+    after = (
+        "export"
+        if not exported
+        else "quantize"
+        if not quantized
+        else "report"
+        if not reported
+        else "serve"
+    )
+    return said, after
+
+
 def _own_best(run: RunDir, best_model_path: str) -> Path:
     """The best checkpoint in this run's own folder, or last.ckpt.
 
@@ -804,9 +829,9 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     unchanged, in_place = _best_state(run, best_sha256)
     restored = f"best.ckpt restored from {run.relative(best)}"
     trained_nothing = resumed is not None and trainer.global_step == resumed_from_step
+    epochs = f"{trainer.current_epoch} epoch{'' if trainer.current_epoch == 1 else 's'}"
     finished = (
-        f"nothing to train: {run.root} already finished {trainer.current_epoch} epochs "
-        f"(step {trainer.global_step})"
+        f"nothing to train: {run.root} already finished {epochs} (step {trainer.global_step})"
     )
     if trained_nothing and _out_of_time(trainer):  # not finished: its time limit came first
         finished = (
@@ -819,7 +844,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             with atomic_path(run.best_ckpt) as tmp:
                 tmp.write_bytes(best.read_bytes())
             print(restored, flush=True)
-        print(f"{finished}; best.ckpt, exports, quantized models and report kept", flush=True)
+        kept, after = _kept(run)
+        print(
+            f"{finished}; {kept} kept\nnext: {next_command(after, run.root, pythonpath)}",
+            flush=True,
+        )
         return run
     # RUN/best.ckpt already this file (a finished run whose manifest lost its entry), or made
     # again from it below (its best.ckpt lost as well): what the last line says
@@ -876,13 +905,9 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
                 then(run.record, "checkpoint", entry)
     if unchanged and not in_place:
         print(restored, flush=True)
+    kept, after = _kept(run) if unchanged else ("", "export")
     if unchanged:
-        print(
-            "best.ckpt is unchanged (no better checkpoint): exports, quantized models and "
-            "report kept",
-            flush=True,
-        )
-    epochs = f"{trainer.current_epoch} epoch{'' if trainer.current_epoch == 1 else 's'}"
+        print(f"best.ckpt is unchanged (no better checkpoint): {kept} kept", flush=True)
     if trained_nothing:  # a finished run whose best.ckpt, or its manifest entry, was lost
         done = (
             f"{finished}; its best.ckpt is recorded in manifest.json again"
@@ -899,8 +924,6 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             f"trained {cfg.model.name} from step {resumed_from_step} to {trainer.global_step} "
             f"in {train_seconds:.1f} s ({epochs} in all)"
         )
-    # an unchanged best.ckpt kept its exports: exporting again is not what comes next
-    after = "quantize" if unchanged and run.artifact("onnx-fp32") else "export"
     print(
         f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
