@@ -8,6 +8,7 @@ runs/<name>/config.yaml  checkpoints/  best.ckpt  logs/  export/  quantize/  rep
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import fcntl
 import glob
@@ -448,6 +449,30 @@ def next_command(stage: str, run: Path, env: str = "") -> str:
     return stage_command(f"{env}make {stage} RUN={q}{also}", cli, run)
 
 
+def check_the_name(root: Path) -> str:
+    """For the error of a run directory that does not exist: the runs beside it, the closest
+    first when it looks mistyped (" (or check the name: did you mean runs/default? runs/
+    holds: default, r1)"); "" where there are none. Training the mistyped name is the fix a
+    message would otherwise give."""
+    parent = root.parent
+    try:
+        runs = sorted(
+            p.name
+            for p in parent.iterdir()
+            if p.is_dir()
+            and p != root
+            and any((p / f).exists() for f in ("manifest.json", "best.ckpt", "checkpoints"))
+        )
+    except OSError:
+        return ""
+    if not runs:
+        return ""
+    close = difflib.get_close_matches(root.name, runs, n=1)
+    guess = f"did you mean {parent / close[0]}? " if close else ""
+    shown = ", ".join(runs[:8]) + (", ..." if len(runs) > 8 else "")
+    return f" (or check the name: {guess}{parent}/ holds: {shown})"
+
+
 def enclosing_run(path: Path) -> Path | None:
     """The run directory a file lies in (the nearest parent with manifest.json or checkpoints/),
     for a message that names it in its fix; None outside any run."""
@@ -706,7 +731,8 @@ class RunDir:
                 f"{self.manifest_path} does not record {self.best_ckpt.name}: run "
                 f"{self.train_command()}{resumed}, then {self.command(*then)}"
             )
-        return RunError(f"no trained run in {self.root}: run {self.command('train', *then)}")
+        named = "" if self.root.is_dir() else check_the_name(self.root)
+        return RunError(f"no trained run in {self.root}: run {self.command('train', *then)}{named}")
 
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder
@@ -810,6 +836,7 @@ class RunDir:
         if not self.root.is_dir():
             raise RunError(
                 f"run directory {self.root} does not exist: run {self.train_command()} first"
+                f"{check_the_name(self.root)}"
             )
         if not self.best_ckpt.is_file():
             raise RunError(f"no best.ckpt in {self.root}: run {self.train_command()} first")

@@ -120,3 +120,26 @@ def test_a_runtime_missing_a_model_of_an_image_says_so(tmp_path: Path, name: str
         f"{run.export_dir / name} not found: {run.root} has no best.ckpt to make it from "
         f"({IN_AN_IMAGE}): {fix}"
     )
+
+
+def test_a_run_that_does_not_exist_names_the_runs_beside_it(tmp_path: Path) -> None:
+    """`lightship export --run runs/defualt` said to train runs/defualt, the typo; make's own
+    check lists the trained runs, and now lightship's stages do too."""
+    from lightship.runs import check_the_name
+
+    for name, made in [("default", "best.ckpt"), ("r1", "manifest.json"), ("r2", "checkpoints")]:
+        (tmp_path / name / made).mkdir(parents=True)
+    (tmp_path / "notes").mkdir()  # no run
+    typo = tmp_path / "defualt"
+    named = (
+        f" (or check the name: did you mean {tmp_path}/default? {tmp_path}/ holds: default, r1, r2)"
+    )
+    assert check_the_name(typo) == named
+    assert (
+        check_the_name(tmp_path / "zzz")
+        == f" (or check the name: {tmp_path}/ holds: default, r1, r2)"
+    )
+    assert check_the_name(tmp_path / "notes" / "x") == ""  # nothing to list
+    with pytest.raises(RunError) as err:
+        RunDir(typo).require_checkpoint()
+    assert str(err.value).endswith(named)

@@ -43,6 +43,7 @@ from lightship.runs import (
     atomic_paths,
     check_recorded,
     check_space,
+    check_the_name,
     check_writable,
     lock_run,
     note_interrupt,
@@ -341,6 +342,7 @@ class Quantizer:
         if not run.root.is_dir():
             raise RunError(
                 f"run directory {run.root} does not exist: run {run.command('train', 'export')}"
+                f"{check_the_name(run.root)}"
             )
         checkpoint = run.artifact("checkpoint")
         if checkpoint is None:  # its data spec says which images to calibrate and test on

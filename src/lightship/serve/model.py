@@ -20,6 +20,7 @@ from lightship.runs import (
     IN_AN_IMAGE,
     RunDir,
     check_recorded,
+    check_the_name,
     enclosing_run,
     export_hint,
     make_takes,
@@ -254,7 +255,7 @@ def _missing(target: Path) -> str:
     return (
         f"{target} does not exist: neither a run directory nor a model file is there; give "
         "--run (LIGHTSHIP_RUN) a run directory (one `lightship train` and `lightship export` "
-        f"made) or a model file ({', '.join(MODEL_SUFFIXES)})"
+        f"made) or a model file ({', '.join(MODEL_SUFFIXES)}){check_the_name(target)}"
     )
 
 

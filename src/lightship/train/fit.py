@@ -59,6 +59,7 @@ from lightship.runs import (
     as_run,
     atomic_path,
     atomic_write_text,
+    check_the_name,
     check_writable,
     lock_run,
     next_command,
@@ -132,6 +133,7 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
         raise RunError(
             f"cannot resume: no {run.last_ckpt}: train afresh with "
             f"{run.train_command(afresh=True)}{from_kept}"
+            f"{'' if run.checkpoints.is_dir() else check_the_name(run.root)}"
         )
     ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
     hparams = ckpt.get("hyper_parameters")
