@@ -118,6 +118,12 @@ help: ## list the targets
 	@echo "                                pulls a CUDA build, add --index-url https://download.pytorch.org/whl/cpu"
 	@echo "  PYTHON=python3.11             setup: the interpreter .venv is made with (default: python3.11, else python3)"
 
+# TORCH and PYTHON make .venv: given once it exists, they would change nothing without a word
+# (the moment to give TORCH is after the first setup pulled a CUDA build).
+$(foreach v,TORCH PYTHON,$(if $(and $(filter command line,$(origin $(v))),$(wildcard \
+	$(STAMP))),$(warning note: .venv exists, so $(v) changes nothing: `rm -rf .venv`, then \
+	make $(here)setup $(v)=$(call q,$(value $(v))))))
+
 # Re-installs only when pyproject.toml changes. torch goes first: the pinned CPU wheel lies on
 # this machine, while an unpinned torch requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml

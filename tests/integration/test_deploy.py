@@ -457,7 +457,25 @@ def test_a_misspelt_make_variable_is_named_not_ignored_without_a_word() -> None:
         proc.stderr,
     ), proc.stderr
     listed = re.findall(r'@echo "  ([A-Z_]+)=', (ROOT / "Makefile").read_text())
-    assert make("-n", "help", *(f"{v}=x" for v in listed if v != "RESUME")).stderr == ""
+    setup = ("RESUME", "TORCH", "PYTHON")  # a note of their own once .venv exists (below)
+    assert make("-n", "help", *(f"{v}=x" for v in listed if v not in setup)).stderr == ""
+
+
+def test_make_setup_with_torch_once_the_venv_exists_says_it_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    # the moment to give TORCH is after the first setup pulled a CUDA build: "Nothing to be done"
+    root = stand_in_checkout(tmp_path / "checkout")
+    torch = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    (root / ".venv" / ".installed").unlink()
+    assert make("-n", "setup", f"TORCH={torch}", cwd=root).stderr == ""  # no .venv yet: made
+    (root / ".venv" / ".installed").touch()
+    proc = make("-n", "setup", f"TORCH={torch}", "PYTHON=python3.12", cwd=root)
+    assert re.findall(r"note: (.*)", proc.stderr) == [
+        f".venv exists, so TORCH changes nothing: `rm -rf .venv`, then make setup TORCH='{torch}'",
+        ".venv exists, so PYTHON changes nothing: `rm -rf .venv`, then make setup "
+        "PYTHON='python3.12'",
+    ], proc.stderr
 
 
 def test_a_dollar_make_would_eat_from_args_gets_a_note_and_the_escaped_one_passes() -> None:
