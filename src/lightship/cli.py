@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import shlex
 import signal
 import sys
@@ -401,7 +402,13 @@ def _invoke(argv: list[str] | None = None) -> int:
     except typer.TyperException as exc:  # click's usage errors derive from it
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "lightship"
-        print(f"error: {exc.format_message().rstrip('.')}; see `{where} --help`", file=sys.stderr)
+        message = exc.format_message().rstrip(".")
+        extra = re.fullmatch(r"Got unexpected extra argument(?:\(s\)|s)? \((\S+)\)", message)
+        takes_run = ctx is not None and any("--run" in p.opts for p in ctx.command.params)
+        if extra and takes_run and not extra.group(1).startswith("-"):
+            # `lightship serve runs/default`: the run is an option's value
+            message += f": a run goes after --run, `{where} --run {shlex.quote(extra.group(1))}`"
+        print(f"error: {message}; see `{where} --help`", file=sys.stderr)
         return exc.exit_code
     except typer.Abort:
         print("aborted", file=sys.stderr)

@@ -547,3 +547,16 @@ def test_first_line_quotes_a_several_line_error_in_one(exc: BaseException, line:
     from lightship.errors import first_line
 
     assert first_line(exc) == line
+
+
+def test_a_run_given_without_run_says_where_it_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    # `lightship serve runs/default`: click's "unexpected extra argument" and nothing more
+    assert cli._invoke(["serve", "runs/default"]) == 2
+    assert capsys.readouterr().err == (
+        "error: Got unexpected extra argument(s) (runs/default): a run goes after --run, "
+        "`lightship serve --run runs/default`; see `lightship serve --help`\n"
+    )
+    assert cli._invoke(["export", "runs/default", "x"]) == 2  # two: no guess
+    assert capsys.readouterr().err == (
+        "error: Got unexpected extra argument(s) (runs/default x); see `lightship export --help`\n"
+    )
