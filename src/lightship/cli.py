@@ -348,9 +348,8 @@ def report(
                     run,
                 )
             )
-    else:
-        serve = stage_command(f"make serve RUN={_q(run)}", f"lightship serve --run {_q(run)}", run)
-        print(f"next: {serve}")
+    else:  # as every stage's next: line, with the lightship command beside make's
+        print(f"next: {next_command('serve', run)}")
 
 
 @bench_app.command("train")

@@ -291,7 +291,7 @@ def test_corrupt_checkpoint_for_resume(tmp_path: Path) -> None:
 
 def test_bench_train_measures_every_setting(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    run_cli(
+    proc = run_cli(
         "bench",
         "train",
         "--config",
@@ -308,6 +308,10 @@ def test_bench_train_measures_every_setting(tmp_path: Path) -> None:
     by_input = {r["input"]: r["bytes_per_batch"] for r in rows}
     assert by_input["float32"] == 4 * by_input["uint8"]  # the uint8 contract moves 4x fewer bytes
     assert all(r["steps"] == 2 and r["steps_per_s"] > 0 for r in rows)
+    # in a log (no terminal) the table keeps each row whole: 80 columns cut "2.13x (1.60–3.…"
+    for r in rows:
+        assert f"{r['vs_first']:.2f}x" in proc.stdout, proc.stdout
+    assert "…" not in proc.stdout, proc.stdout
 
 
 def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:

@@ -20,3 +20,7 @@ def test_report_prints_one_line_per_round_without_a_terminal(
         "measured round 1/2",
         "measured round 2/2",
     ]
+    # the next: line as every stage's, the lightship command beside make's (it had only make's)
+    assert proc.stdout.splitlines()[-1] == (
+        f"next: make serve RUN={run}   (or `lightship serve --run {run}`)"
+    ), proc.stdout

@@ -457,3 +457,9 @@ def test_the_plots_names_and_latency_labels_keep_apart(
         crowded = [ticks[j].get_text() for j, b in enumerate(boxes) if j > i and a.overlaps(b)]
         assert not crowded, (ticks[i].get_text(), crowded)
     assert len(ticks) >= 6  # thinned, not emptied
+
+
+def test_report_md_heads_its_throughput_with_the_batch_it_was_timed_at() -> None:
+    # "img/s @batch", where the terminal's table and the README say @64
+    assert "| img/s @64 |" in render.markdown(report_dict())
+    assert "| img/s @16 |" in render.markdown(report_dict(batch=16))

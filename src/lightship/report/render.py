@@ -156,7 +156,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         "| variant | size | accuracy | Δ vs fp32 | SQNR dB | int8 ops | p50 ms | p90 ms "
-        "| p99 ms | img/s @batch | × eager | × ONNX fp32 | gate |",
+        f"| p99 ms | img/s @{r.get('batch', 'batch')} | × eager | × ONNX fp32 | gate |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in r["variants"]:

@@ -15,6 +15,7 @@ compared with the first within its round; the figures compare as ratios on one m
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -201,7 +202,8 @@ def bench_training(
             f"{row.bytes_per_batch:,}",
             f"{row.vs_first:.2f}x{spread}",
         )
-    Console().print(table)
+    # A log or a pipe has no width: rich's 80 columns cut the ranges ("2.13x (1.60–3.…")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
     if out is not None:
         payload = {
             "model": cfg.model.name,

@@ -928,7 +928,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         )
     print(
         f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
-        f"run directory: {run.root}  (best.ckpt, checkpoints/, logs/, manifest.json)\n"
+        f"run directory: {run.root}  (best.ckpt, checkpoints/, config.yaml, logs/, manifest.json)\n"
         f"next: {next_command(after, run.root, pythonpath)}",
         flush=True,
     )
