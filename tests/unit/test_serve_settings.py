@@ -351,6 +351,30 @@ def test_a_report_older_than_the_manifest_says_what_changed_and_how_to_serve(
     assert f"{report} is older than onnx-int8-static: serving its recommendation" in caplog.text
 
 
+def test_a_stale_report_s_fix_runs_where_it_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lightship alternative beside make's target: with the PYTHONPATH= the report needs
+    to load a model of the run's own module, and none under `make -C` (the run's path is
+    the checkout's there), as a next: line has it."""
+    run = make_run(tmp_path, {"onnx-fp32": {"bytes": 100}})
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text(json.dumps({"recommended": None, "variants": []}))
+    monkeypatch.setattr(RunDir, "pythonpath", lambda self: "PYTHONPATH=/m ")
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run))
+    assert (
+        f"re-run `PYTHONPATH=/m make report RUN={run}` (or `PYTHONPATH=/m lightship report --run "
+        f"{run}`), or serve without it"
+    ) in str(err.value)
+    monkeypatch.setenv("LIGHTSHIP_MAKE_FROM", str(tmp_path))  # `make -C CHECKOUT` from there
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run))
+    assert f"re-run `PYTHONPATH=/m make -C {Path.cwd()} report RUN={run}`, or serve" in str(
+        err.value
+    )
+
+
 def test_missing_or_broken_things_say_how_to_fix(tmp_path: Path) -> None:
     run = make_run(tmp_path, {"onnx-fp32": {}})
     with pytest.raises(

@@ -23,7 +23,7 @@ from lightship.runs import (
     check_the_name,
     enclosing_run,
     export_hint,
-    make_takes,
+    make_elsewhere,
     variant_of,
 )
 from lightship.runtime import Predictor, load_predictor
@@ -107,8 +107,11 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
             "or serve an explicit --variant"
         ) from None
     report = run.command("report")
-    if make_takes(run.root):
-        report += f" (or `lightship report --run {shlex.quote(str(run.root))}`)"
+    cli = f"{run.pythonpath()}lightship report --run {shlex.quote(str(run.root))}"
+    # beside make's target, as a next: line has it (not from another folder: `make -C`, where
+    # the run's path is the checkout's)
+    if report != f"`{cli}`" and not make_elsewhere():
+        report += f" (or `{cli}`)"
     fix = f"re-run {report}, or serve without it: --variant {DEFAULT_VARIANT}"
     # Recorded after the report: no variant it measured had their file and size. (A file that
     # differs from its manifest entry is for `verify` to say.)
