@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -16,6 +18,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -1118,20 +1121,38 @@ def test_a_model_whose_code_changed_since_training_is_refused_in_one_line(
 
 
 def test_fit_from_python_leaves_torchs_modes_as_it_found_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # Lightning turned grad on, and trainer.deterministic deterministic algorithms, for the
     # rest of the session (a notebook's later cells)
+    from lightship.export.core import export
+    from lightship.report.core import ReportSettings, report
     from lightship.train import fit
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
     cfg = load_config(TINY, ["trainer.max_epochs=1", "trainer.deterministic=true"])
     # importing lightship.train silenced two Lightning warnings for every Trainer
     assert not [f for f in warnings.filters if f[1] is not None and "workers" in f[1].pattern]
+    # the caller's generators and threads: fit seeded all three (its "random" shuffles the same
+    # in every session after a fit), left PL_GLOBAL_SEED and PL_SEED_WORKERS for the caller's
+    # own Trainer, and export and report set the thread count
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+    torch.set_num_threads(1)
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(cfg, tmp_path / "run")
         assert not torch.is_grad_enabled()
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert "PL_GLOBAL_SEED" not in os.environ and "PL_SEED_WORKERS" not in os.environ
+    assert torch.get_num_threads() == 1
+    export(tmp_path / "run", formats="onnx,torchscript")
+    assert torch.get_num_threads() == 1
+    report(tmp_path / "run", ReportSettings(rounds=1, seconds=0.01))
+    assert torch.get_num_threads() == 1
     # the two Lightning warnings lightship's own fit has no use for stay out of it
     assert not [w for w in caught if "many workers" in str(w.message)]
     assert not torch.are_deterministic_algorithms_enabled()

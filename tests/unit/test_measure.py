@@ -272,9 +272,11 @@ def test_bad_report_options_exit_with_one_line(
 FAULTS_PER_CALL = """
 import resource, sys, torch
 from lightship.models.zoo import DigitsCNN
-from lightship.report.measure import keep_freed_memory
-if sys.argv[1] == "keep":
+from lightship.report.measure import give_back_freed_memory, keep_freed_memory
+if sys.argv[1] in ("keep", "given back"):
     assert keep_freed_memory()
+if sys.argv[1] == "given back":  # after a report: the caller's allocator as it was
+    give_back_freed_memory()
 torch.set_num_threads(1)
 model, x = DigitsCNN().eval(), torch.zeros(64, 1, 28, 28)
 counts = []
@@ -299,3 +301,4 @@ def test_keep_freed_memory_stops_eager_faulting_its_activations_in_on_every_call
     # glibc's defaults: 4,600-7,000 faults a call, measured (6 MiB activations unmapped on free)
     assert faults("default") > 1000
     assert faults("keep") < 50
+    assert faults("given back") > 1000

@@ -409,3 +409,27 @@ def test_a_report_that_fails_before_measuring_leaves_no_empty_folder(
     with pytest.raises(DataError, match="put the data back"):
         report(rd, FAST)
     assert not (run / "report").exists()
+
+
+def test_report_gives_the_callers_allocator_back_measured_or_not(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a notebook that called report() kept its peak for good: glibc's thresholds stayed raised
+    calls: list[str] = []
+
+    def keep() -> bool:
+        calls.append("kept")
+        return True
+
+    monkeypatch.setattr(report_core, "keep_freed_memory", keep)
+    monkeypatch.setattr(report_core, "give_back_freed_memory", lambda: calls.append("given back"))
+    report(RunDir(run), FAST)
+    assert calls == ["kept", "given back"]
+
+    def fails(*args: object, **kwargs: object) -> dict[str, Timing]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_core, "measure", fails)
+    with pytest.raises(KeyboardInterrupt):
+        report(RunDir(run), FAST)
+    assert calls == ["kept", "given back"] * 2

@@ -28,6 +28,7 @@ from lightship.report.measure import (
     Timing,
     busy_reason,
     busy_share,
+    give_back_freed_memory,
     keep_freed_memory,
     measure,
 )
@@ -42,6 +43,7 @@ from lightship.runs import (
     note_interrupt,
 )
 from lightship.runtime import physical_cores
+from lightship.runtime.base import torch_threads_kept
 from lightship.runtime.ort import OrtPredictor
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, An
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
     run = as_run(run)
-    with lock_run(run.root, "lightship report"):
+    with lock_run(run.root, "lightship report"), torch_threads_kept():
         made = not run.report_dir.exists()  # by `check_writable`, before the measuring
         try:
             return _report(run, settings or ReportSettings())
@@ -160,15 +162,18 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         f"report again with {run.command('report')}"
     )
     kept = keep_freed_memory()  # a steady eager baseline: see its docstring
-    with _progress([c.name for c in found], s.rounds) as on_step:
-        timings = measure(
-            {c.name: c.predictor for c in found},
-            x,
-            rounds=s.rounds,
-            batch=s.batch,
-            seconds=s.seconds,
-            on_step=on_step,
-        )
+    try:
+        with _progress([c.name for c in found], s.rounds) as on_step:
+            timings = measure(
+                {c.name: c.predictor for c in found},
+                x,
+                rounds=s.rounds,
+                batch=s.batch,
+                seconds=s.seconds,
+                on_step=on_step,
+            )
+    finally:  # the caller's process (a notebook) gets its allocator back as it was
+        give_back_freed_memory()
     eager = timings["eager"]
     # The other baseline the targets are stated against: what int8 adds over the fp32 runtime.
     fp32 = timings.get("onnx-fp32")

@@ -101,6 +101,22 @@ class InputError(ValueError):
     """The caller's input does not fit the model (shape, dtype, values); a 4xx in a server."""
 
 
+@contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """torch's intra-op thread count as the caller had it, after a stage that loads torch
+    predictors (each sets the process's one pool: `torch_backends.load`): `export` and
+    `report` from a script left a caller's `torch.set_num_threads(1)` at the core count."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never imported here: an ONNX-only caller has none
+    before = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if torch is not None and before is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 @cache
 def physical_cores() -> int:
     """Cores this process may use, counting SMT siblings once (the right ORT/torch thread

@@ -371,7 +371,9 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
 
 @contextlib.contextmanager
 def _seeded_draws_kept() -> Iterator[None]:
-    """The random generators as they were, after what runs inside: the probes of
+    """The random generators as they were, after what runs inside: all of `fit` (seeded, it
+    left a caller's generators at seed 0, its "random" shuffles the same in every session),
+    and the probes of
     `_check_model_trains` run after seeding, and a Dropout in training mode drew a mask from
     torch's generator, moving every later draw (the shuffle, the augmentation, the masks) with
     it. The same seed then gave another training than before the check (a digits run: QAT
@@ -645,7 +647,7 @@ def fit(cfg: Config, run: RunLike, resume: bool = False) -> RunDir:
         recovered = run.recover_set_aside()
         if recovered:
             print(f"{run.root}: {recovered}", flush=True)
-        with _torch_modes_kept():
+        with _torch_modes_kept(), _seeded_draws_kept():
             return _fit(cfg, run, resume)
 
 
@@ -653,20 +655,27 @@ def fit(cfg: Config, run: RunLike, resume: bool = False) -> RunDir:
 def _torch_modes_kept() -> Iterator[None]:
     """torch's process-wide modes as they were before fitting: Lightning turns grad on, and
     `trainer.deterministic` deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG), for the
-    rest of a Python session that called `fit`."""
+    rest of a Python session that called `fit`; `seed_everything` leaves PL_GLOBAL_SEED and
+    PL_SEED_WORKERS, which a caller's own Trainer and seed_everything() would then read; and
+    the thread count (the random generators: `_seeded_draws_kept`)."""
     grad = torch.is_grad_enabled()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    threads = torch.get_num_threads()
+    names = ("CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    env = {name: os.environ.get(name) for name in names}
     try:
         yield
     finally:
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        if cublas is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
