@@ -2703,7 +2703,10 @@ def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection
     assert headers["content-type"] == "application/json"
     error = json.loads(body)["error"]
     if servers:
-        assert status == 408 and error.startswith("request body incomplete after 0.05 s (12 bytes")
+        # the time it took: 0.05 s, a little more on a loaded machine
+        assert status == 408 and re.match(
+            r"request body incomplete after 0\.05\d* s \(12 bytes", error
+        )
     else:
         assert status == 504 and error.startswith("deadline of 50 ms (x-request-timeout-ms)")
     rejections = {"body_timeout": 1 if servers else 0, "deadline": 0 if servers else 1}
