@@ -55,6 +55,7 @@ from lightship.runtime import Predictor, load_predictor
 from lightship.runtime.base import LoadError, quiet_loggers
 from lightship.runtime.ort import (
     DISABLED_OPTIMIZERS,
+    QUANTIZATION,
     SPIN_IN_RUN,
     TARGET,
     OrtPredictor,
@@ -841,7 +842,7 @@ class Quantizer:
 
     def _meta(self, method: str) -> dict[str, str]:
         return {
-            "lightship.quantization": method,
+            QUANTIZATION: method,
             TARGET: self.target,
             "lightship.reduce_range": str(self.scheme.reduce_range).lower(),
         }

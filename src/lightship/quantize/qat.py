@@ -57,7 +57,7 @@ from lightship.quantize import isa, ptq
 from lightship.quantize.core import QAT_CKPT, MethodFailed, int8_share, made_here
 from lightship.runs import SCRATCH_PREFIXES, RunDir, atomic_paths
 from lightship.runtime import load_predictor
-from lightship.runtime.ort import DISABLED_OPTIMIZERS, TARGET
+from lightship.runtime.ort import DISABLED_OPTIMIZERS, QUANTIZATION, TARGET
 
 log = logging.getLogger(__name__)
 
@@ -511,7 +511,7 @@ def quantize_aware_train(
                 run.export_dir / "model.onnx",
                 tmp_onnx,
                 {
-                    "lightship.quantization": "qat",
+                    QUANTIZATION: "qat",
                     TARGET: scheme.target,
                     "lightship.reduce_range": str(scheme.reduce_range).lower(),
                     # keep ORT from moving the Quantize in front of the float max-pool

@@ -50,6 +50,7 @@ SPIN_IN_RUN = "lightship.ort.spin_in_run"
 # The CPU an int8 model was quantized for (`lightship.quantize.isa.TARGETS`), in its metadata:
 # `serve` checks it against this CPU for a lone file, which has no manifest entry to say it.
 TARGET = "lightship.target"
+QUANTIZATION = "lightship.quantization"  # static, dynamic or qat, on an int8 model
 
 # A batch is split across one-thread sessions only when each lane's share takes at least this
 # long on one thread: below it, handing rows to the other lane (a future, a thread wake-up)
@@ -393,7 +394,11 @@ class OrtPredictor(Predictor):
         self.providers = self.session.get_providers()
         self._lane: ort.InferenceSession | None = None
         self._pool: ThreadPoolExecutor | None = None
-        if split and threads > 1 and self.providers == ["CPUExecutionProvider"]:
+        # Not a dynamic int8 model: it scales its activations by the batch it is given, so
+        # slices of a batch gave other logits than the batch whole (up to 0.008 for digits),
+        # and where a batch was cut depended on timings taken at load.
+        dynamic = meta.get(QUANTIZATION) == "dynamic"
+        if split and threads > 1 and self.providers == ["CPUExecutionProvider"] and not dynamic:
             self._plan_lanes(threads, spinning)
 
     def _open(self, threads: int, spinning: bool, providers: list[Any]) -> ort.InferenceSession:

@@ -46,7 +46,7 @@ from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import host_cpu
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores
-from lightship.runtime.ort import file_metadata
+from lightship.runtime.ort import QUANTIZATION, file_metadata
 from lightship.serve import openapi, v1, v2
 from lightship.serve.batcher import (
     Batcher,
@@ -1549,7 +1549,7 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
     else:  # a lone file, by any name: an ONNX file's own metadata says
         dynamic = (
             served.path.suffix == ".onnx"
-            and file_metadata(served.path).get("lightship.quantization") == "dynamic"
+            and file_metadata(served.path).get(QUANTIZATION) == "dynamic"
         )
     if not dynamic or settings.max_batch_rows == 1:
         return None
