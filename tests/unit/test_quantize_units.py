@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -184,6 +186,34 @@ def test_ort_logging_leaves_the_root_logger_as_it_found_it(
         logging.info("calibration cache: x")
         assert root.handlers  # basicConfig's, for the warnings ORT logs meanwhile
     assert root.handlers == []
+
+
+def test_quantizing_in_one_thread_silences_that_thread_alone(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """redirect_stdout swapped sys.stdout for every thread: a quantize run from a notebook's
+    background thread swallowed what the main thread printed meanwhile (25 of 65 lines)."""
+    inside, go_on = threading.Event(), threading.Event()
+
+    def quantizing() -> None:
+        with ptq._quiet():
+            print("ORT's progress")
+            logging.info("ORT's calibration line")
+            inside.set()
+            go_on.wait(5)
+
+    worker = threading.Thread(target=quantizing)
+    with caplog.at_level(logging.INFO):
+        worker.start()
+        assert inside.wait(5)
+        print("the caller's line")
+        logging.info("the caller's log")
+        go_on.set()
+        worker.join(5)
+        print("after")
+    assert capsys.readouterr().out == "the caller's line\nafter\n"
+    assert [r.getMessage() for r in caplog.records] == ["the caller's log"]
+    assert sys.stdout is sys.__stdout__ or not isinstance(sys.stdout, ptq._StdoutBut)
 
 
 class _UpsampledResidual(torch.nn.Module):

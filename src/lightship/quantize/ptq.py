@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
+import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,21 +84,61 @@ class _OnceEach(logging.Filter):
 _ONCE_EACH = _OnceEach()
 
 
+class _QuietThread(logging.Filter):
+    """Root-logger records below WARNING from one thread (the quantizing one) dropped; other
+    threads' pass."""
+
+    def __init__(self, ident: int) -> None:
+        super().__init__()
+        self.ident = ident
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident or record.levelno >= logging.WARNING
+
+
+class _StdoutBut:
+    """sys.stdout, less what one thread writes to it (`ident`; None once it is done: then it
+    passes all, wherever another thread's stand-in still holds it). A plain
+    `redirect_stdout` swaps it for every thread: a quantize run from a notebook's background
+    thread swallowed what the main thread printed meanwhile."""
+
+    def __init__(self, stream: Any, ident: int) -> None:
+        self.stream: Any = stream
+        self.ident: int | None = ident
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self.ident:
+            return len(text)
+        return int(self.stream.write(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno, ...: the stream's
+        return getattr(self.stream, name)
+
+
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable.
-    They log through `logging.info()`, which gives a root logger without handlers one
-    (`basicConfig`): it goes again afterwards, or a caller's own `basicConfig` would do nothing."""
+    """ORT's quantizers print() progress and log INFO lines per tensor; keep our output readable,
+    dropping only what the quantizing thread prints and logs below WARNING. They log through
+    `logging.info()`, which gives a root logger without handlers one (`basicConfig`): it goes
+    again afterwards, or a caller's own `basicConfig` would do nothing."""
     root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    root.setLevel(max(level, logging.WARNING))
+    handlers = list(root.handlers)
+    quiet = _QuietThread(threading.get_ident())
+    root.addFilter(quiet)
     root.addFilter(_ONCE_EACH)
+    stdout = _StdoutBut(sys.stdout, threading.get_ident())
+    sys.stdout = stdout
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
+        yield
     finally:
+        stdout.ident = None
+        if sys.stdout is stdout:
+            sys.stdout = stdout.stream
         root.removeFilter(_ONCE_EACH)
-        root.setLevel(level)
+        root.removeFilter(quiet)
         for added in [h for h in root.handlers if h not in handlers]:
             root.removeHandler(added)
 
