@@ -560,3 +560,16 @@ def test_a_run_given_without_run_says_where_it_goes(capsys: pytest.CaptureFixtur
     assert capsys.readouterr().err == (
         "error: Got unexpected extra argument(s) (runs/default x); see `lightship export --help`\n"
     )
+
+
+def test_fit_from_python_takes_a_config_or_its_file_and_says_how_to_make_one(
+    tmp_path: Path,
+) -> None:
+    # a dict or a path reached pydantic's model_dump: AttributeError, no lightship error
+    from lightship.train import fit
+
+    with pytest.raises(ConfigError, match=r"got dict: build one with lightship.config.load_conf"):
+        fit({"trainer": {"max_epochs": 1}}, tmp_path / "run")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="nothing.yaml"):  # a path is loaded as a config
+        fit(str(tmp_path / "nothing.yaml"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -187,6 +187,17 @@ def export(
     min_agreement: float = 1.0,
     parity_batch: int = 64,
 ) -> list[Artifact]:
+    """Export `run`'s best.ckpt (a path or a RunDir) and return one Artifact per format (its
+    `path`, and `parity`: how its logits compared with the checkpoint's).
+
+    `formats`: "onnx", "torchscript", "pt2" (a list, or a comma-separated string; default:
+    all), written to RUN/export/ (model.onnx, model.ts, model.pt2; ONNX at `opset`) and
+    recorded in RUN/manifest.json only when, on the test images at batch 1 and
+    `parity_batch`, its logits are within `atol` of the checkpoint's and at least
+    `min_agreement` of its labels agree.
+
+    Raises a `lightship.errors.LightshipError` with a one-line fix: RunError (no trained
+    run), ParityError (a format that disagrees: none of it is kept), ConfigError."""
     # The run lock, for the CLI and a call from Python alike: no other stage may replace the
     # checkpoint or read the run meanwhile
     run = as_run(run)

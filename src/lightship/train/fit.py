@@ -636,7 +636,27 @@ def _own_best(run: RunDir, best_model_path: str) -> Path:
     return here if here.is_file() else run.last_ckpt  # deleted since: last.ckpt
 
 
-def fit(cfg: Config, run: RunLike, resume: bool = False) -> RunDir:
+def fit(cfg: Config | str | os.PathLike[str], run: RunLike, resume: bool = False) -> RunDir:
+    """Train `cfg` into the run directory `run` (a path or a RunDir) and return its RunDir.
+
+    `cfg`: a Config (`lightship.config.load_config(path, ["trainer.max_epochs=3"])`), or the
+    path of a YAML config. Writes RUN/config.yaml, checkpoints/ (last.ckpt and the best k),
+    logs/, best.ckpt and its manifest.json entry, whose `test_acc` is the test split's
+    accuracy (`RunDir(run).artifact("checkpoint")`). Training a run again replaces what was
+    made from its old best.ckpt. `resume`: go on from RUN/checkpoints/last.ckpt (the
+    config, when it is a Config, must agree with the run's own config.yaml).
+
+    Raises a `lightship.errors.LightshipError` with a one-line fix: ConfigError (the config),
+    DataError (the data), RunError (the run, its checkpoint), RunBusyError (another stage
+    holds the run). Ctrl-C raises KeyboardInterrupt; the run stays resumable. The caller's
+    random generators, torch's modes and thread count are as they were afterwards."""
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = load_config(Path(cfg))
+    elif not isinstance(cfg, Config):
+        raise ConfigError(
+            f"fit takes a lightship Config or a YAML file's path, got {type(cfg).__name__}: "
+            "build one with lightship.config.load_config(path, ['key=value', ...])"
+        )
     # Held already by the CLI (re-entrant); taken here for a call from Python, as quantize and
     # report take it: no other stage may read the checkpoints, or export best.ckpt, while they
     # are replaced. Under DDP, rank 0 holds it for its workers (`runs.lock_run`).
