@@ -1033,4 +1033,10 @@ RunLike = RunDir | str | os.PathLike[str]
 
 def as_run(run: RunLike) -> RunDir:
     """A stage's run given as a RunDir or as its path (a str or a Path, as a script passes it)."""
-    return run if isinstance(run, RunDir) else RunDir(Path(run))
+    if isinstance(run, RunDir):
+        return run
+    if not isinstance(run, (str, os.PathLike)) or not str(run).strip():
+        raise RunError(  # not pathlib's TypeError, which no `except LightshipError` catches
+            f"a run is its directory's path or a RunDir, got {run!r}: e.g. 'runs/default'"
+        )
+    return RunDir(Path(run))

@@ -143,3 +143,12 @@ def test_a_run_that_does_not_exist_names_the_runs_beside_it(tmp_path: Path) -> N
     with pytest.raises(RunError) as err:
         RunDir(typo).require_checkpoint()
     assert str(err.value).endswith(named)
+
+
+@pytest.mark.parametrize("given", [None, 3, "", " "])
+def test_a_run_that_is_no_path_is_a_lightship_error(given: object) -> None:
+    # export(None) was pathlib's TypeError, past a caller's `except LightshipError`
+    from lightship.runs import as_run
+
+    with pytest.raises(RunError, match=r"a run is its directory's path or a RunDir, got "):
+        as_run(given)  # type: ignore[arg-type]
