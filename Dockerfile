@@ -42,10 +42,13 @@ LABEL org.opencontainers.image.title="lightship-serve" \
 RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin lightship
 COPY --from=builder /opt/lightship /opt/lightship
+# ORT_DISABLE_TELEMETRY: ONNX Runtime's telemetry looks up mobile.events.data.microsoft.com and
+# tries to keep an event store under $HOME (a warning at every start in this image).
 ENV VIRTUAL_ENV=/opt/lightship \
     PATH=/opt/lightship/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    ORT_DISABLE_TELEMETRY=1 \
     LIGHTSHIP_RUN=/model \
     LIGHTSHIP_HOST=0.0.0.0 \
     LIGHTSHIP_PORT=8000

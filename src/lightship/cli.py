@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import shlex
 import signal
@@ -429,7 +430,14 @@ def _done() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+# ONNX Runtime's telemetry (1.32, Linux too) looks up mobile.events.data.microsoft.com from the
+# serving process and keeps an event store under ~/.cache/Microsoft: off unless a user turns it
+# on. Set before onnxruntime is imported, which the CLI does only in a command.
+TELEMETRY_OFF = ("ORT_DISABLE_TELEMETRY", "1")
+
+
 def main() -> None:
+    os.environ.setdefault(*TELEMETRY_OFF)
     watch_interrupts()
     try:
         code = _invoke()

@@ -30,6 +30,7 @@ import typer
 import yaml
 from starlette.routing import Route
 
+from lightship import cli
 from lightship.cli import app as cli_app
 from lightship.runtime import load_predictor
 from lightship.serve.app import create_app
@@ -96,6 +97,8 @@ def test_image_runs_lightship_serve_as_the_server_expects(dockerfile: Path) -> N
     assert 'lightship = "lightship.cli:main"' in (ROOT / "pyproject.toml").read_text()
     assert config["exposed"] == [defaults.port] == [int(env["LIGHTSHIP_PORT"])]
     assert (env["LIGHTSHIP_RUN"], env["LIGHTSHIP_HOST"]) == ("/model", "0.0.0.0")
+    # ONNX Runtime's telemetry looked up mobile.events.data.microsoft.com from the server
+    assert (env["ORT_DISABLE_TELEMETRY"],) == (cli.TELEMETRY_OFF[1],)
     uid, _, gid = config["user"].partition(":")
     assert uid.isdigit() and int(uid) > 0 and gid == uid
     assert env["PATH"].startswith(env["VIRTUAL_ENV"] + "/bin:")

@@ -573,3 +573,18 @@ def test_fit_from_python_takes_a_config_or_its_file_and_says_how_to_make_one(
     with pytest.raises(ConfigError, match="nothing.yaml"):  # a path is loaded as a config
         fit(str(tmp_path / "nothing.yaml"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_turns_onnx_runtimes_telemetry_off_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ORT 1.32 looked up mobile.events.data.microsoft.com from every lightship process
+    monkeypatch.delenv("ORT_DISABLE_TELEMETRY", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightship", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert os.environ["ORT_DISABLE_TELEMETRY"] == "1"
+    monkeypatch.setenv("ORT_DISABLE_TELEMETRY", "0")  # a user's choice stands
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert os.environ["ORT_DISABLE_TELEMETRY"] == "0"
