@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The serving images' HEALTHCHECK: exit 0 when the server in this container is ready.
 
-It asks the port the server really listens on, found as `lightship serve` finds it: `--port N`
-or `--port=N` on the container's command line, else LIGHTSHIP_PORT, else 8000. The command line
+It asks the address and port the server really listens on, found as `lightship serve` finds
+them: `--port N` or `--port=N` on the container's command line, else LIGHTSHIP_PORT, else 8000
+(`--host`, LIGHTSHIP_HOST likewise; loopback for 0.0.0.0). The command line
 is PID 1's: `docker run IMAGE --port 9000` appends to the ENTRYPOINT, and under `docker run
 --init` PID 1 is the init, whose arguments hold lightship's. The images install this file as
 `lightship-healthcheck` in their virtualenv; only the standard library is used.
@@ -20,16 +21,32 @@ CMDLINE = Path("/proc/1/cmdline")
 DEFAULT_PORT = "8000"  # lightship.serve.settings.ServeSettings.port
 
 
-def server_port(argv: Sequence[str], env: Mapping[str, str]) -> str:
-    """The port a server started with ARGV and ENV listens on (the last --port wins, as in
-    click)."""
-    port = None
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--NAME V` or `--NAME=V` on the command line (the last wins, as in click)."""
+    value = None
     for i, arg in enumerate(argv):
-        if arg == "--port" and i + 1 < len(argv):
-            port = argv[i + 1]
-        elif arg.startswith("--port="):
-            port = arg.partition("=")[2]
-    return port or env.get("LIGHTSHIP_PORT") or DEFAULT_PORT
+        if arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def server_port(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The port a server started with ARGV and ENV listens on."""
+    return _option(argv, "port") or env.get("LIGHTSHIP_PORT") or DEFAULT_PORT
+
+
+def server_host(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """Where to ask a server started with ARGV and ENV: the address it listens on, loopback
+    for all of them (0.0.0.0, ::). A server given one address (LIGHTSHIP_HOST=10.0.0.5) was
+    asked at 127.0.0.1, where nothing listened, and called unhealthy."""
+    host = _option(argv, "host") or env.get("LIGHTSHIP_HOST", "").strip() or "127.0.0.1"
+    if host == "0.0.0.0":
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def container_argv() -> list[str]:
@@ -40,7 +57,8 @@ def container_argv() -> list[str]:
 
 
 def main() -> int:
-    url = f"http://127.0.0.1:{server_port(container_argv(), os.environ)}/v2/health/ready"
+    argv = container_argv()
+    url = f"http://{server_host(argv, os.environ)}:{server_port(argv, os.environ)}/v2/health/ready"
     try:
         with urllib.request.urlopen(url, timeout=2):
             return 0

@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -111,9 +112,8 @@ def test_image_runs_lightship_serve_as_the_server_expects(dockerfile: Path) -> N
     assert any(i.keyword == "RUN" and install in i.args for i in lines)
 
 
-@pytest.fixture
-def ready_server() -> Iterator[int]:
-    """A port whose /v2/health/ready answers 200, as a ready lightship server's does."""
+def _ready_on(host: str) -> ThreadingHTTPServer:
+    """A server on `host` whose /v2/health/ready answers 200, as a ready lightship's does."""
 
     class Ready(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -124,12 +124,45 @@ def ready_server() -> Iterator[int]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = ThreadingHTTPServer((host, 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def ready_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """A port whose /v2/health/ready answers 200; the healthcheck's default port one where
+    nothing listens (a developer's own server on 8000 made the default look ready)."""
+    server = _ready_on("127.0.0.1")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(healthcheck, "DEFAULT_PORT", str(free.getsockname()[1]))
     yield server.server_address[1]
     server.shutdown()
     server.server_close()
+
+
+def test_healthcheck_asks_the_address_the_server_listens_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # LIGHTSHIP_HOST=127.0.0.2 (one address, not all): asked at 127.0.0.1, it was "not ready"
+    server = _ready_on("127.0.0.2")
+    try:
+        port = str(server.server_address[1])
+        monkeypatch.setattr(healthcheck, "CMDLINE", tmp_path / "missing")
+        monkeypatch.setenv("LIGHTSHIP_PORT", port)
+        monkeypatch.setenv("LIGHTSHIP_HOST", "127.0.0.2")
+        assert healthcheck.main() == 0
+        monkeypatch.setenv("LIGHTSHIP_HOST", "0.0.0.0")  # all addresses: asked on loopback
+        assert healthcheck.main() == 1  # (nothing on 127.0.0.1 here)
+    finally:
+        server.shutdown()
+        server.server_close()
+    argv = ["lightship", "serve", "--host", "::", "--host=10.0.0.5"]
+    assert healthcheck.server_host(argv, {"LIGHTSHIP_HOST": "::"}) == "10.0.0.5"
+    assert healthcheck.server_host([], {"LIGHTSHIP_HOST": "::"}) == "[::1]"
+    assert healthcheck.server_host([], {"LIGHTSHIP_HOST": "fd00::5"}) == "[fd00::5]"
+    assert healthcheck.server_host([], {"LIGHTSHIP_HOST": ""}) == "127.0.0.1"
 
 
 @pytest.mark.parametrize(

@@ -510,6 +510,20 @@ def test_a_lightship_variable_that_is_no_setting_is_warned_about() -> None:
     ]
 
 
+def test_an_empty_lightship_variable_is_said_to_leave_the_default_in_force() -> None:
+    # compose's `${BIND:-}` replaced the image's LIGHTSHIP_HOST=0.0.0.0 with nothing: the server
+    # listened on 127.0.0.1, unreachable, and the image's healthcheck still said healthy
+    from lightship.serve.settings import unknown_variables
+
+    env = {"LIGHTSHIP_HOST": "", "LIGHTSHIP_THREADS": " ", "LIGHTSHIP_PORT": "9000"}
+    assert unknown_variables(env) == [
+        "LIGHTSHIP_HOST is set but empty, which counts as unset: the default 127.0.0.1 is used "
+        "(from inside this host or container only); give it a value or leave it out",
+        "LIGHTSHIP_THREADS is set but empty, which counts as unset: its default is used; give "
+        "it a value or leave it out",
+    ]
+
+
 def test_a_model_routed_to_the_amx_gemm_is_served_elsewhere_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

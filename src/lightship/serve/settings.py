@@ -225,10 +225,21 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = {name.upper() for name in ServeSettings.model_fields}
     known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES | MAKES_OWN}
     warnings = []
+    fields = ServeSettings.model_fields
     for name in sorted(environ):
         key = name.upper().removeprefix(prefix)
         if name.upper().startswith(prefix) and key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
             warnings.append(f"{name} is not a serve setting and is ignored{hint}")
+        elif key.lower() in fields and name.startswith(prefix) and not environ[name].strip():
+            # `${BIND:-}` in compose, an unset Helm value: it replaces an image's own value
+            # (LIGHTSHIP_HOST=0.0.0.0), and the server listened on 127.0.0.1, unreachable
+            default = fields[key.lower()].default
+            used = "its default" if default is None else f"the default {default}"
+            where = " (from inside this host or container only)" if key == "HOST" else ""
+            warnings.append(
+                f"{name} is set but empty, which counts as unset: {used} is used{where}; give "
+                "it a value or leave it out"
+            )
     return warnings
