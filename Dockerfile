@@ -59,7 +59,8 @@ EXPOSE 8000
 # LIGHTSHIP_PORT, else 8000).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["lightship-healthcheck"]
-# uvicorn runs as PID 1 and handles SIGTERM itself: not ready, drain the queue, exit 0.
+# lightship runs as PID 1 and handles SIGTERM itself from its first line (src/lightship/_start.py):
+# while starting, exit at once; serving, not ready, drain the queue, exit 0.
 ENTRYPOINT ["lightship", "serve"]
 
 # The run directory inside the image (for clusters without a model volume). .dockerignore lets

@@ -1,3 +1,3 @@
-from lightship.cli import main
+from lightship._start import main
 
 main()

@@ -23,6 +23,7 @@ from lightship.errors import LightshipError, QuantizeError
 from lightship.runs import (
     interrupt_exit_code,
     interrupt_message,
+    interrupted,
     lock_run,
     next_command,
     run_dir_parser,
@@ -471,6 +472,11 @@ def main() -> None:
         )
         sys.exit(1)
     except KeyboardInterrupt:
+        print(interrupt_message(), file=sys.stderr)
+        sys.exit(interrupt_exit_code())
+    except ImportError:  # Ctrl-C or SIGTERM in a C extension's import (numpy: "initialization
+        if not interrupted():  # failed"): a stop, not a bug
+            raise
         print(interrupt_message(), file=sys.stderr)
         sys.exit(interrupt_exit_code())
 

@@ -95,7 +95,7 @@ def test_image_runs_lightship_serve_as_the_server_expects(dockerfile: Path) -> N
     config = smoke.image_config(dockerfile)
     env, defaults = config["env"], ServeSettings()
     assert config["entrypoint"] + config["cmd"] == ["lightship", "serve"]  # exec form
-    assert 'lightship = "lightship.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'lightship = "lightship._start:main"' in (ROOT / "pyproject.toml").read_text()
     assert config["exposed"] == [defaults.port] == [int(env["LIGHTSHIP_PORT"])]
     assert (env["LIGHTSHIP_RUN"], env["LIGHTSHIP_HOST"]) == ("/model", "0.0.0.0")
     # ONNX Runtime's telemetry looked up mobile.events.data.microsoft.com from the server

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ import pytest
 
 from lightship import cli, runs
 from lightship.errors import ConfigError, LightshipError, RunBusyError, RunError
-from tests.conftest import CONFIGS, last_line, rerecord_checkpoint, run_cli, swap_checkpoint
+from tests.conftest import (
+    CONFIGS,
+    ROOT,
+    last_line,
+    rerecord_checkpoint,
+    run_cli,
+    swap_checkpoint,
+)
 
 
 @pytest.mark.parametrize(("value", "shown"), [(".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")])
@@ -588,3 +596,30 @@ def test_the_cli_turns_onnx_runtimes_telemetry_off_unless_told_otherwise(
     with pytest.raises(SystemExit):
         cli.main()
     assert os.environ["ORT_DISABLE_TELEMETRY"] == "0"
+
+
+EARLY_SIGTERM = """
+import importlib.abc, os, signal, sys
+import lightship._start as start
+
+class SignalDuringImport(importlib.abc.MetaPathFinder):  # SIGTERM as the CLI is imported
+    def find_spec(self, name, path, target=None):
+        if name == "lightship.cli":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, SignalDuringImport())
+start.main()
+print("went on")
+"""
+
+
+def test_sigterm_while_the_cli_is_imported_ends_it_at_once() -> None:
+    # As PID 1 of a container a process drops a signal it has no handler for: a server told to
+    # stop while it started ignored SIGTERM and went on to serve. Exit 143 is the handler's;
+    # the default action would show as -15.
+    proc = subprocess.run(
+        [sys.executable, "-c", EARLY_SIGTERM], capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (143, ""), proc.stderr
+    assert 'lightship = "lightship._start:main"' in (ROOT / "pyproject.toml").read_text()
