@@ -868,6 +868,9 @@ def test_ports_probes_and_settings_match_the_server(routes: set[tuple[str, str]]
         assert_honored(env)
         given = {k.removeprefix("LIGHTSHIP_").lower(): v for k, v in env.items()}
         ServeSettings(**{k: v for k, v in given.items() if k in ServeSettings.model_fields})
+        # SIGTERM stops accepting connections within 0.5 s: a pause lets the pod leave the
+        # Service's endpoints first (KServe's runtimes had none)
+        assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep", where
         security = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
         assert security["runAsNonRoot"] is True, where
         assert f"{security['runAsUser']}:{security['runAsUser']}" == image["user"], where

@@ -211,6 +211,12 @@ def serve(
     if "log_level" in settings.model_fields_set:  # else `lightship -v`'s debug lines stay on
         logging.getLogger("lightship").setLevel(settings.log_level.upper())
     _warn_unknown_variables()
+    # Every counter and histogram also exported a `_created` timestamp series, doubling the
+    # families a scrape stores (prometheus_client's default; Prometheus reads none of them).
+    # Process-wide, so here, where the process is the server's.
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
     from lightship.serve.app import serve as run_server
 
     run_server(settings)
