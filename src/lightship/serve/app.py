@@ -9,6 +9,7 @@ Hot routes read the raw body (orjson, `np.frombuffer`) instead of a pydantic mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import gc
@@ -1606,13 +1607,38 @@ class _Server(uvicorn.Server):
     # uvicorn's shutdown closes every connection without one: give them this long to arrive.
     ACCEPTED_GRACE_S = 0.25
 
+    # uvicorn's main loop wakes 10 times a second to see whether it should stop, which an idle
+    # server pays for: on VMs that charge each wake-up from idle, 1.5-1.9 % of a core (a bare
+    # loop ticking as often, 0.6 %). This one wakes once a second, for the Date header, and at
+    # once when told to stop (`_wake`).
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick renews the Date header every 10th
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+            should_exit = await self.on_tick(counter)
+
+    def _wake(self) -> None:
+        """Wake `main_loop` at once: from a signal handler, through the loop's self-pipe."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(stop.set)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.service.begin_shutdown()
         super().handle_exit(sig, frame)
+        self._wake()
 
     def stop_failed(self) -> None:
         """Stop serving a model that failed its warm-up: no request was taken (not ready)."""
         self.should_exit = True
+        self._wake()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting first
