@@ -783,10 +783,11 @@ class RunDir:
         fmt = variant.removesuffix("-fp32")
         return f"`{stage_on(self.root, stage, env, 'formats', [fmt])}`"
 
-    def requantize(self, variant: str, target: str, flags: Sequence[str] = ()) -> str:
+    def requantize(self, variant: str, target: str, flags: object = ()) -> str:
         """How to make int8 `variant` of this run again for `target` (auto: this machine), with
-        the other options it was made with (its entry's `flags`), for a message's fix."""
-        kept = list(flags)
+        the other options it was made with (its entry's `flags`, as the manifest has them: a
+        list of words, else none), for a message's fix."""
+        kept = [str(f) for f in flags] if isinstance(flags, (list, tuple)) else []
         if "--target" in kept[:-1]:  # the option and its value: the new target replaces them
             at = kept.index("--target")
             del kept[at : at + 2]

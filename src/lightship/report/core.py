@@ -185,12 +185,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         recommendable = bool(c.entry.get("recommendable", True)) and c.name not in ("eager",)
         # an int8 model made for another CPU (or TensorRT): the server here refuses it
         target = c.entry.get("target")
-        flags = c.entry.get("flags")
-        redo = functools.partial(
-            run.requantize,
-            c.name,
-            flags=[str(f) for f in flags] if isinstance(flags, list) else [],
-        )
+        redo = functools.partial(run.requantize, c.name, flags=c.entry.get("flags"))
         refused = isa.compatibility(target, redo=redo) if isinstance(target, str) else None
         if refused is not None:
             recommendable = False

@@ -211,8 +211,7 @@ def _warn_if_made_for_another_cpu(path: Path, made_for: str | None) -> None:
             flags = (run.artifact(variant) or {}).get("flags")
         except RunError:  # a malformed manifest: the stage that reads it says so
             flags = None
-        made_with = [str(f) for f in flags] if isinstance(flags, list) else []
-        redo = functools.partial(run.requantize, variant, flags=made_with)
+        redo = functools.partial(run.requantize, variant, flags=flags)
     problem = compatibility(made_for, redo=redo)
     if problem is None:
         return

@@ -293,9 +293,7 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
         made_for = entry.get("target")
         gemm = entry.get("gemm_convs")
         if root is not None:
-            run, flags = RunDir(root), entry.get("flags")
-            made_with = [str(f) for f in flags] if isinstance(flags, list) else []
-            redo = functools.partial(run.requantize, variant, flags=made_with)
+            redo = functools.partial(RunDir(root).requantize, variant, flags=entry.get("flags"))
     if not made_for:
         return
     cpu = cpu or host_cpu()  # read once, for both checks
