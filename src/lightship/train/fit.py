@@ -67,6 +67,7 @@ from lightship.runs import (
     sha256_file,
     then_held,
 )
+from lightship.runtime.base import torch_threads_kept
 from lightship.train.module import LitClassifier
 
 log = logging.getLogger(__name__)
@@ -667,7 +668,7 @@ def fit(cfg: Config | str | os.PathLike[str], run: RunLike, resume: bool = False
         recovered = run.recover_set_aside()
         if recovered:
             print(f"{run.root}: {recovered}", flush=True)
-        with _torch_modes_kept(), _seeded_draws_kept():
+        with _torch_modes_kept(), torch_threads_kept(), _seeded_draws_kept():
             return _fit(cfg, run, resume)
 
 
@@ -676,12 +677,11 @@ def _torch_modes_kept() -> Iterator[None]:
     """torch's process-wide modes as they were before fitting: Lightning turns grad on, and
     `trainer.deterministic` deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG), for the
     rest of a Python session that called `fit`; `seed_everything` leaves PL_GLOBAL_SEED and
-    PL_SEED_WORKERS, which a caller's own Trainer and seed_everything() would then read; and
-    the thread count (the random generators: `_seeded_draws_kept`)."""
+    PL_SEED_WORKERS, which a caller's own Trainer and seed_everything() would then read (the
+    thread count: `torch_threads_kept`; the random generators: `_seeded_draws_kept`)."""
     grad = torch.is_grad_enabled()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    threads = torch.get_num_threads()
     names = ("CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
     env = {name: os.environ.get(name) for name in names}
     try:
@@ -689,8 +689,6 @@ def _torch_modes_kept() -> Iterator[None]:
     finally:
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
         for name, value in env.items():
             if value is None:
                 os.environ.pop(name, None)
