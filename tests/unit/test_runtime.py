@@ -5,6 +5,7 @@ import logging
 import re
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -327,6 +328,41 @@ def test_a_long_batch_is_split_across_one_thread_lanes_in_order(tmp_path: Path) 
     short = long[: p.split_rows - 1]
     np.testing.assert_array_equal(p.predict(short), expected_logits(short))
     assert calls == [(threading.current_thread().name, len(short))]  # one run, unsplit
+
+
+def test_close_lets_go_of_sessions_and_lane_threads_at_once(tmp_path: Path) -> None:
+    """A library user loading models one after another lets go of each with `with`; not when
+    the garbage collector gets to it (a predictor in a reference cycle kept its lanes)."""
+    before = set(threading.enumerate())  # earlier tests' predictors may not be collected yet
+    with load_predictor(handmade_onnx(tmp_path / "m.onnx"), threads=2) as p:
+        assert isinstance(p, OrtPredictor) and p.lanes == 2
+        x = np.full((p.split_rows, 1, 2, 2), 7, np.uint8)
+        np.testing.assert_array_equal(p.predict(x), expected_logits(x))  # the lane thread starts
+        lanes = [t for t in set(threading.enumerate()) - before if t.name.startswith("lightship")]
+        session = weakref.ref(p.session)
+    assert lanes and not any(t.is_alive() for t in lanes)
+    assert session() is None
+    with pytest.raises(RuntimeError, match=r"OrtPredictor\(.*m\.onnx.*was closed: load the"):
+        p.predict(x)
+    p.close()  # twice is fine
+
+
+def test_a_closed_torch_predictor_drops_its_module(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from lightship.runtime.torch_backends import TorchPredictor
+
+    module = torch.nn.Flatten()
+    meta = {"labels": ["a", "b"], "input_spec": {"shape": ["batch", 1, 1, 2]}}
+    p = TorchPredictor(tmp_path / "m.ts", module, meta, "torchscript", "cpu")
+    x = np.array([[[[1, 2]]]], np.uint8)
+    np.testing.assert_array_equal(p.predict(x), [[1, 2]])
+    dropped = weakref.ref(module)
+    del module
+    with p:
+        pass
+    assert dropped() is None
+    with pytest.raises(RuntimeError, match="was closed"):
+        p.predict(x)
 
 
 def test_a_dynamic_int8_model_is_never_split(tmp_path: Path) -> None:

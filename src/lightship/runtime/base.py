@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -267,6 +267,21 @@ class Predictor(ABC):
     @abstractmethod
     def _run(self, x: np.ndarray) -> np.ndarray:
         """Logits for already validated uint8 NCHW input (the hot path, no checks)."""
+
+    def close(self) -> None:
+        """Let go of the model now: its sessions or module, its threads, its GPU memory; not
+        when the garbage collector gets to it. `predict` raises RuntimeError after this.
+        `with load_predictor(path) as model:` closes it on the way out. Closing twice is fine."""
+        self._run = self._closed  # type: ignore[method-assign]
+
+    def _closed(self, x: np.ndarray) -> np.ndarray:
+        raise RuntimeError(f"{self!r} was closed: load the model again to predict")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path}, device={self.device})"

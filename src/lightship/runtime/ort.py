@@ -491,6 +491,13 @@ class OrtPredictor(Predictor):
         out = session.run([self.output_name], {self.input_name: x})[0]
         return np.asarray(out, dtype=np.float32)
 
+    def close(self) -> None:
+        super().close()
+        if self._pool is not None:
+            self._pool.shutdown()  # its lanes' threads end here
+        self._pool = self._lane = None
+        vars(self).pop("session", None)  # ORT frees a session's memory when its last reference goes
+
 
 def _fastest(session: ort.InferenceSession, name: str, x: np.ndarray, runs: int = 3) -> float:
     """The shortest of `runs` timed runs, after one untimed: what the session can do here."""

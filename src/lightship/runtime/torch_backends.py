@@ -42,6 +42,12 @@ class TorchPredictor(Predictor):
                 t = t.pin_memory().to(self.device, non_blocking=True)
             return np.asarray(self.module(t).float().cpu().numpy())
 
+    def close(self) -> None:
+        super().close()
+        vars(self).pop("module", None)
+        if self.pinned:
+            torch.cuda.empty_cache()  # torch's allocator keeps freed GPU memory for itself
+
 
 def _device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
