@@ -35,6 +35,7 @@ from uvicorn.logging import AccessFormatter
 from lightship.data.images import decode as _decode
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
+from lightship.runtime.base import trim_heap
 from lightship.serve import app as serve_app
 from lightship.serve import memory, v1
 from lightship.serve.app import Service, create_app
@@ -1109,7 +1110,7 @@ def test_trimming_the_heap_hands_freed_memory_back() -> None:
     thread.start()
     thread.join()
     before = rss_mib()
-    memory.trim_heap()
+    trim_heap()
     assert before - rss_mib() > 16
     libc.free(kept[0])
 

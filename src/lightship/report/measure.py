@@ -12,8 +12,6 @@ ratio alike: `Timing.noise` says when, from the spread and from the CPU other pr
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from lightship.runtime import Predictor
+from lightship.runtime.base import glibc, trim_heap
 
 # A variant's timings are noisy (`Timing.noise`) past limits no quiet machine reached. On 2
 # shared cores (Xeon, AVX-512 VNNI), the digits run's reports made alone (15 rounds) kept the
@@ -194,15 +193,11 @@ def keep_freed_memory() -> bool:
     keeps its own arena and is unaffected. Without it the report's eager baseline, and every
     speed-up over it, depended on the process's heap history. No-op off glibc.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = glibc()
+    if libc is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt; macOS, Windows)
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     )
 
 
@@ -214,16 +209,12 @@ def give_back_freed_memory() -> None:
     """Undo `keep_freed_memory` (glibc's default thresholds) and hand the kept heap back to the
     OS: `report()` from a script or notebook left the process keeping its peak for good (400
     MiB of freed arrays stayed resident). No-op off glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = glibc()
+    if libc is None:
         return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+    trim_heap()
 
 
 def time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list[float]:

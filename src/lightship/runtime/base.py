@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -197,6 +198,26 @@ def _quota(folder: Path, files: tuple[str, ...]) -> float | None:
         return int(quota) / int(period) if int(period) > 0 and int(quota) > 0 else None
     except (OSError, ValueError):
         return None
+
+
+@cache
+def glibc() -> ctypes.CDLL | None:
+    """The process's C library when it is glibc, whose allocator `mallopt` tunes and
+    `malloc_trim` empties; None elsewhere (musl has neither; macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(None)  # the symbols the process has loaded: libc's
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (AttributeError off glibc)
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def trim_heap() -> None:
+    """Hand the free memory glibc's heap keeps back to the OS (`malloc_trim(0)`), as after a
+    burst of requests or a report's timings; no-op off glibc."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -10,21 +10,11 @@ and does nothing else.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 from collections.abc import Callable
 
+from lightship.runtime.base import trim_heap
+
 QUIET_S = 5.0
-
-
-def trim_heap() -> None:
-    """Hand the heap glibc keeps back to the OS (`malloc_trim(0)`); no-op off glibc. After the
-    warm-up, the heap that loading freed: a served ResNet-18's resident memory after 300
-    requests is 15-23 % lower (int8), 28-43 % (fp32); digits' is unchanged."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: libc's
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim; macOS)
-        return
-    trim(0)
 
 
 class QuietWatch:
