@@ -642,6 +642,10 @@ def test_torchscript_variant_is_served_too(exported_run: Path, tmp_path: Path) -
         assert pred["index"] == int(logits.argmax())
     meta = httpx.get(f"{server.url}/v2/models/ts").json()
     assert meta["platform"] == "pytorch_libtorch"
+    import torch  # the export made this run
+
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert f'runtime="torch",runtime_version="{torch.__version__}"' in metrics
     assert server.stop() == 0, server.output()
 
 

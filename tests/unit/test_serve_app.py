@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import logging
+import platform
 import re
 import signal
 import sys
@@ -26,12 +27,14 @@ from typing import Any
 import httpx
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 from fastapi import FastAPI
 from PIL import Image, PngImagePlugin
 from starlette.types import Message
 from uvicorn.logging import AccessFormatter
 
+import lightship
 from lightship.data.images import decode as _decode
 from lightship.data.sources import _folder
 from lightship.runtime import load_predictor
@@ -1159,6 +1162,11 @@ def test_metadata_metrics_and_docs(tmp_path: Path) -> None:
             assert metric(text, "lightship_queue_wait_seconds_count") == 1  # not the warm-up
             assert (
                 'lightship_model_info{backend="onnxruntime",device="cpu",name="hand",variant="file"} 1.0'
+                in text
+            )
+            assert (
+                f'lightship_build_info{{python="{platform.python_version()}",runtime="onnxruntime",'
+                f'runtime_version="{onnxruntime.__version__}",version="{lightship.__version__}"}} 1.0'
                 in text
             )
             assert (await client.get("/docs")).status_code == 200

@@ -15,6 +15,7 @@ import functools
 import gc
 import logging
 import math
+import platform
 import re
 import signal
 import socket
@@ -165,6 +166,14 @@ class Service:
         self.metrics = Metrics(settings.max_batch_rows)
         self.metrics.model_info.labels(
             self.name, served.variant, predictor.kind, predictor.device
+        ).set(1)
+        # torch is in sys.modules when it runs the model; an ONNX server never imports it
+        runtime = "onnxruntime" if predictor.kind == "onnxruntime" else "torch"
+        self.metrics.build_info.labels(
+            __version__,
+            runtime,
+            str(getattr(sys.modules.get(runtime), "__version__", "unknown")),
+            platform.python_version(),
         ).set(1)
         # `_run` is the predictor's unchecked hot path: every request was checked on the event
         # loop (Predictor.check) before it was queued, so a bad row never reaches a batch. The

@@ -114,6 +114,12 @@ class Metrics:
             ["name", "variant", "backend", "device"],
             registry=r,
         )
+        self.build_info = Gauge(
+            "lightship_build_info",
+            "versions of lightship, the runtime that runs the model, and Python (value 1)",
+            ["version", "runtime", "runtime_version", "python"],
+            registry=r,
+        )
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.answered = 0  # requests answered over HTTP (`memory.trim_when_quiet` watches it)
 
