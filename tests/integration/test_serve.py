@@ -12,6 +12,7 @@ import http.client
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -295,8 +296,12 @@ def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:
     lines = head.decode().split("\r\n")
     assert lines[0] == "HTTP/1.1 400 Bad Request"
     assert "content-type: application/json" in lines and "connection: close" in lines
-    assert json.loads(body) == {"error": "malformed HTTP request: Invalid HTTP request received"}
+    assert json.loads(body) == {"error": "malformed HTTP request: Invalid method encountered"}
     assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
+    # the log says from whom and why, not uvicorn's "Invalid HTTP request received."
+    assert re.search(
+        r"malformed HTTP request from 127\.0\.0\.1:\d+: Invalid method encountered", hand.output()
+    ), hand.output()
 
 
 def test_a_request_head_over_64_kib_gets_a_json_431(hand: Server) -> None:

@@ -340,7 +340,7 @@ def test_a_broken_body_pipelined_is_answered_after_the_requests_ahead_of_it(
     assert first[0] == 200 and logits(first[2]) == LOGITS
     assert (second[0], second[1]["connection"], rest) == (400, "close", b"")
     assert json.loads(second[2]) == {
-        "error": "malformed HTTP request: Invalid HTTP request received"
+        "error": "malformed HTTP request: Invalid character in chunk size"
     }
     assert reached == ([] if path == INFER else [INFER])  # the first only
     assert rejections == 1

@@ -558,8 +558,17 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if (version := _VERSION_ERRORS.get(str(exc))) is not None:
                     self._refuse("bad_http", *_version_refused(version))
                     return
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
+                # llhttp's reason ("Invalid header value char"), where uvicorn logged and
+                # answered "Invalid HTTP request received." without saying from whom or why
+                reason = str(exc) or "Invalid HTTP request received"
+                host, port = self.client or ("an unknown client", None)
+                self.logger.warning(
+                    "malformed HTTP request from %s%s: %s (answered 400 and closed)",
+                    host,
+                    "" if port is None else f":{port}",
+                    reason,
+                )
+                self.send_400_response(reason)
                 return
             except httptools.HttpParserUpgrade as exc:
                 if self._broken:  # refused at its head: a WebSocket's, say
