@@ -42,6 +42,7 @@ from lightship.runtime.base import trim_heap
 from lightship.serve import app as serve_app
 from lightship.serve import memory, v1
 from lightship.serve.app import Service, create_app
+from lightship.serve.metrics import Metrics
 from lightship.serve.model import ServedModel
 from lightship.serve.settings import ServeSettings
 from tests.handmade import expected_logits, handmade_onnx
@@ -1058,11 +1059,37 @@ def test_the_heap_is_trimmed_once_the_server_is_ready(
     assert trims == [False]  # once, just before the server turned ready
 
 
-def test_the_heap_a_burst_took_is_trimmed_once_the_server_is_quiet() -> None:
-    watch = memory.QuietWatch(0)
-    # idle from the start; answering; answered nothing for a period: trimmed, once; idle
-    assert [watch.due(n) for n in (0, 0, 3, 9, 9, 9, 9)] == [0, 0, 0, 0, 1, 0, 0]
-    assert [watch.due(n) for n in (10, 10, 10)] == [0, 1, 0]  # one /metrics scrape
+def test_the_heap_a_burst_took_is_trimmed_once_the_server_is_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once per burst, QUIET_S after its last answer; idle, the watcher waits for an answer
+    without waking (an idle server woke for it once a period)."""
+    monkeypatch.setattr(memory, "QUIET_S", 0.2)
+    metrics = Metrics(8)
+    trims: list[float] = []
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(time.monotonic()))
+
+    async def main() -> tuple[float, float]:
+        watcher = asyncio.create_task(memory.trim_when_quiet(metrics))
+        await asyncio.sleep(0.5)  # idle from the start: nothing to trim
+        assert trims == [] and metrics.next_answer is not None
+        assert not metrics.next_answer.done()  # asleep until an answer
+        for _ in range(4):  # a burst longer than QUIET_S
+            metrics.request("/v1/predict", 200, 0.001)
+            await asyncio.sleep(0.1)
+        last = time.monotonic()
+        await asyncio.sleep(0.6)
+        metrics.request("/metrics", 200, 0.001)  # one scrape, later
+        scrape = time.monotonic()
+        await asyncio.sleep(0.6)
+        watcher.cancel()
+        with suppress(asyncio.CancelledError):
+            await watcher
+        return last, scrape
+
+    last, scrape = run(main())
+    assert len(trims) == 2, trims
+    assert 0.1 < trims[0] - last < 0.45 and 0.15 < trims[1] - scrape < 0.45
 
 
 def test_the_server_trims_the_heap_after_a_burst(

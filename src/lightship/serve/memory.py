@@ -3,40 +3,31 @@
 glibc keeps the heap a burst grew: after 15 s of clients sending 2.25 MB uploads and leaving, a
 server that idled at 102 MB stayed at 262 MB for good. `malloc_trim` gives back what is free
 (156 MB there), in a few milliseconds: done once the server has answered nothing for
-`QUIET_S`, after answering something since it last did. An idle server wakes once a period
-and does nothing else.
+`QUIET_S`, after answering something since it last did. An idle server does not wake for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from lightship.runtime.base import trim_heap
+
+if TYPE_CHECKING:
+    from lightship.serve.metrics import Metrics
 
 QUIET_S = 5.0
 
 
-class QuietWatch:
-    """When to trim, from the count of requests answered, read once a period: when it stood
-    still for a period after it moved since the last trim. An idle server never is."""
-
-    def __init__(self, answered: int) -> None:
-        self.seen = self.trimmed = answered
-
-    def due(self, answered: int) -> bool:
-        due = answered == self.seen and answered != self.trimmed
-        if due:
-            self.trimmed = answered
-        self.seen = answered
-        return due
-
-
-async def trim_when_quiet(answered: Callable[[], int]) -> None:
-    """Run until cancelled: `trim_heap` once `answered()`, the count of requests answered,
-    has stood still for QUIET_S after it moved (`QuietWatch`)."""
-    watch = QuietWatch(answered())
+async def trim_when_quiet(metrics: Metrics) -> None:
+    """Run until cancelled: `trim_heap` once no request has been answered for QUIET_S after
+    some were. Idle, it sleeps until the next answer (`Metrics.next_answer`), not waking."""
+    loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(QUIET_S)
-        if watch.due(answered()):
-            trim_heap()
+        answer = metrics.next_answer = loop.create_future()
+        await answer
+        seen = -1
+        while seen != metrics.answered:
+            seen = metrics.answered
+            await asyncio.sleep(QUIET_S)
+        trim_heap()

@@ -9,6 +9,7 @@ batcher's `Observer`, attached after the warm-up batch so that only served traff
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -122,6 +123,8 @@ class Metrics:
         )
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.answered = 0  # requests answered over HTTP (`memory.trim_when_quiet` watches it)
+        # `memory.trim_when_quiet`'s, while the server is quiet: the next answer resolves it
+        self.next_answer: asyncio.Future[None] | None = None
 
     # Observer of the batcher (called from the inference thread; prometheus-client is thread-safe)
     def queue_depth(self, rows: int) -> None:
@@ -148,6 +151,10 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
         self.answered += 1
+        if (waiting := self.next_answer) is not None:
+            self.next_answer = None
+            if not waiting.done():  # cancelled as the server stops
+                waiting.set_result(None)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
