@@ -335,7 +335,10 @@ class _TensorCycle:
             raise ClientDisconnect()
         if self._over:
             raise self._routes.too_large()
-        chunks = self._chunks
+        # handed over, not kept: the answered cycle stays the connection's until its next
+        # request, and a pooled client's idle connection held its last body (up to the body
+        # limit) for the keep-alive's seconds
+        chunks, self._chunks = self._chunks, []
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _send(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
