@@ -1040,6 +1040,25 @@ def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:
     run(main())
 
 
+def test_a_warm_up_back_after_sigterm_leaves_the_server_not_ready(tmp_path: Path) -> None:
+    """SIGTERM while the warm-up batch runs, then the batch comes back: the server, stopping,
+    stayed not ready (it had turned ready 0.15 s after SIGTERM)."""
+    app, gate = make_app(tmp_path, gate=True)
+    assert gate is not None
+
+    async def main() -> tuple[bool, int, int]:
+        async with serving(app, wait_ready=False) as client:
+            await asyncio.to_thread(gate.entered.wait, 10)
+            service(app).begin_shutdown()  # what _Server.handle_exit calls
+            gate.open.set()
+            await asyncio.wait_for(service(app).settled.wait(), 10)
+            ready = await client.get("/v2/health/ready")
+            model = await client.get("/v2/models/hand/ready")
+            return service(app).ready, ready.status_code, model.status_code
+
+    assert run(main()) == (False, 503, 503)
+
+
 def test_the_heap_is_trimmed_once_the_server_is_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -187,6 +187,7 @@ class Service:
             instances=settings.instances,
         )
         self.ready = False
+        self.stopping = False  # SIGTERM came: never ready again
         self.failed: str | None = None
         self.settled = asyncio.Event()  # set when the warm-up ended, ready or failed
         # called when the warm-up failed: `serve` stops the server, which then exits non-zero
@@ -225,6 +226,9 @@ class Service:
             # The warm-up batch was observed (and its wait and compute timed) before its answer
             # came back: from here on the batcher reports requests only.
             self.batcher.observer = self.metrics
+            if self.stopping:  # a warm-up back after SIGTERM: the server is stopping
+                log.info("warm-up batch done, but the server is stopping: not ready")
+                return
             self.ready = True
             log.info(
                 "ready: model '%s' (%s, %s on %s), input '%s' uint8 %s",
@@ -240,11 +244,13 @@ class Service:
 
     def begin_shutdown(self) -> None:
         """On SIGTERM (from a signal handler): not ready; the queue runs without waiting."""
+        self.stopping = True
         self.ready = False
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.batcher.drain)
 
     async def stop(self) -> None:
+        self.stopping = True
         self.ready = False
         await self.batcher.aclose()
 
