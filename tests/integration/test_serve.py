@@ -471,6 +471,44 @@ def test_schemathesis_finds_no_server_errors(hand: Server, tmp_path: Path) -> No
     assert hand.proc.poll() is None  # and the server is still up
 
 
+# `serve` from Python, with a SIGTERM to itself at its "serving '...'" log line: after the
+# handler `_serve_on` installs for SIGTERM, before uvicorn's own
+SIGTERM_WHILE_STARTING = """
+import logging, os, signal, sys
+from lightship.serve.app import serve
+from lightship.serve.settings import ServeSettings
+
+class StopAtServing(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("serving '"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+log = logging.getLogger("lightship.serve.app")
+log.setLevel(logging.INFO)
+log.addHandler(StopAtServing())
+serve(ServeSettings(run=sys.argv[1], port=int(sys.argv[2]), threads=1))
+print("serve returned", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_server_starts_stops_it(hand_model: Path) -> None:
+    """A SIGTERM between `_serve_on`'s own handler and uvicorn's was swallowed: the server
+    turned ready and served until a second signal (Kubernetes: the SIGKILL, exit 137)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_WHILE_STARTING, str(hand_model), str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        ready = httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status_code
+        proc.kill()
+        pytest.fail(f"still running 30 s after its SIGTERM; /v2/health/ready {ready}")
+    assert proc.returncode == 0 and "serve returned" in out, out
+    assert "Shutting down" in out, out  # uvicorn's graceful shutdown, at once
+
+
 def test_sigterm_drains_queued_requests_and_exits_zero(hand_model: Path, tmp_path: Path) -> None:
     # Batches wait up to a minute for company, so the requests are still queued at SIGTERM;
     # draining must run them at once instead of waiting out max_wait.
@@ -744,7 +782,7 @@ def test_a_model_that_fails_its_warm_up_stops_the_server_with_one_line(
 
 
 SERVE_FROM_PYTHON = """
-import asyncio, os, signal, sys, threading
+import asyncio, gc, os, signal, sys, threading
 from pathlib import Path
 from lightship.errors import ConfigError
 from lightship.serve.app import serve
@@ -759,10 +797,11 @@ async def in_a_loop():  # a notebook's cell
         print("refused:", exc)
 
 asyncio.run(in_a_loop())
-before = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval())
+before = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval(), gc.get_freeze_count())
 threading.Timer(5, os.kill, (os.getpid(), signal.SIGTERM)).start()
 serve(settings)
-print("restored:", (signal.getsignal(signal.SIGTERM), sys.getswitchinterval()) == before)
+after = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval(), gc.get_freeze_count())
+print("restored:", after == before, "" if after == before else (before, after))
 
 import socket, time, urllib.request
 with socket.socket() as s:  # a free port, to ask the threaded server on
@@ -791,8 +830,9 @@ os._exit(0)  # the threaded server serves until the process ends
 
 
 def test_serve_called_from_python_leaves_the_process_as_it_found_it(hand_model: Path) -> None:
-    # it left SIGTERM a no-op (kill and docker stop no longer stopped the process) and the GIL
-    # switch interval at 1 ms; in a running loop it failed with asyncio's RuntimeError
+    # it left SIGTERM a no-op (kill and docker stop no longer stopped the process), the GIL
+    # switch interval at 1 ms and every object frozen out of the garbage collector (a
+    # caller's cyclic garbage never freed); in a running loop it failed with RuntimeError
     proc = subprocess.run(
         [sys.executable, "-c", SERVE_FROM_PYTHON, str(hand_model)],
         capture_output=True,
@@ -804,7 +844,7 @@ def test_serve_called_from_python_leaves_the_process_as_it_found_it(hand_model: 
     assert proc.stdout.splitlines() == [
         "refused: serve() runs its own event loop and this thread is in one (a notebook's): "
         "call it from a thread of its own or a script, or run `lightship serve`",
-        "restored: True",
+        "restored: True ",
         "from a thread: 200",  # only the main thread can take signals: it failed there
         "failed: []",
     ]

@@ -1497,12 +1497,20 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
     # shell would never return; an orchestrator restarts it either way).
     service.on_failed = server.stop_failed
     switch_interval = sys.getswitchinterval()
+
     # uvicorn re-raises SIGTERM after its graceful shutdown, so that the previous handler runs:
-    # by default, death by signal (status 143). A drained server has done its job: make the
-    # previous handler a no-op, and the process exits 0. Only the main thread takes signals
-    # (uvicorn handles none in another).
+    # by default, death by signal (status 143). A drained server has done its job: that
+    # handler does nothing then, and the process exits 0. A SIGTERM before uvicorn takes the
+    # signal (the lines below, asyncio making its loop) stops the server as uvicorn's own
+    # handler would: a no-op here had swallowed it, and the server went on to serve until a
+    # second signal. Only the main thread takes signals (uvicorn handles none in another).
+    def stop_unless_stopping(signum: int, frame: FrameType | None) -> None:
+        if not server.should_exit:
+            server.handle_exit(signum, frame)
+
     main = threading.current_thread() is threading.main_thread()
-    on_sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
+    on_sigterm = signal.signal(signal.SIGTERM, stop_unless_stopping) if main else None
+    frozen = gc.get_freeze_count()  # the warm-up freezes what the process holds (`warm_up`)
     try:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         cpu = host_cpu()  # what the int8 ISA check (`verify`) compared the model with
@@ -1522,10 +1530,12 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
             _url(settings.host, sock.getsockname()[1]),
         )
         server.run(sockets=[sock])
-    finally:  # the SIGTERM uvicorn re-raised has met the no-op by now
+    finally:  # the SIGTERM uvicorn re-raised has met a server stopping by now
         if main:
             signal.signal(signal.SIGTERM, on_sigterm)
         sys.setswitchinterval(switch_interval)
+        if not frozen:  # a caller's cyclic garbage, frozen with the rest, was never freed
+            gc.unfreeze()
     return service, served
 
 
