@@ -802,6 +802,9 @@ threading.Timer(5, os.kill, (os.getpid(), signal.SIGTERM)).start()
 serve(settings)
 after = (signal.getsignal(signal.SIGTERM), sys.getswitchinterval(), gc.get_freeze_count())
 print("restored:", after == before, "" if after == before else (before, after))
+from lightship.runtime import OrtPredictor
+models = [p for p in gc.get_objects() if isinstance(p, OrtPredictor)]
+print("models let go:", len(models), all("session" not in vars(p) for p in models))
 
 import socket, time, urllib.request
 with socket.socket() as s:  # a free port, to ask the threaded server on
@@ -845,6 +848,7 @@ def test_serve_called_from_python_leaves_the_process_as_it_found_it(hand_model: 
         "refused: serve() runs its own event loop and this thread is in one (a notebook's): "
         "call it from a thread of its own or a script, or run `lightship serve`",
         "restored: True ",
+        "models let go: 1 True",  # the app still held by FastAPI's cache, its model closed
         "from a thread: 200",  # only the main thread can take signals: it failed there
         "failed: []",
     ]

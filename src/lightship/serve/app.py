@@ -1536,6 +1536,10 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
         sys.setswitchinterval(switch_interval)
         if not frozen:  # a caller's cyclic garbage, frozen with the rest, was never freed
             gc.unfreeze()
+        # The model goes with the server: FastAPI's cache of route callables keeps each app
+        # made in a process, and its model with it, after serve() returns.
+        if not service.batcher.running:
+            predictor.close()
     return service, served
 
 

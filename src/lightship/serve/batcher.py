@@ -243,6 +243,11 @@ class Batcher:
             self._draining = True
             self._cond.notify_all()
 
+    @property
+    def running(self) -> bool:
+        """Whether a worker thread is still alive (it may be in the model)."""
+        return any(thread.is_alive() for thread in self._threads)
+
     async def aclose(self) -> None:
         """Refuse new requests, finish the queued ones, stop the worker."""
         with self._cond:
