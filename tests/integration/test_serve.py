@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -469,6 +470,47 @@ def test_schemathesis_finds_no_server_errors(hand: Server, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     assert "No issues found" in proc.stdout or " passed" in proc.stdout, proc.stdout[-2000:]
     assert hand.proc.poll() is None  # and the server is still up
+
+
+@pytest.mark.parametrize(
+    "path", ["/v2/models/hand/infer", "/v2/models/h%61nd/infer"], ids=["protocol", "asgi"]
+)
+def test_a_body_still_arriving_at_sigterm_is_answered_503_before_the_drain_ends(
+    hand_model: Path, tmp_path: Path, path: str
+) -> None:
+    """A slow upload within its allowance (64 KiB/s past the deadline) may take longer than
+    the drain uvicorn gives a stopping server (--timeout-ms plus 5 s), after which it cancels
+    the request: the client got a reset and no status. It is answered 503 while the drain
+    can still deliver it (here, --timeout-ms 1000: at once), and the server exits 0."""
+    server = Server(
+        "--run", str(hand_model), "--timeout-ms", "1000", "--threads", "1", log=tmp_path / "log"
+    ).wait_ready()  # fmt: skip
+    core = b'{"inputs":[{"name":"input","shape":[1,1,2,2],"datatype":"UINT8","data":[1,2,3,4]}]}'
+    body = core + b" " * (2_000_000 - len(core))  # 10 s at 200 KB/s
+    head = f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-length: {len(body)}\r\n\r\n"
+    answer = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(head.encode())
+        t0, sent = time.monotonic(), 0
+        while sent < len(body) and time.monotonic() - t0 < 20:
+            sock.sendall(body[sent : sent + 20_000])
+            sent += 20_000
+            if time.monotonic() - t0 > 0.5 and server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            if select.select([sock], [], [], 0)[0]:  # an answer before the body's end: read it
+                break
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and answer.endswith(b"}"):
+                break
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 503 Service Unavailable", answer[:500]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error.startswith("the server is stopping and could not wait for the rest of the body")
+    assert sent < len(body)  # answered while the body was still arriving
+    assert server.proc.wait(30) == 0, server.output()
+    assert "Cancel" not in server.output()  # nothing left for uvicorn to cut off
 
 
 # `serve` from Python, with a SIGTERM to itself at its "serving '...'" log line: after the

@@ -57,6 +57,18 @@ LINGER_S = 5.0
 # no answer (6 of 10 runs of 16 pooled clients lost up to 11). One that comes is answered with
 # `Connection: close`, as is every request under way, and its client reconnects elsewhere.
 DRAIN_IDLE_S = 0.5
+# Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
+STOP_BODY = "lightship.stop_body"
+
+
+def body_stop_after_s(drain_s: float) -> float:
+    """How long after SIGTERM a body still arriving may take before it is answered 503: what
+    is left of uvicorn's drain (`drain_s`, after which it cancels the request unanswered)
+    once the answer's lingering close and a second of margin are kept for. A slow upload
+    within its allowance (`app.body_allowed_until`) may take minutes; the drain does not."""
+    return max(drain_s - LINGER_S - 1.0, 0.0)
+
+
 # Headers a request may hold once: a repeated line was read as its last (`_head_refusal`)
 _ONE_LINE = {b"content-encoding": "Content-Encoding", HEADER_LENGTH.lower().encode(): HEADER_LENGTH}
 # llhttp's refusals of a version (HTTP/1.2, 3.0) and of the HTTP/2 preface (`PRI * HTTP/2.0`:
@@ -190,6 +202,7 @@ class _TensorCycle:
         "_protocol",
         "_routes",
         "_seen",
+        "_stopped",
         "_target",
         "_ticket",
         "_version",
@@ -227,6 +240,7 @@ class _TensorCycle:
         self._chunks: list[bytes] = []
         self._seen = 0  # body bytes received
         self._over = False  # the body went past the limit
+        self._stopped = False  # the server is stopping and cannot wait for the rest of the body
         self._ticket: Abandonable | None = None
         self._waiter: asyncio.Future[None] | None = None  # while run_asgi waits for the body
         self.keep_alive = keep_alive
@@ -259,6 +273,13 @@ class _TensorCycle:
         if self._ticket is not None:
             self._ticket.abandon()
         self._wake()
+
+    def stop_body(self) -> None:
+        """The server is stopping and its drain cannot wait for the rest of the body: answered
+        at once (503, `routes.body_stopped`), not cut off without an answer when the drain ends."""
+        if self.more_body and not self.response_complete:
+            self._stopped = True
+            self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -318,6 +339,8 @@ class _TensorCycle:
             clock = loop.time() - time.monotonic()
             deadline = clock + self._head.deadline
             while self.more_body and not (self._over or self.disconnected):
+                if self._stopped:
+                    raise self._routes.body_stopped(self._seen)
                 self._waiter = loop.create_future()
                 try:
                     async with asyncio.timeout_at(deadline):
@@ -445,6 +468,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # close; an idle connection closes after DRAIN_IDLE_S with no request (`_drain_timer`)
         _draining = False
         _drain_timer: asyncio.TimerHandle | None = None
+        _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -519,8 +543,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 cycle.keep_alive = False
+                drain_s = self.config.timeout_graceful_shutdown  # None: uvicorn waits for good
+                if cycle.more_body and drain_s is not None:  # answered before the drain ends
+                    self._body_stop = self.loop.call_later(
+                        body_stop_after_s(drain_s), self._stop_body
+                    )
             elif not (self._in_head and self._head_bytes):  # no head arriving: idle
                 self._drain_timer = self.loop.call_later(DRAIN_IDLE_S, self._drain_idle)
+
+        def _stop_body(self) -> None:
+            self._body_stop = None
+            cycle = self.cycle
+            if isinstance(cycle, _TensorCycle):
+                cycle.stop_body()
+            elif cycle is not None and callable(stop := cycle.scope.get(STOP_BODY)):
+                stop()  # BodyLimit's, through ASGI
 
         def _drain_idle(self) -> None:
             self._drain_timer = None
@@ -778,6 +815,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
+            if self._body_stop is not None:
+                self._body_stop.cancel()
             if self._linger is not None:
                 self._linger.cancel()
             if self._head_timer is not None:
