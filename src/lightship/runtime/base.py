@@ -8,7 +8,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Self
 
@@ -226,6 +226,10 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.asarray(e / e.sum(axis=1, keepdims=True))
 
 
+def _closed(name: str, x: np.ndarray) -> np.ndarray:
+    raise RuntimeError(f"{name} was closed: load the model again to predict")
+
+
 class Predictor(ABC):
     """Logits for a batch of images. Subclasses set `kind`, `path`, `labels`, `input_spec`."""
 
@@ -293,10 +297,8 @@ class Predictor(ABC):
         """Let go of the model now: its sessions or module, its threads, its GPU memory; not
         when the garbage collector gets to it. `predict` raises RuntimeError after this.
         `with load_predictor(path) as model:` closes it on the way out. Closing twice is fine."""
-        self._run = self._closed  # type: ignore[method-assign]
-
-    def _closed(self, x: np.ndarray) -> np.ndarray:
-        raise RuntimeError(f"{self!r} was closed: load the model again to predict")
+        # a function of its name, not a bound method: no cycle keeps the closed predictor
+        self._run = partial(_closed, repr(self))  # type: ignore[method-assign]
 
     def __enter__(self) -> Self:
         return self
