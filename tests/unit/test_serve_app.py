@@ -1093,14 +1093,23 @@ def test_the_heap_a_burst_took_is_trimmed_once_the_server_is_quiet(
         await asyncio.sleep(0.5)  # idle from the start: nothing to trim
         assert trims == [] and metrics.next_answer is not None
         assert not metrics.next_answer.done()  # asleep until an answer
+
+        async def trimmed(count: int) -> None:  # generous: a loaded CI machine stalls
+            for _ in range(100):
+                if len(trims) >= count:
+                    return
+                await asyncio.sleep(0.05)
+
         for _ in range(4):  # a burst longer than QUIET_S
             metrics.request("/v1/predict", 200, 0.001)
             await asyncio.sleep(0.1)
         last = time.monotonic()
-        await asyncio.sleep(0.6)
+        await trimmed(1)
+        await asyncio.sleep(0.5)  # and no second trim while nothing is answered
+        assert len(trims) == 1, trims
         metrics.request("/metrics", 200, 0.001)  # one scrape, later
         scrape = time.monotonic()
-        await asyncio.sleep(0.6)
+        await trimmed(2)
         watcher.cancel()
         with suppress(asyncio.CancelledError):
             await watcher
@@ -1108,7 +1117,7 @@ def test_the_heap_a_burst_took_is_trimmed_once_the_server_is_quiet(
 
     last, scrape = run(main())
     assert len(trims) == 2, trims
-    assert 0.1 < trims[0] - last < 0.45 and 0.15 < trims[1] - scrape < 0.45
+    assert trims[0] - last > 0.05 and trims[1] - scrape > 0.15  # QUIET_S after each
 
 
 def test_the_server_trims_the_heap_after_a_burst(

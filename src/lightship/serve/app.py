@@ -64,7 +64,7 @@ from lightship.serve.batcher import (
 from lightship.serve.memory import trim_when_quiet
 from lightship.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from lightship.serve.model import ServedModel
-from lightship.serve.protocol import STOP_BODY, http_protocol
+from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, http_protocol
 from lightship.serve.settings import ServeSettings
 from lightship.serve.v2 import ProtocolError, error_body
 
@@ -96,10 +96,6 @@ DECODE_SLOTS = min(physical_cores(), 4)
 # at concurrency 16 answered 20-40 % more requests per second (in-process and over HTTP, same
 # runs); a model releases the GIL while it computes, so the shorter slice costs little else.
 GIL_SWITCH_INTERVAL_S = 0.001
-
-
-# The answer to a request that met a bug: JSON, as tritonclient reads every error.
-BUG = "internal server error (a bug: see the server's log)"
 
 
 class BodyTooLarge(Exception):
@@ -575,14 +571,16 @@ class BodyLimit:
             if body_done or stopped:
                 return
             stopped = True
-            if receiving is not None:  # waiting for the body now: the next wait raises else
-                expired = True
+            if receiving is not None and not expired:  # waiting for the body now (else the
+                expired = True  # next wait raises); not cancelled twice, by `expire` too
                 receiving.cancel()
 
         scope[STOP_BODY] = stop_body
 
         def expire(task: asyncio.Task[Any]) -> None:
             nonlocal expired, deadline, timer
+            if expired:  # `stop_body` cancelled the wait in this same loop iteration
+                return
             later = clock + body_allowed_until(head, seen)  # still arriving fast enough
             if later > loop.time():
                 deadline = later
@@ -1522,8 +1520,9 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
         workers=1,
         access_log=settings.access_log,
         log_level=settings.log_level,
-        # Accepted requests finish within their deadline; give shutdown that long, then go.
-        timeout_graceful_shutdown=int(settings.timeout_ms / 1000) + 5,
+        # Accepted requests finish within their deadline; give shutdown that long, then go
+        # (and, under a second's deadline, time for a 503's lingering close: body_stop_after_s).
+        timeout_graceful_shutdown=max(int(settings.timeout_ms / 1000) + 5, int(LINGER_S) + 2),
     )
     server = _Server(config, service)
     # A model that fails its warm-up will never serve: said and gone, as Triton's

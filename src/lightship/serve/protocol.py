@@ -57,6 +57,8 @@ LINGER_S = 5.0
 # no answer (6 of 10 runs of 16 pooled clients lost up to 11). One that comes is answered with
 # `Connection: close`, as is every request under way, and its client reconnects elsewhere.
 DRAIN_IDLE_S = 0.5
+# The answer to a request that met a bug: JSON, as tritonclient reads every error.
+BUG = "internal server error (a bug: see the server's log)"
 # Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
 STOP_BODY = "lightship.stop_body"
 
@@ -469,6 +471,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _draining = False
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
+        _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -540,23 +543,31 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._out.close_now()
                 return
             self._draining = True
+            drain_s = self.config.timeout_graceful_shutdown  # None: uvicorn waits for good
+            if drain_s is not None:  # bodies arriving are answered before the drain ends
+                self._stop_bodies_at = self.loop.time() + body_stop_after_s(drain_s)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 cycle.keep_alive = False
-                drain_s = self.config.timeout_graceful_shutdown  # None: uvicorn waits for good
-                if cycle.more_body and drain_s is not None:  # answered before the drain ends
-                    self._body_stop = self.loop.call_later(
-                        body_stop_after_s(drain_s), self._stop_body
-                    )
+                self._arm_body_stop()
             elif not (self._in_head and self._head_bytes):  # no head arriving: idle
                 self._drain_timer = self.loop.call_later(DRAIN_IDLE_S, self._drain_idle)
+
+        def _arm_body_stop(self) -> None:
+            """While draining: a body under way, or one a request read since (a head that was
+            arriving, a request on a kept-alive connection) is stopped at `_stop_bodies_at`."""
+            at = self._stop_bodies_at
+            if at is not None and self._body_stop is None:
+                self._body_stop = self.loop.call_at(max(at, self.loop.time()), self._stop_body)
 
         def _stop_body(self) -> None:
             self._body_stop = None
             cycle = self.cycle
+            if cycle is None or not cycle.more_body:  # no body under way: nothing to stop
+                return
             if isinstance(cycle, _TensorCycle):
                 cycle.stop_body()
-            elif cycle is not None and callable(stop := cycle.scope.get(STOP_BODY)):
+            elif callable(stop := cycle.scope.get(STOP_BODY)):
                 stop()  # BodyLimit's, through ASGI
 
         def _drain_idle(self) -> None:
@@ -597,6 +608,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     return
                 if (version := _VERSION_ERRORS.get(str(exc))) is not None:
                     self._refuse("bad_http", *_version_refused(version))
+                    return
+                if isinstance(exc, httptools.HttpParserCallbackError):  # ours raised: a bug
+                    log.error("error in a callback of the HTTP parser", exc_info=exc.__context__)
+                    self._send_error(b"500 Internal Server Error", BUG)
                     return
                 # llhttp's reason ("Invalid header value char"), where uvicorn logged and
                 # answered "Invalid HTTP request received." without saying from whom or why
@@ -666,6 +681,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 HttpToolsProtocol.on_headers_complete(self)
                 if self._draining and self.cycle is not None:  # answered, then closed
                     self.cycle.keep_alive = False
+            if self._draining:  # a request read while the server stops: its body too
+                self._arm_body_stop()
 
         def _head_refusal(self, version: str) -> tuple[bytes, str] | None:
             """The status line and message that refuse a head llhttp has taken, if RFC 9112
