@@ -44,6 +44,7 @@ from lightship.serve import memory, v1
 from lightship.serve.app import Service, create_app
 from lightship.serve.metrics import Metrics
 from lightship.serve.model import ServedModel
+from lightship.serve.protocol import READ_AHEAD_BYTES
 from lightship.serve.settings import ServeSettings
 from tests.handmade import expected_logits, handmade_onnx
 
@@ -2902,6 +2903,60 @@ def test_an_upload_whose_client_left_is_dropped_from_the_queue_at_once(
     assert not any((rows == 77).all() for batch in gate.rows for rows in batch)
 
 
+@pytest.mark.parametrize("first", ["tensor", "upload"])
+def test_a_client_leaving_with_a_request_pipelined_is_seen_leaving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """A second request pipelined behind the first stopped the server reading the connection
+    (answered in order, the second waits), so the client's leaving went unseen: the first was
+    computed for nobody and counted 200, the second started after it and dropped. The
+    connection is still read: both are given up while queued, the first counted 499."""
+    monkeypatch.setattr(serve_app._DisconnectWatch, "WATCH_AFTER_S", 3600)
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    if first == "tensor":
+        path = INFER
+        request = post(INFER, json.dumps(v2_json(np.full((1, 1, 2, 2), 77, np.uint8))).encode())
+    else:
+        path = "/v1/predict/image"
+        upload = httpx.Request(
+            "POST", "http://t/", files=[("files", ("m.png", png(np.full((2, 2), 77, np.uint8))))]
+        )
+        kind = f"content-type: {upload.headers['content-type']}"
+        request = post(path, upload.read(), kind)
+    behind = post(INFER, json.dumps(v2_json(np.full((1, 1, 2, 2), 78, np.uint8))).encode())
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            _, writer = await connect()
+            writer.write(request + behind)  # the second pipelined behind the first
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)  # the second read and queued behind it
+            writer.close()  # the client goes away while its first request waits
+            for _ in range(200):  # 2 s: the held request's client waits 5 s
+                text = (await client.get("/metrics")).text
+                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
+                    break
+                await asyncio.sleep(0.01)
+            gate.open.set()
+            np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
+            await asyncio.sleep(0.1)  # a second request started after the first would be seen
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    route = f'route="{"/v2/models/{model_name}/infer" if first == "tensor" else path}",status='
+    assert metric(text, f'lightship_requests_total{{{route}"499"}}') == 1
+    if first == "tensor":  # HELD's alone
+        assert metric(text, f'lightship_requests_total{{{route}"200"}}') == 1
+    else:
+        assert f'{route}"200"' not in text
+    assert not any(((rows == 77) | (rows == 78)).all() for batch in gate.rows for rows in batch)
+
+
 def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     binary, binary_headers = v2_binary(X[::-1])
@@ -2932,6 +2987,45 @@ def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> N
     )
     assert json.loads(answers[3][2])["predictions"][0]["label"] == "dark"
     assert 'no "inputs" list' in json.loads(answers[4][2])["error"]
+
+
+def test_requests_pipelined_in_pieces_while_one_runs_are_answered_in_order(
+    tmp_path: Path,
+) -> None:
+    """What arrives while a pipelined request waits is kept and parsed once the one ahead is
+    answered, in the order sent, the socket paused past READ_AHEAD_BYTES kept (a padded body
+    of 3x that here) and read on after."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    second = post(INFER, json.dumps(v2_json(X[::-1])).encode())
+    padded = json.dumps(v2_json(X[:1])).encode() + b" " * (3 * READ_AHEAD_BYTES)
+    third = post(INFER, padded)
+
+    async def main() -> list[tuple[int, dict[str, str], bytes]]:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)  # the first batch waits in the gate
+            reader, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(X)).encode()) + second[:30])
+            while service(app).batcher.queued_rows < 2:
+                await asyncio.sleep(0.001)
+            writer.write(second[30:] + third[:-10])  # read on while the first waits
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(third[-10:])
+            await asyncio.sleep(0.05)
+            gate.open.set()
+            await held
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
+            writer.close()
+            return answers
+
+    answers = run(main())
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    for (_, _, body), x in zip(answers, [X, X[::-1], X[:1]], strict=True):
+        np.testing.assert_array_equal(
+            np.reshape(json.loads(body)["outputs"][0]["data"], (-1, 2)), expected_logits(x)
+        )
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,8 @@ read the answer (`LightshipProtocol._close`), a request asking to upgrade to ano
 protocol than a WebSocket (`curl --http2` asks for h2c) is answered over HTTP/1.1 with its
 body (`LightshipProtocol._ignore_upgrade`), and a WebSocket handshake is refused in JSON (the
 server has no WebSocket routes; uvicorn's WebSocket protocol answered a GET with a bare 403).
+And the connection is still read while a request waits behind another (`_HeldFlow`), so that a
+client leaving is seen leaving.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ LINGER_S = 5.0
 DRAIN_IDLE_S = 0.5
 # The answer to a request that met a bug: JSON, as tritonclient reads every error.
 BUG = "internal server error (a bug: see the server's log)"
+# While the parser is held back (a request pipelined behind one not yet answered, an ASGI body
+# not yet taken), what arrives is kept up to this many bytes before the socket itself is paused
+# (`_HeldFlow`): uvicorn's own high-water mark for a body.
+READ_AHEAD_BYTES = 64 * 1024
 # Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
 STOP_BODY = "lightship.stop_body"
 
@@ -438,13 +444,43 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
     without ASGI. "auto" (uvicorn's h11 protocol, all through ASGI) without httptools."""
     try:
         import httptools
+        from uvicorn.protocols.http.flow_control import FlowControl
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: uvicorn's h11 protocol and its text answers
         return "auto"
 
     head_timeout_s = routes.timeout_s if routes is not None else HEAD_TIMEOUT_S
 
+    class _HeldFlow(FlowControl):
+        """uvicorn's flow control, but pausing holds back the parser, not the socket: what
+        arrives meanwhile is kept (`LightshipProtocol._hold`) and parsed once reading resumes,
+        and only past READ_AHEAD_BYTES kept is the socket paused too. uvicorn pauses the socket
+        while a request pipelined behind another waits its turn, and then did not see the
+        client leave (its EOF unread): the first was computed for nobody and counted 200."""
+
+        def __init__(self, transport: Any, protocol: Any) -> None:
+            super().__init__(transport)
+            self._protocol = protocol
+            self.socket_paused = False
+
+        def pause_reading(self) -> None:
+            self.read_paused = True
+
+        def resume_reading(self) -> None:
+            if self.read_paused:
+                self.read_paused = False
+                if self.socket_paused:
+                    self.socket_paused = False
+                    self._transport.resume_reading()
+                self._protocol.release()
+
+        def pause_socket(self) -> None:
+            if not self.socket_paused:
+                self.socket_paused = True
+                self._transport.pause_reading()
+
     class LightshipProtocol(HttpToolsProtocol):
+        flow: _HeldFlow
         # Bytes received since the last request's head ended: its URL and headers so far
         _head_bytes = 0
         _in_head = True
@@ -472,12 +508,49 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
+        # Read while the parser is held back (`_HeldFlow`), parsed when it is let go
+        # (`_feed_held`, scheduled as `_feeding`)
+        _held: bytearray | None = None
+        _feeding: asyncio.Handle | None = None
+        # The cycle whose task was started last: those pipelined behind it wait in `pipeline`,
+        # and a lost connection tells each of them (uvicorn told only the last one read)
+        _running: Any = None
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
             self._out = _CoalescingTransport(transport, self.loop, self._close)
             super().connection_made(self._out)  # type: ignore[arg-type]
+            self.flow = _HeldFlow(self._out, self)
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            self._running = cycle
+            HttpToolsProtocol._start_asgi_task(self, cycle, app)
+
+        def _hold(self, data: bytes) -> None:
+            held = self._held
+            if held is None:
+                self._held = held = bytearray(data)
+            else:
+                held += data
+            if len(held) >= READ_AHEAD_BYTES:
+                self.flow.pause_socket()
+
+        def release(self) -> None:
+            """The parser is let go (`_HeldFlow.resume_reading`): what was kept is parsed in
+            the next turn of the loop, as a socket resumed is read then, not inside the answer
+            that let it go."""
+            if self._held is not None and self._feeding is None:
+                self._feeding = self.loop.call_soon(self._feed_held)
+
+        def _feed_held(self) -> None:
+            self._feeding = None
+            held = self._held
+            if held is None or self.flow.read_paused:  # held back again meanwhile
+                return
+            self._held = None
+            if not self.transport.is_closing():
+                self.data_received(bytes(held))
 
         def _head_late(self) -> None:
             """The head has not arrived in time: a partial one is answered 408, a connection
@@ -580,6 +653,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def data_received(self, data: bytes) -> None:
             if self._linger is not None:
                 return  # the rest of a request already answered: thrown away
+            if self.flow.read_paused or self._held is not None:  # after what is kept already
+                self._hold(data)
+                return
             if self._upgrade_body is not None:
                 data = self._upgraded_body(data)
                 if not data:
@@ -801,7 +877,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             )
             previous, self.cycle = self.cycle, cycle  # type: ignore[assignment]
             if previous is None or previous.response_complete:
-                self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+                self._start_asgi_task(cycle, self.app)
             else:  # pipelined: answered in order, as uvicorn queues its own
                 self.flow.pause_reading()
                 self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
@@ -840,7 +916,19 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._head_timer.cancel()
             if self._body_timer is not None:
                 self._body_timer.cancel()
+            if self._feeding is not None:
+                self._feeding.cancel()
+            self._held = None
             cycle = self.cycle
+            # the request running and those pipelined behind it, not only the last one read
+            for waiting in (self._running, *(queued for queued, _ in self.pipeline)):
+                if waiting is None or waiting is cycle or waiting.response_complete:
+                    continue
+                if type(waiting) is _TensorCycle:
+                    waiting.lost()
+                else:  # uvicorn's, as its connection_lost tells the last one
+                    waiting.disconnected = True
+                    waiting.message_event.set()
             if type(cycle) is _TensorCycle:
                 cycle.lost()
             HttpToolsProtocol.connection_lost(self, exc)
