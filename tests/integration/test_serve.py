@@ -304,10 +304,14 @@ def test_a_request_uvicorn_cannot_parse_gets_a_json_400(hand: Server) -> None:
     assert "content-type: application/json" in lines and "connection: close" in lines
     assert json.loads(body) == {"error": "malformed HTTP request: Invalid method encountered"}
     assert httpx.get(f"{hand.url}/v2/health/ready").status_code == 200  # and it serves on
-    # the log says from whom and why, not uvicorn's "Invalid HTTP request received."
-    assert re.search(
-        r"malformed HTTP request from 127\.0\.0\.1:\d+: Invalid method encountered", hand.output()
-    ), hand.output()
+    # the log says from whom and why, not uvicorn's "Invalid HTTP request received.", and
+    # when (UTC) and from which logger, as every line of the server's log does
+    out = hand.output()
+    stamp = r"(?m)^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    malformed = r"malformed HTTP request from 127\.0\.0\.1:\d+: Invalid method encountered"
+    assert re.search(rf"{stamp} WARNING uvicorn: {malformed}", out), out
+    assert re.search(rf"{stamp} INFO uvicorn: Started server process \[\d+\]$", out), out
+    assert re.search(rf"{stamp} INFO lightship\.serve\.app: ready: model '", out), out
 
 
 def test_a_request_head_over_64_kib_gets_a_json_431(hand: Server) -> None:

@@ -32,7 +32,6 @@ import pytest
 from fastapi import FastAPI
 from PIL import Image, PngImagePlugin
 from starlette.types import Message
-from uvicorn.logging import AccessFormatter
 
 import lightship
 from lightship.data.images import decode as _decode
@@ -3082,18 +3081,40 @@ def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
 
     with caplog.at_level(logging.INFO, logger="uvicorn.access"):
         run(main())
-    # formatted as `lightship serve` formats them: uvicorn's AccessFormatter, which reads the
-    # record's arguments by position (four instead of five was a traceback for each request)
-    formatter = AccessFormatter(
-        '%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False
-    )
+    # formatted as `lightship serve` formats them (`LOG_CONFIG`): uvicorn's AccessFormatter,
+    # which reads the record's arguments by position (four instead of five was a traceback for
+    # each request), with the time in front
+    config = serve_app.LOG_CONFIG["formatters"]["access"]
+    formatter = serve_app.AccessLogFormatter(config["fmt"], use_colors=False)
     lines = [formatter.format(r) for r in caplog.records if r.name == "uvicorn.access"]
     assert any(
-        line.endswith('"POST /v2/models/hand/infer?trace=1 HTTP/1.1" 200 OK') for line in lines
-    )
+        re.fullmatch(
+            r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO uvicorn\.access: 127\.0\.0\.1:\d+ - "
+            r'"POST /v2/models/hand/infer\?trace=1 HTTP/1\.1" 200 OK',
+            line,
+        )
+        for line in lines
+    ), lines
     assert any(
         line.endswith('"POST /v2/models/other/infer HTTP/1.1" 404 Not Found') for line in lines
     )
+
+
+def test_the_servers_log_lines_say_when_in_utc_to_the_millisecond(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TZ", "America/New_York")  # the machine's zone does not show
+    time.tzset()
+    try:
+        record = logging.LogRecord(
+            "lightship.serve.app", logging.WARNING, __file__, 1, "ready: %s", ("hand",), None
+        )
+        record.created, record.msecs = 1796000000.25, 250.0
+        line = serve_app.LogFormatter().format(record)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert line == "2026-11-30T00:53:20.250Z WARNING lightship.serve.app: ready: hand"
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.logging import AccessFormatter
 
 from lightship import __version__
 from lightship.errors import ConfigError, RunError
@@ -1470,6 +1471,67 @@ class _ImageForm(MultiPartParser):
         )
 
 
+class LogFormatter(logging.Formatter):
+    """A server's log line: `2026-11-29T04:50:01.123Z INFO lightship.serve.app: ready: ...`.
+
+    A line read from a file, or beside a client's or another server's log, says when it was
+    written (UTC, to the millisecond) and by what; uvicorn's lines said neither ("INFO:
+    Started server process"). `lightship serve` gives lightship's lines this form too."""
+
+    FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+    def __init__(self, fmt: str | None = None) -> None:
+        super().__init__(fmt or self.FORMAT)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{when}.{int(record.msecs):03d}Z"
+
+
+class AccessLogFormatter(AccessFormatter):
+    """uvicorn's access line (its formatter reads the request from the record's arguments), at
+    the time and in the form of `LogFormatter`'s."""
+
+    formatTime = LogFormatter.formatTime
+
+
+# uvicorn's own logging (its defaults: its lines on stderr, the access log on stdout), in the
+# form of lightship's lines and with their time.
+LOG_CONFIG: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "default": {
+            "()": f"{__name__}.LogFormatter",
+            "fmt": "%(asctime)s %(levelname)s uvicorn: %(message)s",
+        },
+        "access": {
+            "()": f"{__name__}.AccessLogFormatter",
+            "fmt": '%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "%(request_line)s" '
+            "%(status_code)s",
+            "use_colors": False,
+        },
+    },
+    "handlers": {
+        "default": {
+            "formatter": "default",
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stderr",
+        },
+        "access": {
+            "formatter": "access",
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stdout",
+        },
+    },
+    "loggers": {
+        "uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False},
+        "uvicorn.error": {"level": "INFO"},
+        "uvicorn.access": {"handlers": ["access"], "level": "INFO", "propagate": False},
+    },
+}
+
+
 def serve(settings: ServeSettings) -> None:
     """Choose and check the artifact, load it, run uvicorn until SIGTERM/SIGINT. Called from
     Python, it leaves the process's SIGTERM handler and GIL switch interval as they were."""
@@ -1518,6 +1580,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
         port=settings.port,
         http=http_protocol(app.state.tensor_routes),
         workers=1,
+        log_config=LOG_CONFIG,
         access_log=settings.access_log,
         log_level=settings.log_level,
         # Accepted requests finish within their deadline; give shutdown that long, then go

@@ -210,6 +210,10 @@ def serve(
     )
     if "log_level" in settings.model_fields_set:  # else `lightship -v`'s debug lines stay on
         logging.getLogger("lightship").setLevel(settings.log_level.upper())
+    from lightship.serve.app import LogFormatter
+
+    for handler in logging.getLogger().handlers:  # a server's lines say when (uvicorn's too)
+        handler.setFormatter(LogFormatter())
     _warn_unknown_variables()
     # Every counter and histogram also exported a `_created` timestamp series, doubling the
     # families a scrape stores (prometheus_client's default; Prometheus reads none of them).
