@@ -238,6 +238,16 @@ async def hold_inference(client: httpx.AsyncClient, gate: Gate) -> asyncio.Futur
     return held
 
 
+async def until_rejected(client: httpx.AsyncClient, reason: str, seconds: float = 3.0) -> None:
+    """Poll /metrics until a rejection for `reason` is counted, `seconds` at most (a request
+    held in the gate meanwhile gives up after 5 s, httpx's default)."""
+    name = f'lightship_rejections_total{{reason="{reason}"}}'
+    for _ in range(int(seconds / 0.01)):
+        if metric((await client.get("/metrics")).text, name):
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path)
 
@@ -2843,11 +2853,7 @@ def test_a_client_leaving_over_http_is_dropped_from_the_queue_at_once(
             while service(app).batcher.queued_rows < 1:
                 await asyncio.sleep(0.001)
             writer.close()  # the client goes away while its request waits for the model
-            for _ in range(500):
-                text = (await client.get("/metrics")).text
-                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
-                    break
-                await asyncio.sleep(0.01)
+            await until_rejected(client, "disconnected")
             gate.open.set()
             np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
             r = await client.post(INFER, json=v2_json(X))  # the server carries on
@@ -2885,11 +2891,7 @@ def test_an_upload_whose_client_left_is_dropped_from_the_queue_at_once(
             while service(app).batcher.queued_rows < 1:
                 await asyncio.sleep(0.001)
             writer.close()  # the client goes away while its upload waits for the model
-            for _ in range(500):
-                text = (await client.get("/metrics")).text
-                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
-                    break
-                await asyncio.sleep(0.01)
+            await until_rejected(client, "disconnected")
             gate.open.set()
             await held
             return (await client.get("/metrics")).text
@@ -2935,11 +2937,7 @@ def test_a_client_leaving_with_a_request_pipelined_is_seen_leaving(
                 await asyncio.sleep(0.001)
             await asyncio.sleep(0.05)  # the second read and queued behind it
             writer.close()  # the client goes away while its first request waits
-            for _ in range(200):  # 2 s: the held request's client waits 5 s
-                text = (await client.get("/metrics")).text
-                if metric(text, 'lightship_rejections_total{reason="disconnected"}'):
-                    break
-                await asyncio.sleep(0.01)
+            await until_rejected(client, "disconnected")
             gate.open.set()
             np.testing.assert_array_equal(logits_of(await held), expected_logits(HELD))
             await asyncio.sleep(0.1)  # a second request started after the first would be seen
