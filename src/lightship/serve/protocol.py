@@ -469,15 +469,18 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def resume_reading(self) -> None:
             if self.read_paused:
                 self.read_paused = False
-                if self.socket_paused:
-                    self.socket_paused = False
-                    self._transport.resume_reading()
+                self.resume_socket()
                 self._protocol.release()
 
         def pause_socket(self) -> None:
             if not self.socket_paused:
                 self.socket_paused = True
                 self._transport.pause_reading()
+
+        def resume_socket(self) -> None:
+            if self.socket_paused:
+                self.socket_paused = False
+                self._transport.resume_reading()
 
     class LightshipProtocol(HttpToolsProtocol):
         flow: _HeldFlow
@@ -533,7 +536,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._held = held = bytearray(data)
             else:
                 held += data
-            if len(held) >= READ_AHEAD_BYTES:
+            # Not once let go (kept only until `_feed_held`, this turn or the next): uvloop
+            # reads a resumed socket before the turn's callbacks, and a socket paused then
+            # stayed paused, the rest of a pipelined body never read
+            if len(held) >= READ_AHEAD_BYTES and self.flow.read_paused:
                 self.flow.pause_socket()
 
         def release(self) -> None:
@@ -550,6 +556,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 return
             self._held = None
             if not self.transport.is_closing():
+                self.flow.resume_socket()  # whatever paused it, the parser reads on
                 self.data_received(bytes(held))
 
         def _head_late(self) -> None:
@@ -932,6 +939,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if type(cycle) is _TensorCycle:
                 cycle.lost()
             HttpToolsProtocol.connection_lost(self, exc)
+            # Those pipelined never started: started now, to be answered into the closed
+            # connection and counted (499, without compute), as a request started before its
+            # client left is, and as they were when the loss was seen after the answers
+            pipeline = self.pipeline
+            while pipeline:
+                self._start_asgi_task(*pipeline.pop())
 
         def send_400_response(self, msg: str) -> None:
             message = f"malformed HTTP request: {msg.rstrip('.')}"
