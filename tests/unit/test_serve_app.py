@@ -3080,6 +3080,41 @@ def test_a_long_body_pipelined_behind_a_waiting_request_is_read_whole(
         )
 
 
+def test_a_head_begun_before_the_answer_is_not_cut_off_by_the_keep_alive_timer(
+    tmp_path: Path,
+) -> None:
+    """The first bytes of a second request arrived before the first was answered: uvicorn then
+    armed its keep-alive timer (for an idle connection) and closed the connection mid-head
+    when it fired. A head under way has the head's own time (`_head_late`, a 408)."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    second = post(INFER, json.dumps(v2_json(X[:1])).encode())
+
+    async def main() -> list[tuple[int, dict[str, str], bytes]]:
+        async with raw_http(app, timeout_keep_alive=1) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(X)).encode()) + second[:20])
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.1)  # the second's first bytes read
+            gate.open.set()
+            await held
+            answers = [await asyncio.wait_for(read_answer(reader), 5)]
+            await asyncio.sleep(1.5)  # past the keep-alive's second
+            writer.write(second[20:])
+            answers.append(await asyncio.wait_for(read_answer(reader), 5))
+            writer.close()
+            return answers
+
+    answers = run(main())
+    assert [status for status, _, _ in answers] == [200, 200]
+    np.testing.assert_array_equal(
+        np.reshape(json.loads(answers[1][2])["outputs"][0]["data"], (-1, 2)), expected_logits(X[:1])
+    )
+
+
 @pytest.mark.parametrize(
     ("version", "extra"), [("1.0", []), ("1.1", ["connection: close"])], ids=["1.0", "close"]
 )

@@ -959,6 +959,11 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     self._send_error(*deferred)
             else:
                 HttpToolsProtocol.on_response_complete(self)
+                if self._in_head and self._head_bytes:
+                    # the next request's head is under way: uvicorn's keep-alive timer, for a
+                    # connection with nothing to read, closed it mid-head; its own timer
+                    # (`_head_late`) stands
+                    self._unset_keepalive_if_required()
 
         def _refuse(self, reason: str, status: bytes, message: str) -> None:
             """Answer a request that cannot be read (`_send_error`), counted in the metrics'
