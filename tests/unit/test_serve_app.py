@@ -3080,6 +3080,111 @@ def test_a_long_body_pipelined_behind_a_waiting_request_is_read_whole(
         )
 
 
+def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: Path) -> None:
+    """Requests to the ASGI app pipelined behind a client that left are dropped, as uvicorn
+    drops them: started at once for nobody, hundreds from one write ran the app in one turn of
+    the loop (250 KB of GET /metrics held a probe for 4.8 s) and were counted 200."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    probes = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n" * 200
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            _, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(X)).encode()) + probes)
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)  # the probes read and queued behind it
+            writer.close()
+            await until_rejected(client, "disconnected")
+            gate.open.set()
+            await held
+            await asyncio.sleep(0.1)
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    assert 'route="/v2/health/ready"' not in text  # none run, none counted
+
+
+def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(tmp_path: Path) -> None:
+    """At SIGTERM the request under way is answered with Connection: close; one pipelined
+    behind it is answered too, and one read after that is dropped with the close, as uvicorn
+    drops it: not counted 499, as if its client had left."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    body = json.dumps(v2_json(X[:1])).encode()
+
+    async def main() -> tuple[list[Any], str]:
+        async with raw_http(app) as (connect, counting, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(post(INFER, body) + post(INFER, body))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            writer.write(post(INFER, body))  # a third, kept while the first two are pending
+            await asyncio.sleep(0.05)
+            port = writer.get_extra_info("sockname")[1]
+            for connection in list(counting.connections):  # SIGTERM, for this connection
+                if connection.client[1] == port:
+                    connection.shutdown()
+            gate.open.set()
+            await held
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(2)]
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            await asyncio.sleep(0.1)
+            got = [(status, headers.get("connection")) for status, headers, _ in answers]
+            return [*got, rest], (await client.get("/metrics")).text
+
+    answers, text = run(main())
+    assert answers == [(200, None), (200, "close"), b""]
+    infer = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status='
+    assert metric(text, f'{infer}"200"}}') == 3  # the gate's and the first two
+    assert f'{infer}"499"}}' not in text
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_blank_line_after_a_request_leaves_the_connection_idle(tmp_path: Path, when: str) -> None:
+    """A CRLF after a body (RFC 9112 2.2: some clients send one; a server ignores it) is no
+    request begun: the idle connection closes quietly at its keep-alive, not answered 408 for
+    an incomplete head at the request deadline and counted `head_timeout`."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0, timeout_ms=3000)
+    assert gate is not None
+    gate.open.set()
+
+    async def main() -> tuple[int, bytes, float, str]:
+        async with raw_http(app, timeout_keep_alive=1) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(X)).encode()))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            if when == "before":
+                await asyncio.sleep(0.05)
+                writer.write(b"\r\n")  # in a segment of its own, while the request waits
+                await asyncio.sleep(0.05)
+            gate.open.set()
+            await held
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            start = time.monotonic()
+            if when == "after":
+                writer.write(b"\r\n")
+            rest = await asyncio.wait_for(reader.read(), 5)
+            took = time.monotonic() - start
+            writer.close()
+            return status, rest, took, (await client.get("/metrics")).text
+
+    status, rest, took, text = run(main())
+    assert status == 200 and rest == b""  # closed, no 408
+    assert took < 2.5  # at the keep-alive's second, not the request deadline's three
+    assert metric(text, 'lightship_rejections_total{reason="head_timeout"}') == 0
+
+
 def test_a_head_begun_before_the_answer_is_not_cut_off_by_the_keep_alive_timer(
     tmp_path: Path,
 ) -> None:

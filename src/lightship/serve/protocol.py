@@ -114,7 +114,7 @@ class _CoalescingTransport:
     protocol's to decide (`closer`: a lingering close); `close_now` closes at once.
     """
 
-    __slots__ = ("_closer", "_eof", "_loop", "_pending", "_transport")
+    __slots__ = ("_closer", "_eof", "_loop", "_pending", "_transport", "closed_here")
 
     def __init__(
         self,
@@ -127,6 +127,7 @@ class _CoalescingTransport:
         self._pending: list[bytes] = []
         self._closer = closer
         self._eof = False  # this side is shut: nothing more is written
+        self.closed_here = False  # the server closed the connection (not its client)
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -170,10 +171,12 @@ class _CoalescingTransport:
             self._closer()
 
     def close_now(self) -> None:
+        self.closed_here = True
         self._flush()
         self._transport.close()
 
     def abort(self) -> None:
+        self.closed_here = True
         self._pending.clear()
         self._transport.abort()
 
@@ -536,10 +539,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._held = held = bytearray(data)
             else:
                 held += data
-            # Not once let go (kept only until `_feed_held`, this turn or the next): uvloop
-            # reads a resumed socket before the turn's callbacks, and a socket paused then
-            # stayed paused, the rest of a pipelined body never read
-            if len(held) >= READ_AHEAD_BYTES and self.flow.read_paused:
+            # Also once let go, until `_feed_held` (which resumes it): uvloop reads a resumed
+            # socket before the turn's callbacks, up to 32 reads of 256 KB while data comes
+            if len(held) >= READ_AHEAD_BYTES:
                 self.flow.pause_socket()
 
         def release(self) -> None:
@@ -612,6 +614,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     transport.write_eof()
                     self._linger = self.loop.call_later(LINGER_S, transport.close_now)
                     self.flow.resume_reading()  # paused for a long body or a pipelined request
+                    self.flow.resume_socket()  # or paused by kept bytes not yet fed
                     return
             transport.close_now()
 
@@ -670,9 +673,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             # httptools sets no limit on a request's head and joins its pieces by copying:
             # a 100 MB header held the event loop for seconds. Counted as it arrives, the
             # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
+            # empty lines before a request line are ignored (RFC 9112 2.2): no head begun, the
+            # connection still idle (its keep-alive timer runs on)
+            blank = self._in_head and not self._head_bytes and not data.strip(b"\r\n")
             if self._in_head:
-                self._head_bytes += len(data)
-            self._unset_keepalive_if_required()
+                self._head_bytes += 0 if blank else len(data)
+            if not blank:
+                self._unset_keepalive_if_required()
             try:
                 self.parser.feed_data(data)
                 if self._in_head and self._head_bytes and self._head_timer is None:
@@ -913,6 +920,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self._in_head = True
 
         def connection_lost(self, exc: Exception | None) -> None:
+            left = not self._out.closed_here  # the client closed it (uvicorn's close follows)
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
             if self._body_stop is not None:
@@ -939,12 +947,17 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if type(cycle) is _TensorCycle:
                 cycle.lost()
             HttpToolsProtocol.connection_lost(self, exc)
-            # Those pipelined never started: started now, to be answered into the closed
-            # connection and counted (499, without compute), as a request started before its
-            # client left is, and as they were when the loss was seen after the answers
+            # Tensor requests pipelined and never started, their client gone: started now, to
+            # be counted 499 (at once, without compute), as a request started before its
+            # client left is. Not an ASGI one, dropped as uvicorn drops it: run, it would run
+            # the app (a GET /metrics) for nobody, thousands at once from one client's write.
+            # Nor those left when the server closed (an answer with Connection: close): their
+            # client did not leave.
             pipeline = self.pipeline
             while pipeline:
-                self._start_asgi_task(*pipeline.pop())
+                cycle, app = pipeline.pop()
+                if type(cycle) is _TensorCycle and left:
+                    self._start_asgi_task(cycle, app)
 
         def send_400_response(self, msg: str) -> None:
             message = f"malformed HTTP request: {msg.rstrip('.')}"
