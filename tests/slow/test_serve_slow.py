@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.handmade import expected_logits, handmade_onnx
-from tests.integration.test_serve import Server
+from tests.integration.test_serve import SCHEMATHESIS_ENV, Server
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_schemathesis_longer_run(tmp_path: Path) -> None:
             "--checks", "not_a_server_error", "--max-examples", "200",
             "--request-timeout", "10", "--report-dir", str(tmp_path),
         ],
-        capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=SCHEMATHESIS_ENV,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     assert server.stop() == 0, server.output()
