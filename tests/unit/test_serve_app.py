@@ -43,7 +43,7 @@ from lightship.serve import memory, v1
 from lightship.serve.app import Service, create_app
 from lightship.serve.metrics import Metrics
 from lightship.serve.model import ServedModel
-from lightship.serve.protocol import READ_AHEAD_BYTES
+from lightship.serve.protocol import MAX_PIPELINED, READ_AHEAD_BYTES
 from lightship.serve.settings import ServeSettings
 from tests.handmade import expected_logits, handmade_onnx
 
@@ -3109,10 +3109,14 @@ def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: 
     assert 'route="/v2/health/ready"' not in text  # none run, none counted
 
 
-def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("third", ["whole", "body arriving"])
+def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(
+    tmp_path: Path, third: str
+) -> None:
     """At SIGTERM the request under way is answered with Connection: close; one pipelined
     behind it is answered too, and one read after that is dropped with the close, as uvicorn
-    drops it: not counted 499, as if its client had left."""
+    drops it: not counted 499, as if its client had left. With its body still arriving, the
+    close lingers (reads until the client closes), and was counted so."""
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
@@ -3126,7 +3130,8 @@ def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(tmp_path: 
             while service(app).batcher.queued_rows < 1:
                 await asyncio.sleep(0.001)
             await asyncio.sleep(0.05)
-            writer.write(post(INFER, body))  # a third, kept while the first two are pending
+            rest = post(INFER, body)  # a third, kept while the first two are pending
+            writer.write(rest if third == "whole" else rest[:-5])
             await asyncio.sleep(0.05)
             port = writer.get_extra_info("sockname")[1]
             for connection in list(counting.connections):  # SIGTERM, for this connection
@@ -3183,6 +3188,43 @@ def test_a_blank_line_after_a_request_leaves_the_connection_idle(tmp_path: Path,
     assert status == 200 and rest == b""  # closed, no 408
     assert took < 2.5  # at the keep-alive's second, not the request deadline's three
     assert metric(text, 'lightship_rejections_total{reason="head_timeout"}') == 0
+
+
+def test_a_connection_holds_at_most_max_pipelined_requests_waiting(tmp_path: Path) -> None:
+    """llhttp parses every request of a read: a client pipelining without reading its answers
+    queued 218,000 requests in 3 s. Past MAX_PIPELINED waiting, the next is answered 429 after
+    those ahead of it, and the connection closes; what followed it is not read."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    probe = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n"
+
+    async def main() -> tuple[list[tuple[int, dict[str, str], bytes]], bytes, str]:
+        async with raw_http(app) as (connect, _, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            first = post(INFER, json.dumps(v2_json(X)).encode())
+            writer.write(first + probe * (MAX_PIPELINED + 50))
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            gate.open.set()
+            await held
+            answers = [
+                await asyncio.wait_for(read_answer(reader), 5) for _ in range(MAX_PIPELINED + 2)
+            ]
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return answers, rest, (await client.get("/metrics")).text
+
+    answers, rest, text = run(main())
+    assert [status for status, _, _ in answers] == [200] * (MAX_PIPELINED + 1) + [429]
+    assert all(body == b'{"ready":true}' for _, _, body in answers[1:-1])
+    assert "read answers before sending more" in json.loads(answers[-1][2])["error"]
+    assert answers[-1][1]["connection"] == "close" and rest == b""
+    assert metric(text, 'lightship_rejections_total{reason="pipeline_full"}') == 1
+    ready = 'lightship_requests_total{route="/v2/health/ready",status="200"}'
+    assert metric(text, ready) == MAX_PIPELINED
 
 
 def test_a_head_begun_before_the_answer_is_not_cut_off_by_the_keep_alive_timer(

@@ -46,6 +46,7 @@ REJECTION_REASONS = (
     "bad_http",
     "head_too_large",
     "head_timeout",
+    "pipeline_full",
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scope key: the status the HTTP protocol answered a request with while its app still ran (a
