@@ -681,7 +681,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             # head is refused once past MAX_HEAD_BYTES (a chunk that also ends it is fine).
             # empty lines before a request line are ignored (RFC 9112 2.2): no head begun, the
             # connection still idle (its keep-alive timer runs on)
-            blank = self._in_head and not self._head_bytes and not data.strip(b"\r\n")
+            blank = (
+                self._in_head
+                and not self._head_bytes
+                and data[:1] in (b"\r", b"\n")  # strip() copies a read that ends in CR/LF
+                and not data.strip(b"\r\n")
+            )
             if self._in_head:
                 self._head_bytes += 0 if blank else len(data)
             if not blank:
