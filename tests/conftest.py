@@ -138,6 +138,24 @@ def _forkserver_ends_with_the_session() -> Iterator[None]:
     _FORKSERVER.close()
 
 
+# Servers a test starts (`tests.integration.test_serve.Server`): one a failed assertion left
+# running (before its test's `stop()`) went on serving after the session, holding its port.
+SPAWNED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test() -> Iterator[None]:
+    """Kill what the test started and left running; a module's server, started before the
+    test's own fixtures, is its module's to stop."""
+    before = len(SPAWNED)
+    yield
+    for proc in SPAWNED[before:]:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    del SPAWNED[before:]
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""

@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from lightship.runtime import load_predictor
 from lightship.serve import memory
-from tests.conftest import ROOT, last_line, run_cli
+from tests.conftest import ROOT, SPAWNED, last_line, run_cli
 from tests.handmade import expected_logits, handmade_onnx
 
 X = np.array([[[[1, 2], [3, 4]]], [[[255, 255], [255, 255]]]], np.uint8)
@@ -72,6 +72,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 env=full_env,
             )
+        SPAWNED.append(self.proc)  # killed after the test if it is left running
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 60) -> Server:
