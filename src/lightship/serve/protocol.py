@@ -956,15 +956,14 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._feeding.cancel()
             self._held = None
             cycle = self.cycle
-            # the request running and those pipelined behind it, not only the last one read
-            for waiting in (self._running, *(queued for queued, _ in self.pipeline)):
-                if waiting is None or waiting is cycle or waiting.response_complete:
-                    continue
-                if type(waiting) is _TensorCycle:
-                    waiting.lost()
+            # the request running, where one read after it is the last (uvicorn told only that)
+            running = self._running
+            if running is not None and running is not cycle and not running.response_complete:
+                if type(running) is _TensorCycle:
+                    running.lost()
                 else:  # uvicorn's, as its connection_lost tells the last one
-                    waiting.disconnected = True
-                    waiting.message_event.set()
+                    running.disconnected = True
+                    running.message_event.set()
             if type(cycle) is _TensorCycle:
                 cycle.lost()
             HttpToolsProtocol.connection_lost(self, exc)
@@ -976,9 +975,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             # client did not leave.
             pipeline = self.pipeline
             while pipeline:
-                cycle, app = pipeline.pop()
-                if type(cycle) is _TensorCycle and left:
-                    self._start_asgi_task(cycle, app)
+                queued, app = pipeline.pop()
+                if type(queued) is _TensorCycle and left:
+                    queued.lost()
+                    self._start_asgi_task(queued, app)
 
         def send_400_response(self, msg: str) -> None:
             message = f"malformed HTTP request: {msg.rstrip('.')}"
