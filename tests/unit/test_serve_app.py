@@ -2956,7 +2956,9 @@ def test_a_client_leaving_with_a_request_pipelined_is_seen_leaving(
             return (await client.get("/metrics")).text
 
     text = run(main(), loop)
-    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    # each one a client gone while it waited: the first in the queue, the two behind it to be
+    # parsed (the two counted 499 alone before)
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 3
     infer = 'route="/v2/models/{model_name}/infer",status='
     route = infer if first == "tensor" else f'route="{path}",status='
     # each counted 499 where it was sent: the second, never started, too
@@ -2968,6 +2970,43 @@ def test_a_client_leaving_with_a_request_pipelined_is_seen_leaving(
     else:
         assert f'{route}"200"' not in text
     assert not any(np.isin(rows, (77, 78, 79)).all() for batch in gate.rows for rows in batch)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_answer_made_after_its_client_left_is_counted_as_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """A client that leaves as its batch finishes (the answer made before the leave was seen,
+    so too late to abandon it: here the queue is never told) gets nothing. That answer was
+    counted 200; it is a 499 and a `disconnected`, as a leave seen first is."""
+    from lightship.serve.protocol import _TensorCycle
+
+    monkeypatch.setattr(_TensorCycle, "watch", lambda self, ticket: lambda: None)
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+
+    async def main() -> tuple[bytes, str]:
+        async with raw_http(app) as (connect, _, client):
+            gate.open.clear()
+            gate.entered.clear()
+            reader, writer = await connect()
+            writer.write(post(INFER, json.dumps(v2_json(HELD)).encode()))
+            await asyncio.to_thread(gate.entered.wait, 10)  # its batch runs
+            writer.close()  # and its client leaves
+            await asyncio.sleep(0.1)  # seen leaving
+            gate.open.set()
+            await asyncio.sleep(0.1)  # the answer made, and written to no one
+            text = (await client.get("/metrics")).text
+            return await reader.read(), text
+
+    got, text = run(main(), loop)
+    assert got == b""
+    infer = 'route="/v2/models/{model_name}/infer",status='
+    assert metric(text, f'lightship_requests_total{{{infer}"499"}}') == 1
+    assert f'{infer}"200"' not in text
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    assert metric(text, "lightship_batch_rows_count") == 1  # computed: the leave came too late
 
 
 def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ from lightship.serve.batcher import (
     WorkerDied,
 )
 from lightship.serve.memory import trim_when_quiet
-from lightship.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from lightship.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, MetricsMiddleware
 from lightship.serve.model import ServedModel
 from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, http_protocol
 from lightship.serve.settings import ServeSettings
@@ -85,8 +85,6 @@ PLATFORMS = {
 # uplink (5.8 MB at 4 Mbit/s: 12 s) was refused 408 at 10 s, 90 % of it in, while a client
 # that trickles bytes still goes at the deadline. A client's own deadline is not extended.
 MIN_BODY_RATE = 64 * 1024
-# Status for a client that left before its answer (nginx's convention); only metrics see it.
-CLIENT_CLOSED = 499
 # Requests whose uploaded images are decoded at once. A PNG may declare up to
 # v1.MAX_IMAGE_PIXELS and decode to ~190 MB (40 MP RGBA, measured): unbounded, 16 requests of
 # 8 such 150 KB files took the server to 5 GB. More decoders than cores is no faster.

@@ -52,6 +52,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scope key: the status the HTTP protocol answered a request with while its app still ran (a
 # malformed chunked body): counted in its place, since the app's answer never left
 REFUSED = "lightship.refused"
+# Status for a client that left before its answer (nginx's convention); only metrics see it.
+CLIENT_CLOSED = 499
 
 
 def rows_buckets(max_batch_rows: int) -> tuple[int, ...]:

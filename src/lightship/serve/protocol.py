@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect
 
-from lightship.serve.metrics import REFUSED
+from lightship.serve.batcher import ClientGone
+from lightship.serve.metrics import CLIENT_CLOSED, REFUSED
 from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ class _TensorCycle:
         "_client",
         "_expect_100",
         "_head",
+        "_left",
         "_name",
         "_over",
         "_params",
@@ -263,6 +265,7 @@ class _TensorCycle:
         self.keep_alive = keep_alive
         self.more_body = True
         self.disconnected = False
+        self._left = False  # the connection was lost by its client's leaving (`lost`)
         self.response_complete = False
         self.refused: int | None = None  # the status the protocol answered it with (`_refuse`)
 
@@ -283,10 +286,12 @@ class _TensorCycle:
         self.more_body = False
         self._wake()
 
-    def lost(self) -> None:
+    def lost(self, left: bool = True) -> None:
+        """The connection is gone: its client `left` it, or the server closed it."""
         if self.response_complete:
             return
         self.disconnected = True
+        self._left = left
         if self._ticket is not None:
             self._ticket.abandon()
         self._wake()
@@ -333,10 +338,9 @@ class _TensorCycle:
                 except Exception as exc:
                     response = routes.error(exc) or routes.bug(exc)
                 else:
-                    status = 200
                     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
                     raw.append((b"content-length", b"%d" % len(content)))
-                    await self._send(200, raw, content)
+                    status = 200 if await self._send(200, raw, content) else self._undelivered()
                     return
             status = response.status_code
             await self._send(status, response.raw_headers, bytes(response.body))
@@ -372,7 +376,11 @@ class _TensorCycle:
             if not (self._over or self.disconnected):
                 self._routes.body_arrived(self._head)
         if self.disconnected:
-            raise ClientDisconnect()
+            if self.more_body or not self._left:  # cut short: a 499 with no reason, as uvicorn's
+                raise ClientDisconnect()  # way in counts it
+            # whole, and waiting to be parsed (pipelined behind another) when its client left
+            self._routes.metrics.rejected("disconnected")
+            raise ClientGone()
         if self._over:
             raise self._routes.too_large()
         # handed over, not kept: the answered cycle stays the connection's until its next
@@ -381,14 +389,26 @@ class _TensorCycle:
         chunks, self._chunks = self._chunks, []
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _send(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+    def _undelivered(self) -> int:
+        """The status to count for an answer made and not written: 499 and `disconnected` where
+        the client left (its batch ran, or the answer was made, after it went), as where the
+        client's leaving was seen first; the answer's own where the server closed."""
+        # the connection lost (uvicorn closes it after, setting `closed_here`), or only closing
+        left = self._left if self.disconnected else not self._protocol.transport.closed_here
+        if not left:
+            return 200
+        self._routes.metrics.rejected("disconnected")
+        return CLIENT_CLOSED
+
+    async def _send(self, status: int, headers: list[tuple[bytes, bytes]], content: bytes) -> bool:
+        """Write the answer; False where the connection went first and nobody reads it."""
         protocol = self._protocol
         if protocol.flow.write_paused and not self.disconnected:
             await protocol.flow.drain()  # a client that reads slowly: as uvicorn waits
         transport = protocol.transport
         if self.disconnected or transport.is_closing():
             self.response_complete = True
-            return
+            return False
         close = not self.keep_alive
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
         for key, value in (*protocol.server_state.default_headers, *headers):
@@ -416,6 +436,7 @@ class _TensorCycle:
             self.keep_alive = False
             transport.close()
         protocol.on_response_complete()
+        return True
 
 
 # Status lines by code; 499 (nginx's, a client that left) is only ever counted, never sent.
@@ -960,12 +981,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             running = self._running
             if running is not None and running is not cycle and not running.response_complete:
                 if type(running) is _TensorCycle:
-                    running.lost()
+                    running.lost(left)
                 else:  # uvicorn's, as its connection_lost tells the last one
                     running.disconnected = True
                     running.message_event.set()
             if type(cycle) is _TensorCycle:
-                cycle.lost()
+                cycle.lost(left)
             HttpToolsProtocol.connection_lost(self, exc)
             # Tensor requests pipelined and never started, their client gone: started now, to
             # be counted 499 (at once, without compute), as a request started before its
