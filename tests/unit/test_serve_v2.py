@@ -512,6 +512,43 @@ def test_an_exif_tag_pillow_cannot_write_back_does_not_break_decoding() -> None:
     assert seen[:8].mean() > 240 and seen[8:].mean() < 15
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_damaged_exif_orientation_is_a_400_and_other_damage_stays_out_of_the_log(
+    fmt: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Pillow skips a damaged EXIF tag with a warning: the orientation skipped, the image was
+    taken unturned, and each kind of damage wrote two raw lines to the server's log."""
+
+    def tiff(make_count: int, orientation_count: int) -> bytes:  # Make, then Orientation 6
+        return (
+            b"MM\x00\x2a\x00\x00\x00\x08\x00\x02"
+            + b"\x01\x0f\x00\x02" + make_count.to_bytes(4, "big") + b"\x00\x00\x00\x26"
+            + b"\x01\x12\x00\x03" + orientation_count.to_bytes(4, "big") + b"\x00\x06\x00\x00"
+            + b"\x00\x00\x00\x00cam\x00"
+        )  # fmt: skip
+
+    stored = Image.new("L", (16, 8), 0)
+    stored.paste(255, (0, 0, 8, 8))  # left half white as stored: top half as seen
+
+    def image(exif: bytes) -> bytes:
+        buf = io.BytesIO()
+        stored.save(buf, fmt, exif=b"Exif\x00\x00" + exif)
+        return buf.getvalue()
+
+    seen = v1.decode_image(image(tiff(4, 1)), (1, 16, 8), "x")[0]  # whole: turned upright
+    assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+    # the Make tag's data past the end of the block: skipped, the orientation still read
+    seen = v1.decode_image(image(tiff(0xFFFF, 1)), (1, 16, 8), "x")[0]
+    assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+    # the orientation's own data past the end: skipped, so which way is up is unknown
+    with pytest.raises(
+        ProtocolError, match=r"x: its EXIF orientation is unreadable \(Tag data"
+    ) as info:
+        v1.decode_image(image(tiff(4, 0xFFFF)), (1, 16, 8), "x")
+    assert info.value.status == 400
+    assert not [w for w in recwarn if "TiffImagePlugin" in w.filename]
+
+
 def test_exif_pillow_cannot_read_is_a_400_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
     def unreadable(self: Image.Image) -> Image.Exif:
         raise struct.error("unpack requires a buffer of 4 bytes")

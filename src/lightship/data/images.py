@@ -6,10 +6,12 @@ numpy and Pillow only: the server imports this beside an ONNX model, without tor
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -48,19 +50,47 @@ class ImageError(Exception):
         self.name, self.reason, self.problem = name, reason, problem
 
 
-def _as_seen(im: Image.Image, name: str) -> Image.Image:
+@contextlib.contextmanager
+def _exif_damage() -> Iterator[list[str]]:
+    """Pillow's warnings of damaged EXIF tags (it skips them) as they are parsed, collected
+    instead of written to the log: raw, one line for each kind of damage, a client could add
+    lines to the server's log at will. Other warnings go on as they were. Under `_OPENING`
+    (catch_warnings swaps the process's filters)."""
+    damage: list[str] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", category=UserWarning, module=r"PIL\.TiffImagePlugin")
+            yield damage
+    finally:
+        for w in caught:
+            if w.category is UserWarning and w.filename.endswith("TiffImagePlugin.py"):
+                damage.append(str(w.message))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _as_seen(im: Image.Image, name: str, damage: list[str]) -> Image.Image:
     """`im` turned upright by its EXIF orientation (a phone's portrait photo is stored
     sideways). Not `ImageOps.exif_transpose`: it also rewrites the EXIF block, and raises on
-    tags it cannot write back (struct.error), although only the orientation is needed here."""
+    tags it cannot write back (struct.error), although only the orientation is needed here.
+    `damage`: Pillow's warnings of the EXIF tags it skipped (a JPEG's EXIF is parsed as it
+    opens); a skipped orientation is refused, as an EXIF block that does not parse is."""
+    fix = "strip it (e.g. `exiftool -all= FILE`) and use the image again"
     try:
-        orientation = im.getexif().get(_ORIENTATION)
+        with _OPENING, _exif_damage() as more:  # a PNG's EXIF is parsed here
+            orientation = im.getexif().get(_ORIENTATION)
     except Exception as exc:  # Pillow's EXIF parser raises struct.error, KeyError, ...
         raise ImageError(
-            name,
-            f"its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); "
-            "strip it (e.g. `exiftool -all= FILE`) and use the image again",
-            "exif",
+            name, f"its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); {fix}", "exif"
         ) from None
+    if orientation is None:
+        for said in (*damage, *more):
+            message = " ".join(said.split())  # Pillow's double and trailing spaces
+            tag = re.search(r"\btag (\d+)", message)
+            if tag is None or int(tag.group(1)) == _ORIENTATION:  # or a tag it does not name
+                raise ImageError(
+                    name, f"its EXIF orientation is unreadable ({message}); {fix}", "exif"
+                )
     method = _TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
     return im.transpose(method) if method is not None else im
 
@@ -127,7 +157,7 @@ def decode(
     try:
         # catch_warnings swaps the process's filters, so threads decoding at once take turns
         # (opening reads only the header); unguarded, one could leave the filter on for good
-        with _OPENING, warnings.catch_warnings():
+        with _OPENING, _exif_damage() as damage:
             if max_pixels is not None:
                 # Checked below: past Pillow's own limit (89 MP) its warning would say so
                 # again, in the server's log.
@@ -150,7 +180,7 @@ def decode(
                 # 28x28: 2.6 ms, not 5.9). A square box: the EXIF turn below may swap W and H.
                 im.draft(mode, (max(w, h), max(w, h)))
             im.load()  # decoded first: a PNG's EXIF may follow its pixels, and a cut-short
-            seen = _as_seen(im, name)  # file is a broken image, not broken EXIF
+            seen = _as_seen(im, name, damage)  # file is a broken image, not broken EXIF
             if seen.mode in WIDE_MODES:
                 # 16-bit grayscale PNG: Pillow's convert("L") clips at 255 instead of scaling.
                 wide = np.asarray(seen, dtype=np.float32)
