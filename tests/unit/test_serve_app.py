@@ -2973,25 +2973,37 @@ def test_a_client_leaving_with_a_request_pipelined_is_seen_leaving(
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("route", ["tensor", "upload"])
 def test_an_answer_made_after_its_client_left_is_counted_as_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loop: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, loop: str
 ) -> None:
     """A client that leaves as its batch finishes (the answer made before the leave was seen,
     so too late to abandon it: here the queue is never told) gets nothing. That answer was
-    counted 200; it is a 499 and a `disconnected`, as a leave seen first is."""
+    counted 200; it is a 499 and a `disconnected`, as a leave seen first is. On either way in:
+    the server's own protocol, and ASGI (an upload)."""
     from lightship.serve.protocol import _TensorCycle
 
     monkeypatch.setattr(_TensorCycle, "watch", lambda self, ticket: lambda: None)
+    monkeypatch.setattr(
+        serve_app, "asgi_watch", lambda receive, after_s=None: lambda t: lambda: None
+    )
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
+    if route == "tensor":
+        path, request = INFER, post(INFER, json.dumps(v2_json(HELD)).encode())
+    else:
+        path = "/v1/predict/image"
+        upload = httpx.Request("POST", "http://t/", files=[("files", ("h.png", png(HELD[0, 0])))])
+        kind = f"content-type: {upload.headers['content-type']}"
+        request = post(path, upload.read(), kind)
 
     async def main() -> tuple[bytes, str]:
         async with raw_http(app) as (connect, _, client):
             gate.open.clear()
             gate.entered.clear()
             reader, writer = await connect()
-            writer.write(post(INFER, json.dumps(v2_json(HELD)).encode()))
+            writer.write(request)
             await asyncio.to_thread(gate.entered.wait, 10)  # its batch runs
             writer.close()  # and its client leaves
             await asyncio.sleep(0.1)  # seen leaving
@@ -3002,9 +3014,13 @@ def test_an_answer_made_after_its_client_left_is_counted_as_left(
 
     got, text = run(main(), loop)
     assert got == b""
-    infer = 'route="/v2/models/{model_name}/infer",status='
-    assert metric(text, f'lightship_requests_total{{{infer}"499"}}') == 1
-    assert f'{infer}"200"' not in text
+    counted = (
+        'route="/v2/models/{model_name}/infer",status='
+        if route == "tensor"
+        else (f'route="{path}",status=')
+    )
+    assert metric(text, f'lightship_requests_total{{{counted}"499"}}') == 1
+    assert f'{counted}"200"' not in text
     assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
     assert metric(text, "lightship_batch_rows_count") == 1  # computed: the leave came too late
 

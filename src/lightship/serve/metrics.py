@@ -52,6 +52,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scope key: the status the HTTP protocol answered a request with while its app still ran (a
 # malformed chunked body): counted in its place, since the app's answer never left
 REFUSED = "lightship.refused"
+# Scope key: the client left before the answer was written (the server's HTTP protocol sets
+# it): an answer the app makes after that reaches no one, and counts 499 and `disconnected`
+LEFT = "lightship.left"
 # Status for a client that left before its answer (nginx's convention); only metrics see it.
 CLIENT_CLOSED = 499
 
@@ -217,6 +220,9 @@ class MetricsMiddleware:
                 or (scope["path"] if endpoint is not None else self._unrouted(scope))
             )
             status = given.get(REFUSED) or status
+            if status < 400 and given.get(LEFT):
+                self.metrics.rejected("disconnected")
+                status = CLIENT_CLOSED
             self.metrics.request(path, status, time.perf_counter() - start)
 
     def _unrouted(self, scope: Scope) -> str:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect
 
 from lightship.serve.batcher import ClientGone
-from lightship.serve.metrics import CLIENT_CLOSED, REFUSED
+from lightship.serve.metrics import CLIENT_CLOSED, LEFT, REFUSED
 from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
@@ -189,6 +189,13 @@ class _CoalescingTransport:
 
     def __getattr__(self, name: str) -> Any:  # everything else is the transport's own
         return getattr(self._transport, name)
+
+
+def _told_left(cycle: Any) -> None:
+    """uvicorn's request cycle, its client gone: the metrics middleware reads it in its scope
+    (`LEFT`), since an answer the app makes now is written to no one."""
+    scope: dict[str, Any] = cycle.scope
+    scope[LEFT] = True
 
 
 class _NoEvent:
@@ -985,8 +992,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 else:  # uvicorn's, as its connection_lost tells the last one
                     running.disconnected = True
                     running.message_event.set()
+                    if left:
+                        _told_left(running)
             if type(cycle) is _TensorCycle:
                 cycle.lost(left)
+            elif cycle is not None and not cycle.response_complete and left:
+                _told_left(cycle)
             HttpToolsProtocol.connection_lost(self, exc)
             # Tensor requests pipelined and never started, their client gone: started now, to
             # be counted 499 (at once, without compute), as a request started before its
