@@ -490,9 +490,13 @@ def test_resuming_puts_back_a_lost_best_checkpoint_and_keeps_what_was_made_from_
         (run / "best.ckpt").unlink()
     else:
         swap_checkpoint(run)
-    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    # as `make report` runs it for a run without best.ckpt: report is what make runs next, not
+    # the serve the run would come to (the line said "next: make serve RUN=...")
+    goals = {"LIGHTSHIP_MAKE_GOALS": "report export"}
+    proc = run_cli("train", "--run", str(run), "--resume", env=goals, check=True)
     assert "best.ckpt restored from checkpoints/" in proc.stdout, proc.stdout
     assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "next: report, which make runs now", proc.stdout
     assert "outdates" not in proc.stdout
     assert {p: p.read_bytes() for p in before} == before  # best.ckpt as it was, exports, report
 
@@ -1120,12 +1124,13 @@ def test_a_model_whose_code_changed_since_training_is_refused_in_one_line(
     assert last_line(proc.stderr).endswith(f"or train it afresh: {afresh}")
 
 
-def test_fit_from_python_leaves_torchs_modes_as_it_found_them(
+def test_the_stages_from_python_leave_torchs_modes_as_they_found_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # Lightning turned grad on, and trainer.deterministic deterministic algorithms, for the
     # rest of the session (a notebook's later cells)
     from lightship.export.core import export
+    from lightship.quantize.core import quantize
     from lightship.report.core import ReportSettings, report
     from lightship.train import fit
 
@@ -1149,12 +1154,51 @@ def test_fit_from_python_leaves_torchs_modes_as_it_found_them(
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert "PL_GLOBAL_SEED" not in os.environ and "PL_SEED_WORKERS" not in os.environ
     assert torch.get_num_threads() == 1
-    export(tmp_path / "run", formats="onnx,torchscript")
-    assert torch.get_num_threads() == 1
-    report(tmp_path / "run", ReportSettings(rounds=1, seconds=0.01))
-    assert torch.get_num_threads() == 1
+    # the other stages too: export and report drew from torch's generator, and QAT seeded all
+    # three and left PL_GLOBAL_SEED and PL_SEED_WORKERS
+    for stage in (
+        functools.partial(export, tmp_path / "run", formats="onnx,torchscript"),
+        functools.partial(quantize, tmp_path / "run", methods="static,qat"),
+        functools.partial(report, tmp_path / "run", ReportSettings(rounds=1, seconds=0.01)),
+    ):
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        with torch.no_grad():
+            stage()
+            assert not torch.is_grad_enabled()
+        assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected, stage
+        assert "PL_GLOBAL_SEED" not in os.environ and "PL_SEED_WORKERS" not in os.environ
+        assert torch.get_num_threads() == 1
     # the two Lightning warnings lightship's own fit has no use for stay out of it
     assert not [w for w in caught if "many workers" in str(w.message)]
     assert not torch.are_deterministic_algorithms_enabled()
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     assert (tmp_path / "run" / "best.ckpt").is_file()
+
+
+def test_a_training_that_diverges_is_refused_and_keeps_the_runs_model(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """A learning rate far too high: the loss goes NaN, Lightning's early stopping ends the
+    training at its first validation without a word, and train said it had trained (exit 0)
+    with a best.ckpt of NaN logits, which export then refused. Now an error that says what to
+    change, and the run's model and what was made from it stay."""
+    run = tmp_path / "diverged"
+    shutil.copytree(exported_run, run)
+    before = {p: p.read_bytes() for p in [run / "best.ckpt", run / "export" / "model.onnx"]}
+    entry = manifest(run)["checkpoint"]
+    proc = run_cli("train", "--run", str(run), "--config", str(TINY), "--set", "optim.lr=1e9")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert last_line(proc.stderr) == (
+        "error: training diverged (train_loss nan): its best checkpoint gives non-finite logits, "
+        "so it is not made best.ckpt (what the run had is kept): train again with a lower "
+        "optim.lr (now 1e+09; --set optim.lr=...)"
+    )
+    assert {p: p.read_bytes() for p in before} == before
+    assert manifest(run)["checkpoint"] == entry
+    assert "onnx-fp32" in manifest(run)
+    # a new run gets no best.ckpt
+    proc = run_cli(
+        "train", "--run", str(tmp_path / "new"), "--config", str(TINY), "--set", "optim.lr=1e9"
+    )
+    assert proc.returncode == 2 and not (tmp_path / "new" / "best.ckpt").exists()

@@ -39,7 +39,7 @@ from lightship.runs import (
     then_held,
 )
 from lightship.runtime import load_predictor
-from lightship.runtime.base import META_INPUT_SPEC, META_LABELS, LoadError, torch_threads_kept
+from lightship.runtime.base import META_INPUT_SPEC, META_LABELS, LoadError, caller_state_kept
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def export(
     # The run lock, for the CLI and a call from Python alike: no other stage may replace the
     # checkpoint or read the run meanwhile
     run = as_run(run)
-    with lock_run(run.root, "lightship export"), torch_threads_kept():
+    with lock_run(run.root, "lightship export"), caller_state_kept():
         return _export(run, formats, opset, atol, min_agreement, parity_batch)
 
 

@@ -52,7 +52,7 @@ from lightship.runs import (
     then_held,
 )
 from lightship.runtime import Predictor, load_predictor
-from lightship.runtime.base import LoadError, quiet_loggers
+from lightship.runtime.base import LoadError, caller_state_kept, quiet_loggers
 from lightship.runtime.ort import (
     DISABLED_OPTIMIZERS,
     QUANTIZATION,
@@ -949,6 +949,7 @@ def quantize(
     # (`runs.sweep_temporaries`)
     with (
         lock_run(run.root, "lightship quantize"),
+        caller_state_kept(),
         _cut_short_by_a_full_disk(run, "qat" in chosen),
         _noted_when_stopped(run, chosen, _repeat_flags(target, settings)),
     ):

@@ -43,7 +43,7 @@ from lightship.runs import (
     note_interrupt,
 )
 from lightship.runtime import physical_cores
-from lightship.runtime.base import torch_threads_kept
+from lightship.runtime.base import caller_state_kept
 from lightship.runtime.ort import OrtPredictor
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, An
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
     run = as_run(run)
-    with lock_run(run.root, "lightship report"), torch_threads_kept():
+    with lock_run(run.root, "lightship report"), caller_state_kept():
         made = not run.report_dir.exists()  # by `check_writable`, before the measuring
         try:
             return _report(run, settings or ReportSettings())

@@ -118,6 +118,67 @@ def torch_threads_kept() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's (CPU) random generators as they were, after what runs
+    inside draws from them or seeds them: seeded, a stage left a caller's generators at the
+    run's seed, its "random" shuffles the same in every session after it; a Dropout in
+    training mode, run once to check a model, moved every later draw of a training."""
+    import random
+    import sys
+
+    state, np_state = random.getstate(), np.random.get_state()
+    torch = sys.modules.get("torch")  # never imported here: an ONNX-only caller has none
+    torch_state = torch.random.get_rng_state() if torch is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        np.random.set_state(np_state)
+        if torch is not None and torch_state is not None:
+            torch.random.set_rng_state(torch_state)
+
+
+# What Lightning's seed_everything and a deterministic Trainer set for the rest of a process
+_STAGE_ENVIRONMENT = ("CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@contextmanager
+def caller_state_kept() -> Iterator[None]:
+    """What a stage called from Python (`fit`, `export`, `quantize`, `report`) leaves as the
+    caller had it: the random generators (`random_state_kept`), torch's thread count
+    (`torch_threads_kept`), its grad and deterministic-algorithm modes (Lightning turns grad
+    on, and `trainer.deterministic` deterministic algorithms and CUBLAS_WORKSPACE_CONFIG, for
+    the rest of a notebook), and the PL_GLOBAL_SEED and PL_SEED_WORKERS that seed_everything
+    leaves for a caller's own Trainer to read."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    modes = (
+        (
+            torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        if torch is not None
+        else None
+    )
+    env = {name: os.environ.get(name) for name in _STAGE_ENVIRONMENT}
+    try:
+        with torch_threads_kept(), random_state_kept():
+            yield
+    finally:
+        if torch is not None and modes is not None:
+            grad, deterministic, warn_only = modes
+            torch.set_grad_enabled(grad)
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @cache
 def physical_cores() -> int:
     """Cores this process may use, counting SMT siblings once (the right ORT/torch thread

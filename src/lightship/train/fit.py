@@ -7,7 +7,6 @@ import copy
 import logging
 import math
 import os
-import random
 import shlex
 import shutil
 import sys
@@ -53,6 +52,7 @@ from lightship.models.checkpoint import (
     state_mismatch,
 )
 from lightship.runs import (
+    MAKE_GOALS,
     REPORT_FILES,
     RunDir,
     RunLike,
@@ -67,7 +67,7 @@ from lightship.runs import (
     sha256_file,
     then_held,
 )
-from lightship.runtime.base import torch_threads_kept
+from lightship.runtime.base import caller_state_kept, random_state_kept
 from lightship.train.module import LitClassifier
 
 log = logging.getLogger(__name__)
@@ -364,28 +364,10 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
         raise ConfigError(f"{what} has no trainable parameters: choose a model that can learn")
     was_training = model.training
     try:
-        with _seeded_draws_kept():
+        with random_state_kept():  # a Dropout's mask drawn would move the training's draws
             _probe(model, what, cfg, num_classes)
     finally:
         model.train(was_training)
-
-
-@contextlib.contextmanager
-def _seeded_draws_kept() -> Iterator[None]:
-    """The random generators as they were, after what runs inside: all of `fit` (seeded, it
-    left a caller's generators at seed 0, its "random" shuffles the same in every session),
-    and the probes of
-    `_check_model_trains` run after seeding, and a Dropout in training mode drew a mask from
-    torch's generator, moving every later draw (the shuffle, the augmentation, the masks) with
-    it. The same seed then gave another training than before the check (a digits run: QAT
-    and dynamic int8 one test image lower). Python's and numpy's too, for a user's model."""
-    state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            random.setstate(state)
-            np.random.set_state(np_state)
 
 
 def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> None:
@@ -621,7 +603,31 @@ def _kept(run: RunDir) -> tuple[str, str]:
         if not reported
         else "serve"
     )
-    return said, after
+    # Run by make for another stage's sake (`make report` on a run whose best.ckpt was put
+    # back), the stage make runs next is the goal's, whatever the run lacks: named, as made now
+    goals = [g for g in os.environ.get(MAKE_GOALS, "").split() if g in _STAGES_AFTER]
+    return said, after if after in goals or not goals else goals[0]
+
+
+_STAGES_AFTER = ("export", "quantize", "report", "serve")
+
+
+def _check_finite(model: torch.nn.Module, x: np.ndarray, trainer: pl.Trainer, lr: float) -> None:
+    """Refuse a training that diverged (a learning rate too high: its loss NaN) before its best
+    checkpoint replaces anything. Lightning's early stopping ends it at the first non-finite
+    validation loss without a word, and it said it had trained, exit 0, with a best.ckpt whose
+    logits are all NaN (export refused it, 2,690 of 2,690)."""
+    with torch.inference_mode():
+        finite = bool(torch.isfinite(model(torch.from_numpy(x[:64]))).all()) if len(x) else True
+    if finite:
+        return
+    loss = trainer.callback_metrics.get("train_loss")
+    said = f" (train_loss {float(loss):g})" if loss is not None else ""
+    raise ConfigError(
+        f"training diverged{said}: its best checkpoint gives non-finite logits, so it is not "
+        f"made best.ckpt (what the run had is kept): train again with a lower optim.lr (now "
+        f"{lr:g}; --set optim.lr=...)"
+    )
 
 
 def _own_best(run: RunDir, best_model_path: str) -> Path:
@@ -668,32 +674,8 @@ def fit(cfg: Config | str | os.PathLike[str], run: RunLike, resume: bool = False
         recovered = run.recover_set_aside()
         if recovered:
             print(f"{run.root}: {recovered}", flush=True)
-        with _torch_modes_kept(), torch_threads_kept(), _seeded_draws_kept():
+        with caller_state_kept():
             return _fit(cfg, run, resume)
-
-
-@contextlib.contextmanager
-def _torch_modes_kept() -> Iterator[None]:
-    """torch's process-wide modes as they were before fitting: Lightning turns grad on, and
-    `trainer.deterministic` deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG), for the
-    rest of a Python session that called `fit`; `seed_everything` leaves PL_GLOBAL_SEED and
-    PL_SEED_WORKERS, which a caller's own Trainer and seed_everything() would then read (the
-    thread count: `torch_threads_kept`; the random generators: `_seeded_draws_kept`)."""
-    grad = torch.is_grad_enabled()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    names = ("CUBLAS_WORKSPACE_CONFIG", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
-    env = {name: os.environ.get(name) for name in names}
-    try:
-        yield
-    finally:
-        torch.set_grad_enabled(grad)
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
@@ -888,6 +870,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # the copy and its manifest entry land together below. Loaded before anything made from
     # the old best.ckpt goes: a corrupt checkpoint fails here and loses nothing.
     loaded = load_checkpoint(best)
+    _check_finite(loaded.model, splits.test_x, trainer, cfg.optim.lr)
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
         _discard_derived(run, new_best=not was_there)
