@@ -91,6 +91,8 @@ class DataConfig(Section):
                 f"data.path={self.path} is set but data.source is digits (the built-in images), "
                 f"which reads no path: add --set data.source={kind}, or drop data.path"
             )
+        if self.source != "digits" and (self.path is None or not str(self.path).strip()):
+            raise ConfigError(f"data.source={self.source} needs data.path (--set data.path=...)")
         return self
 
 

@@ -328,6 +328,16 @@ def test_a_data_path_without_its_source_is_refused(path: str, source: str) -> No
     assert load_config(None, [f"data.path={path}", f"data.source={source}"]).data.source == source
 
 
+@pytest.mark.parametrize("given", [[], ["data.path="]])
+@pytest.mark.parametrize("source", ["folder", "npz"])
+def test_a_source_without_its_data_path_is_a_config_error(source: str, given: list[str]) -> None:
+    # refused as the data was read (DataError: exit 3, "data"), where its mirror image, a path
+    # without its source, is exit 2 (configuration)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"data.source={source}", *given])
+    assert str(err.value) == f"data.source={source} needs data.path (--set data.path=...)"
+
+
 def test_a_runs_older_config_with_a_path_beside_digits_reads_as_digits(tmp_path: Path) -> None:
     # before data.path needed its source, runs recorded it beside digits in config.yaml;
     # `train --resume` read it with the new check and refused the run
