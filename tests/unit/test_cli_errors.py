@@ -156,18 +156,29 @@ def test_quantize_warns_of_a_variant_mostly_left_in_float(
     )
 
 
+@pytest.mark.parametrize("recorded", [True, False])
 def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
-    exported_run: Path, tmp_path: Path
+    exported_run: Path, tmp_path: Path, recorded: bool
 ) -> None:
     run = tmp_path / "swapped"
     shutil.copytree(exported_run, run)
     swap_checkpoint(run)
+    if recorded:  # a checkpoint train wrote since the export: export it
+        rerecord_checkpoint(run)
     proc = run_cli("quantize", "--run", str(run), "--methods", "qat")
-    assert proc.returncode == 6, proc.stderr
-    assert (
-        f"error: qat: {run / 'best.ckpt'} is not the checkpoint {run / 'export' / 'model.onnx'} "
-        f"was exported from: re-run `make export RUN={run}`\n"
-    ) in proc.stderr
+    if recorded:
+        assert proc.returncode == 6, proc.stderr
+        assert (
+            f"error: qat: {run / 'best.ckpt'} is not the checkpoint "
+            f"{run / 'export' / 'model.onnx'} was exported from: re-run `make export RUN={run}`\n"
+        ) in proc.stderr
+    else:  # one copied in or damaged: export refuses it too, so that was no fix; as export says
+        assert proc.returncode == 6, proc.stderr
+        assert (
+            f"error: qat: {run / 'best.ckpt'} differs from its manifest entry (sha256): it is not "
+            "the checkpoint `lightship train` wrote for this run; train it again "
+            f"(`make train RESUME=1 RUN={run}`), or export the run that made it\n"
+        ) in proc.stderr
     assert not (run / "quantize" / "model.int8-qat.onnx").exists()
 
 

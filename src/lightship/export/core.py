@@ -28,7 +28,6 @@ from lightship.runs import (
     RunLike,
     as_run,
     atomic_path,
-    check_recorded,
     check_space,
     check_writable,
     interrupted,
@@ -222,12 +221,7 @@ def _export(
     recorded = run.artifact("checkpoint")
     if recorded is None:  # quantize and report read its data split from that entry
         raise run.unrecorded("export")
-    source_sha = check_recorded(
-        ckpt,
-        recorded,
-        "it is not the checkpoint `lightship train` wrote for this run; train it again "
-        f"({run.train_command()}), or export the run that made it",
-    )
+    source_sha = run.check_checkpoint(recorded)
     loaded = load_checkpoint(ckpt)
     x_test = parity_inputs(loaded)
     references = eager_logits(loaded.model, x_test, tuple(dict.fromkeys((1, parity_batch))))

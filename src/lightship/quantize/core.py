@@ -771,7 +771,15 @@ class Quantizer:
         s = self.settings
         final = self.run.quantize_dir / FILENAMES["qat"]
         ckpt, source = self.run.best_ckpt, self.fp32_entry.get("source_checkpoint_sha256")
-        if source and ckpt.is_file() and sha256_file(ckpt) != source:
+        recorded = self.run.artifact("checkpoint")
+        # a damaged or replaced best.ckpt says how to get it back, as export says it: export
+        # again (what the comparison below asks) would refuse it. This method's failure, not
+        # the run's: the other methods are still made.
+        try:
+            actual = self.run.check_checkpoint(recorded) if recorded and ckpt.is_file() else None
+        except RunError as exc:
+            raise QuantizeError(str(exc)) from None
+        if source and actual is not None and actual != source:
             # QAT fine-tunes best.ckpt and is gated against export/model.onnx: one model, or
             # the comparison means nothing
             raise QuantizeError(
