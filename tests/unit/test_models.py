@@ -268,15 +268,43 @@ def test_a_model_name_a_letter_off_is_answered_with_the_close_name(
     assert str(err.value).endswith("has no class 'Resnet': it has Block, EdgeNet")
 
 
+def test_a_module_of_a_package_a_letter_off_is_answered_with_the_packages_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the package imported, its module mistyped: "did you mean '<the package>'", the very name
+    # given, was the answer
+    package = f"{USER_MODULE}_pkg"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "nets.py").write_text("from torch import nn\n\nNet = nn.Flatten\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in (package, f"{package}.nets"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ConfigError) as err:
+        models.resolve(f"{package}.netz:Net")
+    assert str(err.value).endswith(f": did you mean '{package}.nets' (a module of {package})?")
+    with pytest.raises(ConfigError) as err:  # nothing close: what it has
+        models.resolve(f"{package}.layers:Net")
+    assert str(err.value).endswith(f": {package} has no module layers (it has: nets)")
+    with pytest.raises(ConfigError) as err:  # the class after a dot, not the colon
+        models.resolve(f"{package}.nets.Net:Net")
+    assert str(err.value).endswith(
+        f": {package}.nets is a module, not a package: its class goes after a colon "
+        f"({package}.nets:Net)"
+    )
+
+
 def test_a_model_module_in_this_folder_is_put_on_the_path_with_a_dot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # `lightship` (a console script) does not import from the current folder
     (tmp_path / f"{USER_MODULE}_here.py").write_text("x = 1\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as err:
-        models.resolve(f"{USER_MODULE}_here_not:Net")  # not it: no close name here either
-    assert str(err.value).endswith(f"PYTHONPATH=<folder of {USER_MODULE}_here_not.py>")
+    importlib.invalidate_caches()  # this folder's listing as it is now (a test before may not)
+    with pytest.raises(ConfigError) as err:  # not it, and no close name here either (a name
+        models.resolve("unrelated_net:Net")  # that differs only in its end is a close one)
+    assert str(err.value).endswith("PYTHONPATH=<folder of unrelated_net.py>")
     monkeypatch.delitem(sys.modules, f"{USER_MODULE}_here", raising=False)
     with pytest.raises(ConfigError) as err:
         models.resolve(f"{USER_MODULE}_here:Net")

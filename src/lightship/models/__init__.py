@@ -13,6 +13,7 @@ import inspect
 import os
 import pkgutil
 import shlex
+import sys
 import sysconfig
 import traceback
 from collections.abc import Callable, Mapping
@@ -66,10 +67,24 @@ def shown_path(path: Path) -> str:
     return shlex.quote(shown)
 
 
-def _import_fix(module_name: str, module_file: str | None) -> str:
+def _import_fix(module_name: str, module_file: str | None, missing: str) -> str:
     """How to make `module_name` importable: install it, or put its folder on PYTHONPATH (the
     one it was trained from, when the checkpoint recorded it and it is still there; this one,
-    when it is here); or, where a module of a close name is on the path, that name."""
+    when it is here); or, where a module of a close name is on the path, that name. `missing`:
+    the module Python did not find, `module_name` or a package above it; a module of a package
+    that imported is named among that package's own."""
+    parent, _, last = missing.rpartition(".")
+    package = sys.modules.get(parent) if parent else None
+    if package is not None and hasattr(package, "__path__"):
+        names = sorted({m.name for m in pkgutil.iter_modules(package.__path__)})
+        near = difflib.get_close_matches(last, names, n=1, cutoff=0.75)
+        if near:
+            return f"did you mean '{parent}.{near[0]}' (a module of {parent})?"
+        return f"{parent} has no module {last} (it has: {', '.join(names) or 'none'})"
+    if package is not None:  # `mod.Class:...`: the class goes after the colon
+        return (
+            f"{parent} is a module, not a package: its class goes after a colon ({parent}:{last})"
+        )
     top = module_name.partition(".")[0]
     if module_file and Path(module_file).is_file():
         folder = f"{shown_path(import_root(module_name, module_file))} (its folder at training)"
@@ -150,7 +165,7 @@ def resolve(name: str, module_file: str | None = None) -> Builder:
     except ImportError as exc:
         missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
         if missing and f"{module_name}.".startswith(f"{missing}."):
-            fix = _import_fix(module_name, module_file)
+            fix = _import_fix(module_name, module_file, missing)
         else:  # found, but what it imports is missing or broken
             fix = f"install what {module_name} needs, or fix its imports"
         raise ConfigError(f"model '{name}': cannot import {module_name} ({exc}): {fix}") from None
