@@ -879,6 +879,15 @@ def test_a_training_that_fails_before_its_first_checkpoint_leaves_the_run_as_it_
     config = (run / "config.yaml").read_text()
     fails = ["--set", "model.name=tests.failing_models:FailsWhileFitting"]
 
+    # Ctrl-C before fitting (the model checked on its first images): it said `interrupted` alone
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
+                   "--set", "model.kwargs={steps: 1, error: interrupt}")  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"interrupted: {run} is as it was (stopped before training began)"
+    )
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()} == before
+
     # Ctrl-C while fitting (Lightning catches it and calls sys.exit(1)): exit 130, one line
     proc = run_cli("train", "--run", str(run), "--config", TINY, *fails,
                    "--set", "model.kwargs={steps: 3, error: interrupt}")  # fmt: skip

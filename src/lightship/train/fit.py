@@ -674,6 +674,9 @@ def fit(cfg: Config | str | os.PathLike[str], run: RunLike, resume: bool = False
         recovered = run.recover_set_aside()
         if recovered:
             print(f"{run.root}: {recovered}", flush=True)
+        # Ctrl-C while the data is read or the model checked (seconds for an image folder):
+        # the CLI's last line was a bare `interrupted`
+        note_interrupt(f"{run.root} is as it was (stopped before training began)")
         with caller_state_kept():
             return _fit(cfg, run, resume)
 
