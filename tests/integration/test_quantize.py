@@ -102,6 +102,8 @@ def test_static_and_dynamic_variants_are_recorded(quantized: Path) -> None:
     weights = {t.name: t.data_type for t in graph.initializer}
     convs = [n for n in graph.node if n.op_type == "ConvInteger"]
     assert convs and all(weights[n.input[1]] == onnx.TensorProto.UINT8 for n in convs)
+    # and the manifest says so (it said the target's static scheme: QInt8 on VNNI)
+    assert (dyn["scheme"]["weight_type"], dyn["scheme"]["activation_type"]) == ("QUInt8", "QUInt8")
     assert not list((quantized / "quantize").glob(".*"))  # no temporary files left
     assert not list(quantized.glob(".quantize.*"))
 
