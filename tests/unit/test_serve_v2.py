@@ -540,6 +540,11 @@ def test_a_damaged_exif_orientation_is_a_400_and_other_damage_stays_out_of_the_l
     # the Make tag's data past the end of the block: skipped, the orientation still read
     seen = v1.decode_image(image(tiff(0xFFFF, 1)), (1, 16, 8), "x")[0]
     assert seen[:8].mean() > 240 and seen[8:].mean() < 15
+    # a whole table with no orientation (upright), then no next-IFD offset: Pillow reads every
+    # tag and warns of the missing offset, which loses nothing
+    whole = b"MM\x00\x2a\x00\x00\x00\x08\x00\x01\x01\x0f\x00\x02\x00\x00\x00\x04cam\x00"
+    seen = v1.decode_image(image(whole), (1, 8, 16), "x")[0]
+    assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15  # as stored
     # the orientation's own data past the end: skipped, so which way is up is unknown
     with pytest.raises(
         ProtocolError, match=r"x: its EXIF orientation is unreadable \(Tag data"

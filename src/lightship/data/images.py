@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import struct
 import threading
 import warnings
 from collections.abc import Iterator
@@ -83,16 +84,35 @@ def _as_seen(im: Image.Image, name: str, damage: list[str]) -> Image.Image:
         raise ImageError(
             name, f"its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); {fix}", "exif"
         ) from None
-    if orientation is None:
-        for said in (*damage, *more):
-            message = " ".join(said.split())  # Pillow's double and trailing spaces
-            tag = re.search(r"\btag (\d+)", message)
-            if tag is None or int(tag.group(1)) == _ORIENTATION:  # or a tag it does not name
-                raise ImageError(
-                    name, f"its EXIF orientation is unreadable ({message}); {fix}", "exif"
-                )
+    said = (*damage, *more)
+    if orientation is None and said and _lists_orientation(im.info.get("exif")) is not False:
+        message = " ".join(said[0].split())  # Pillow's double and trailing spaces
+        raise ImageError(name, f"its EXIF orientation is unreadable ({message}); {fix}", "exif")
     method = _TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
     return im.transpose(method) if method is not None else im
+
+
+def _lists_orientation(raw: object) -> bool | None:
+    """Whether the first IFD of the EXIF block `raw` (TIFF, maybe behind "Exif\\0\\0") has an
+    entry for the orientation; None where its table of entries cannot be read that far. Pillow
+    skips a damaged tag with a warning, or stops at damage after the last entry (a missing
+    next-IFD offset): only an orientation listed, or a table cut short, is lost."""
+    if not isinstance(raw, bytes):
+        return None
+    tiff = raw[6:] if raw.startswith(b"Exif\x00\x00") else raw
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return None
+    (start,) = struct.unpack_from(order + "I", tiff, 4)
+    if start + 2 > len(tiff):
+        return None
+    (count,) = struct.unpack_from(order + "H", tiff, start)
+    for entry in range(start + 2, start + 2 + 12 * count, 12):
+        if entry + 2 > len(tiff):
+            return None
+        if struct.unpack_from(order + "H", tiff, entry)[0] == _ORIENTATION:
+            return True
+    return False
 
 
 def _is_colour(im: Image.Image) -> bool:
