@@ -91,8 +91,6 @@ class DataConfig(Section):
                 f"data.path={self.path} is set but data.source is digits (the built-in images), "
                 f"which reads no path: add --set data.source={kind}, or drop data.path"
             )
-        if self.source != "digits" and (self.path is None or not str(self.path).strip()):
-            raise ConfigError(f"data.source={self.source} needs data.path (--set data.path=...)")
         return self
 
 
@@ -241,6 +239,16 @@ class Config(Section):
     @property
     def sources(self) -> Sources:
         return self._sources
+
+    @model_validator(mode="after")
+    def _source_needs_a_path(self) -> Config:
+        # Checked with the whole config, not the data section's own validator: that one runs
+        # on every assignment, and `cfg.data.source = "folder"` then `cfg.data.path = ...` in
+        # Python would be refused at the first line (`fit` checks the whole config again)
+        data = self.data
+        if data.source != "digits" and (data.path is None or not str(data.path).strip()):
+            raise ConfigError(f"data.source={data.source} needs data.path (--set data.path=...)")
+        return self
 
     @model_validator(mode="after")
     def _stats_per_channel(self) -> Config:

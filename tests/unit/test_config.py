@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightship.config import Config, load_config
+from lightship.config import Config, load_config, revalidated
 from lightship.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -336,6 +336,13 @@ def test_a_source_without_its_data_path_is_a_config_error(source: str, given: li
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"data.source={source}", *given])
     assert str(err.value) == f"data.source={source} needs data.path (--set data.path=...)"
+    # in Python, set one at a time in that order, then checked whole (as `fit` does)
+    cfg = load_config(None)
+    cfg.data.source = source  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="needs data.path"):
+        revalidated(cfg)
+    cfg.data.path = Path("d.npz" if source == "npz" else "shapes")
+    assert revalidated(cfg).data.source == source
 
 
 def test_a_runs_older_config_with_a_path_beside_digits_reads_as_digits(tmp_path: Path) -> None:
