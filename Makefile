@@ -22,7 +22,8 @@ IMAGE  ?= lightship-serve
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml 2>/dev/null)
 
 # A stage's `next:` line names no stage this make runs after it (`make train export`; a recipe
-# that runs another stage after its own adds it).
+# that runs another stage after its own adds it; LIGHTSHIP_MAKE_THEN: the stage make runs next
+# only where the run lacks it, export after a training run for a run without best.ckpt).
 export LIGHTSHIP_MAKE_GOALS := $(MAKECMDGOALS)
 # The folder make was run from (`make -C CHECKOUT`): a `make ...` in a message says -C then.
 export LIGHTSHIP_MAKE_FROM := $(PWD)
@@ -167,7 +168,7 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # stops too.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(if $(train_asked),,$(error $(no_run)))
-	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) export' $(BIN)/lightship train --run $(RUN) $(call train_flags,$(if $(wildcard $(RUN)/checkpoints/last.ckpt),1)) $(ARGS)
+	LIGHTSHIP_MAKE_THEN=export $(BIN)/lightship train --run $(RUN) $(call train_flags,$(if $(wildcard $(RUN)/checkpoints/last.ckpt),1)) $(ARGS)
 
 comma := ,
 empty :=

@@ -22,7 +22,7 @@ CONFIGS = ROOT / "configs"
 
 # What `make test` sets for the stages it runs (`make -C DIR test` from elsewhere: -C in every
 # command a message gives): the tests' own stages are no make's
-for _name in (runs.MAKE_GOALS, runs.MAKE_FROM):
+for _name in (runs.MAKE_GOALS, runs.MAKE_FROM, runs.MAKE_THEN):
     os.environ.pop(_name, None)
 
 

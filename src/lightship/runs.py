@@ -434,13 +434,21 @@ def stage_on(
 # The stages the make that runs a stage runs after it (the Makefile sets it): a `next:` line that
 # named one would tell the user to run what make is about to run.
 MAKE_GOALS = "LIGHTSHIP_MAKE_GOALS"
+# The stage make runs after this one where the run lacks it: export, after the training that
+# make runs for a run without best.ckpt (export/model.onnx is made when it is missing)
+MAKE_THEN = "LIGHTSHIP_MAKE_THEN"
+
+
+def made_next_by_make(stage: str) -> bool:
+    """Whether the make running this stage runs `stage` next (`MAKE_GOALS`, `MAKE_THEN`)."""
+    return stage in os.environ.get(MAKE_GOALS, "").split() or stage == os.environ.get(MAKE_THEN)
 
 
 def next_command(stage: str, run: Path, env: str = "") -> str:
     """What a `next:` line says to run after a stage: `stage` on `run`, `env` (PYTHONPATH=...)
     first: make's target and the lightship command in the checkout, else the latter; only
-    `stage`'s name where the make running this stage runs it next (`MAKE_GOALS`)."""
-    if stage in os.environ.get(MAKE_GOALS, "").split():  # `make quantize`: the report comes
+    `stage`'s name where the make running this stage runs it next (`made_next_by_make`)."""
+    if made_next_by_make(stage):  # `make quantize`: the report comes
         return f"{stage}, which make runs now"
     q = shlex.quote(str(run))
     cli = f"{env}lightship {stage} --run {q}"

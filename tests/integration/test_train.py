@@ -491,12 +491,18 @@ def test_resuming_puts_back_a_lost_best_checkpoint_and_keeps_what_was_made_from_
     else:
         swap_checkpoint(run)
     # as `make report` runs it for a run without best.ckpt: report is what make runs next, not
-    # the serve the run would come to (the line said "next: make serve RUN=...")
-    goals = {"LIGHTSHIP_MAKE_GOALS": "report export"}
+    # the serve the run would come to (the line said "next: make serve RUN=..."); the export
+    # make runs only where the run lacks it is not (`make docker-model`: no stage next)
+    goal = "report" if damage == "deleted" else "docker-model"
+    goals = {"LIGHTSHIP_MAKE_GOALS": goal, "LIGHTSHIP_MAKE_THEN": "export"}
     proc = run_cli("train", "--run", str(run), "--resume", env=goals, check=True)
     assert "best.ckpt restored from checkpoints/" in proc.stdout, proc.stdout
     assert f"nothing to train: {run} already finished 4 epochs" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "next: report, which make runs now", proc.stdout
+    assert proc.stdout.splitlines()[-1] == (
+        "next: report, which make runs now"
+        if goal == "report"
+        else f"next: make serve RUN={run}   (or `lightship serve --run {run}`)"
+    ), proc.stdout
     assert "outdates" not in proc.stdout
     assert {p: p.read_bytes() for p in before} == before  # best.ckpt as it was, exports, report
 
@@ -1193,7 +1199,8 @@ def test_a_training_that_diverges_is_refused_and_keeps_the_runs_model(
     change, and the run's model and what was made from it stay."""
     run = tmp_path / "diverged"
     shutil.copytree(exported_run, run)
-    before = {p: p.read_bytes() for p in [run / "best.ckpt", run / "export" / "model.onnx"]}
+    kept = [run / "best.ckpt", run / "export" / "model.onnx", run / "config.yaml"]
+    before = {p: p.read_bytes() for p in [*kept, *(run / "checkpoints").iterdir()]}
     entry = manifest(run)["checkpoint"]
     proc = run_cli("train", "--run", str(run), "--config", str(TINY), "--set", "optim.lr=1e9")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -1203,7 +1210,9 @@ def test_a_training_that_diverges_is_refused_and_keeps_the_runs_model(
         "so it is not made best.ckpt (what the run had is kept): train again with a lower "
         "optim.lr (now 1e+09; --set optim.lr=...)"
     )
-    assert {p: p.read_bytes() for p in before} == before
+    # checkpoints/ and config.yaml too: a resume puts best.ckpt back from them
+    assert {p: p.read_bytes() for p in [*kept, *(run / "checkpoints").iterdir()]} == before
+    assert not list(run.glob(".previous.*"))
     assert manifest(run)["checkpoint"] == entry
     assert "onnx-fp32" in manifest(run)
     # a new run gets no best.ckpt
@@ -1211,3 +1220,4 @@ def test_a_training_that_diverges_is_refused_and_keeps_the_runs_model(
         "train", "--run", str(tmp_path / "new"), "--config", str(TINY), "--set", "optim.lr=1e9"
     )
     assert proc.returncode == 2 and not (tmp_path / "new" / "best.ckpt").exists()
+    assert not list((tmp_path / "new" / "checkpoints").iterdir())  # nothing to resume from

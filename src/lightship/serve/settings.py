@@ -213,9 +213,9 @@ class ServeSettings(BaseSettings):
 # Read elsewhere (lightship.runtime.ort, with --device cuda), not settings of the server; the
 # help of `lightship serve` says what they do.
 OTHER_VARIABLES = {"LIGHTSHIP_TENSORRT", "LIGHTSHIP_TRT_CACHE"}
-# Set by the Makefile for every stage it runs (`runs.MAKE_GOALS`, `runs.MAKE_FROM`), `make
-# serve` included: no user's typo to warn of.
-MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS", "LIGHTSHIP_MAKE_FROM"}
+# Set by the Makefile for the stages it runs (`runs.MAKE_GOALS`, `runs.MAKE_FROM`,
+# `runs.MAKE_THEN`), `make serve` included: no user's typo to warn of.
+MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS", "LIGHTSHIP_MAKE_FROM", "LIGHTSHIP_MAKE_THEN"}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

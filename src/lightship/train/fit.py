@@ -62,6 +62,7 @@ from lightship.runs import (
     check_the_name,
     check_writable,
     lock_run,
+    made_next_by_make,
     next_command,
     note_interrupt,
     sha256_file,
@@ -548,6 +549,11 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
                         tmp.write_bytes(kept.read_bytes())
                 new_run = not any(stash.iterdir())
             yield new_run
+        except Diverged:
+            # its checkpoints are of no use, even to resume: the run is put back as it was
+            if stash is not None:
+                run.put_back(stash)
+            raise
         except BaseException as exc:
             # after an error, not a stop: the same command would fail the same way until then
             fixed = "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
@@ -606,27 +612,41 @@ def _kept(run: RunDir) -> tuple[str, str]:
     # Run by make for another stage's sake (`make report` on a run whose best.ckpt was put
     # back), the stage make runs next is the goal's, whatever the run lacks: named, as made now
     goals = [g for g in os.environ.get(MAKE_GOALS, "").split() if g in _STAGES_AFTER]
-    return said, after if after in goals or not goals else goals[0]
+    return said, after if made_next_by_make(after) or not goals else goals[0]
 
 
 _STAGES_AFTER = ("export", "quantize", "report", "serve")
 
 
-def _check_finite(model: torch.nn.Module, x: np.ndarray, trainer: pl.Trainer, lr: float) -> None:
+class Diverged(ConfigError):
+    """The training's loss went non-finite and its best checkpoint with it: refused before it
+    replaces anything (`_replacing_previous` puts the run's checkpoints back)."""
+
+
+def _losses_finite(trainer: pl.Trainer) -> bool:
+    """Whether the last logged losses are finite (NaN weights stay NaN: a training whose best
+    checkpoint diverged ends with non-finite losses)."""
+    losses = [v for k, v in trainer.callback_metrics.items() if k in ("train_loss", "val_loss")]
+    return all(bool(torch.isfinite(v).all()) for v in losses)
+
+
+def _check_finite(model: torch.nn.Module, x: np.ndarray, cfg: Config, trainer: pl.Trainer) -> None:
     """Refuse a training that diverged (a learning rate too high: its loss NaN) before its best
     checkpoint replaces anything. Lightning's early stopping ends it at the first non-finite
     validation loss without a word, and it said it had trained, exit 0, with a best.ckpt whose
-    logits are all NaN (export refused it, 2,690 of 2,690)."""
+    logits are all NaN (export refused it, 2,690 of 2,690), which had deleted the run's
+    exports. One evaluation batch of the test images: NaN weights make every logit NaN."""
     with torch.inference_mode():
-        finite = bool(torch.isfinite(model(torch.from_numpy(x[:64]))).all()) if len(x) else True
+        x = x[: cfg.data.eval_batch_size]
+        finite = bool(torch.isfinite(model(torch.from_numpy(x))).all()) if len(x) else True
     if finite:
         return
     loss = trainer.callback_metrics.get("train_loss")
     said = f" (train_loss {float(loss):g})" if loss is not None else ""
-    raise ConfigError(
+    raise Diverged(
         f"training diverged{said}: its best checkpoint gives non-finite logits, so it is not "
         f"made best.ckpt (what the run had is kept): train again with a lower optim.lr (now "
-        f"{lr:g}; --set optim.lr=...)"
+        f"{cfg.optim.lr:g}; --set optim.lr=...)"
     )
 
 
@@ -823,6 +843,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         if new_run:
             config_file.write()
         fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
+        checked = None  # the best checkpoint, loaded to check a training that diverged
+        if trainer.is_global_zero and not _losses_finite(trainer):
+            best = _own_best(run, checkpoint.best_model_path)
+            if best.is_file():
+                checked = best, load_checkpoint(best)
+                _check_finite(checked[1].model, splits.test_x, cfg, trainer)
     train_seconds = time.perf_counter() - started
     if not trainer.is_global_zero:
         return run  # DDP workers stop here; rank 0 writes best.ckpt and the manifest
@@ -872,8 +898,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # Evaluated from its source in checkpoints/, before RUN/best.ckpt is replaced, so that
     # the copy and its manifest entry land together below. Loaded before anything made from
     # the old best.ckpt goes: a corrupt checkpoint fails here and loses nothing.
-    loaded = load_checkpoint(best)
-    _check_finite(loaded.model, splits.test_x, trainer, cfg.optim.lr)
+    loaded = checked[1] if checked is not None and checked[0] == best else load_checkpoint(best)
+    _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
         _discard_derived(run, new_best=not was_there)
