@@ -3025,6 +3025,42 @@ def test_an_answer_made_after_its_client_left_is_counted_as_left(
     assert metric(text, "lightship_batch_rows_count") == 1  # computed: the leave came too late
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_get_whose_client_left_counts_as_answered_only_where_it_was(
+    tmp_path: Path, loop: str
+) -> None:
+    """A GET sent with a FIN after it: its answer, made as it was parsed, waited for the end of
+    the turn's one write, and the FIN read meanwhile (uvloop) closed the connection first: the
+    client got nothing, counted 200. What the turn holds is written as the FIN is read, and an
+    answer made after it counts 499: the count says what the client got."""
+    app, _ = make_app(tmp_path)
+    path = "/v2/health/ready"
+
+    async def main() -> tuple[list[bytes], str]:
+        async with raw_http(app) as (connect, _, client):
+            got = []
+            for _ in range(10):
+                reader, writer = await connect()
+                writer.write(f"GET {path} HTTP/1.1\r\nhost: t\r\n\r\n".encode())
+                writer.write_eof()
+                got.append(await reader.read())
+                writer.close()
+            await asyncio.sleep(0.05)
+            return got, (await client.get("/metrics")).text
+
+    got, text = run(main(), loop)
+
+    def count(name: str) -> float:
+        return metric(text, name) if f"{name} " in text else 0
+
+    answered = sum(g.startswith(b"HTTP/1.1 200") for g in got)
+    assert answered + got.count(b"") == len(got)
+    route = f'route="{path}",status='
+    assert count(f'lightship_requests_total{{{route}"200"}}') == answered
+    assert count(f'lightship_requests_total{{{route}"499"}}') == len(got) - answered
+    assert count('lightship_rejections_total{reason="disconnected"}') == len(got) - answered
+
+
 def test_pipelined_requests_over_http_are_answered_in_order(tmp_path: Path) -> None:
     app, _ = make_app(tmp_path)
     binary, binary_headers = v2_binary(X[::-1])

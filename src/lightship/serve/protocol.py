@@ -154,6 +154,10 @@ class _CoalescingTransport:
         for data in lines:
             self.write(data)
 
+    def flush(self) -> None:
+        """Write what this turn holds now."""
+        self._flush()
+
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending and not self.is_closing():  # a closed peer reads nothing more
@@ -967,6 +971,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if cycle is not None:  # uvicorn leaves it set where the answer came first:
                     cycle.more_body = False  # a later head's 408 read as this body's error
             self._in_head = True
+
+        def eof_received(self) -> None:
+            """The client's FIN, taken as its leaving (uvicorn's protocol returns None: the
+            transport closes at once, and `connection_lost` follows a turn later). What was
+            written this turn goes first: held for the turn's one write, an answer made before
+            the FIN was read (a GET, answered as it was parsed) was dropped unsent, counted 200.
+            An ASGI answer the app makes after it is written to no one: its request counts 499,
+            as the tensor routes' `_undelivered` counts theirs."""
+            self._out.flush()
+            if not self._out.closed_here:
+                for cycle in (self._running, self.cycle):
+                    uvicorns = cycle is not None and type(cycle) is not _TensorCycle
+                    if uvicorns and not cycle.response_complete:
+                        _told_left(cycle)
+            HttpToolsProtocol.eof_received(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
             left = not self._out.closed_here  # the client closed it (uvicorn's close follows)
