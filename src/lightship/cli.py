@@ -174,7 +174,10 @@ def export(
     artifacts = export_run(RunDir(run), formats, opset=opset, atol=atol)  # takes the run lock
     for a in artifacts:
         print(f"{a.variant:12s} {a.path}  parity: {a.parity.summary()}")
-    print(f"next: {next_command('quantize', run, RunDir(run).pythonpath())}")
+    then = next_command("quantize", run, RunDir(run).pythonpath())
+    if not all(a.on_test_split for a in artifacts):  # the warning above says where it was
+        then = f"put the run's training data back (see the warning above), then {then}"
+    print(f"next: {then}")
 
 
 @app.command()

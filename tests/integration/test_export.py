@@ -692,3 +692,27 @@ def test_ctrl_c_after_a_finished_export_leaves_it_finished(tiny_run: Path, tmp_p
     err = proc.stderr.read()
     assert "KeyboardInterrupt" not in err and "interrupted" not in err, err
     assert (run / "export" / "model.onnx").is_file()
+
+
+def test_export_of_a_run_whose_data_moved_says_to_put_it_back_before_quantize(
+    tmp_path: Path,
+) -> None:
+    """Export goes on without the data (parity on random images, a warning that quantize and
+    report will refuse), and its next: line named that quantize as if nothing were amiss."""
+    rng = np.random.default_rng(0)
+    y = np.arange(240) % 2
+    x = (rng.integers(0, 60, (240, 1, 16, 16)) + 150 * y[:, None, None, None]).astype(np.uint8)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=x, y=y)
+    run = tmp_path / "run"
+    sets = ["data.source=npz", f"data.path={data}", "data.image_size=16", "trainer.max_epochs=1"]
+    args = [a for kv in sets for a in ("--set", kv)]
+    run_cli("train", "--run", str(run), "--config", TINY, *args, check=True)
+    data.rename(tmp_path / "elsewhere.npz")
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx")
+    assert proc.returncode == 0, proc.stderr
+    assert "parity checked on 256 random images" in proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "next: put the run's training data back (see the warning above), then "
+        f"make quantize RUN={run}   (or `lightship quantize --run {run}`)"
+    )

@@ -184,8 +184,9 @@ def test_parity_without_the_runs_data_is_on_random_images_and_says_what_follows(
         input_spec={"shape": ["batch", 3, 8, 8]},
     )
     with caplog.at_level(logging.WARNING, "lightship.export.core"):
-        x = parity_inputs(loaded, fallback=16)  # type: ignore[arg-type]
+        x, on_test_split = parity_inputs(loaded, fallback=16)  # type: ignore[arg-type]
     assert x.shape == (16, 3, 8, 8) and x.dtype == "uint8" and x.std() > 50
+    assert not on_test_split
     assert caplog.messages == [
         f"parity checked on 16 random images, not the test split: image folder {gone}, which "
         "this run was trained on, does not exist: put the data back at that path (a symlink to "

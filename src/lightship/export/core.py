@@ -55,6 +55,7 @@ class Artifact:
     path: Path
     parity: Parity
     info: dict[str, Any] = field(default_factory=dict)
+    on_test_split: bool = True  # parity checked on the test split (else random images)
 
 
 def parse_formats(formats: Sequence[str] | str | None) -> list[str]:
@@ -72,12 +73,12 @@ def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
     }
 
 
-def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
-    """The held-out test split when its data is still reachable, else seeded random pixels:
-    an export needs no labels, so a run copied without its data still exports; quantize and
-    report do need them, which the warning says."""
+def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> tuple[np.ndarray, bool]:
+    """The held-out test split when its data is still reachable, else seeded random pixels,
+    and which: an export needs no labels, so a run copied without its data still exports;
+    quantize and report do need them, which the warning says (and the CLI's `next:` line)."""
     try:
-        return load_splits(DataSpec.from_dict(loaded.data_spec), recorded=True).test_x
+        return load_splits(DataSpec.from_dict(loaded.data_spec), recorded=True).test_x, True
     except DataError as exc:
         log.warning(
             "parity checked on %d random images, not the test split: %s. Quantize and report "
@@ -87,7 +88,7 @@ def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> np.ndarray:
         )
         c, h, w = loaded.input_spec["shape"][1:]
         rng = np.random.default_rng(0)
-        return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8)
+        return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8), False
 
 
 def eager_logits(
@@ -223,7 +224,7 @@ def _export(
         raise run.unrecorded("export")
     source_sha = run.check_checkpoint(recorded)
     loaded = load_checkpoint(ckpt)
-    x_test = parity_inputs(loaded)
+    x_test, on_test_split = parity_inputs(loaded)
     references = eager_logits(loaded.model, x_test, tuple(dict.fromkeys((1, parity_batch))))
     reference = references[parity_batch]
     width = int(np.prod(reference.shape[1:]))
@@ -300,7 +301,8 @@ def _export(
                 if fmt == "onnx":
                     then(_discard_quantized_from_another, run, entry["sha256"])
                 # the caller prints the artifacts with their parity, once (`lightship export`)
-                then(artifacts.append, Artifact(VARIANT_OF[fmt], fmt, final, parity, info))
+                made = Artifact(VARIANT_OF[fmt], fmt, final, parity, info, on_test_split)
+                then(artifacts.append, made)
     except KeyboardInterrupt:  # the last line says what is kept and how to go on
         done = [a.format for a in artifacts]
         rest = [f for f in chosen if f not in done]
