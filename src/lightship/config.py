@@ -81,18 +81,6 @@ class DataConfig(Section):
     prefetch_factor: int | None = Field(None, ge=1)
     augment: bool = Field(True, description="random rotation, scale and shift while training")
 
-    @model_validator(mode="after")
-    def _path_needs_a_source(self) -> DataConfig:
-        # Checked here, not guessed from the disk: the source is recorded with the run and its
-        # checkpoints, and configs/digits.yaml names it, so it must read as the user meant it.
-        if self.source == "digits" and self.path is not None:
-            kind = "npz" if self.path.suffix.lower() == ".npz" else "folder"
-            raise ConfigError(
-                f"data.path={self.path} is set but data.source is digits (the built-in images), "
-                f"which reads no path: add --set data.source={kind}, or drop data.path"
-            )
-        return self
-
 
 class ModelConfig(Section):
     name: str = Field("digits_cnn", description="registry name or `package.module:Class`")
@@ -241,11 +229,19 @@ class Config(Section):
         return self._sources
 
     @model_validator(mode="after")
-    def _source_needs_a_path(self) -> Config:
-        # Checked with the whole config, not the data section's own validator: that one runs
-        # on every assignment, and `cfg.data.source = "folder"` then `cfg.data.path = ...` in
-        # Python would be refused at the first line (`fit` checks the whole config again)
+    def _source_and_path_agree(self) -> Config:
+        # Checked here, not guessed from the disk: the source is recorded with the run and its
+        # checkpoints, and configs/digits.yaml names it, so it must read as the user meant it.
+        # With the whole config, not the data section's own validator: that one runs on every
+        # assignment, and `cfg.data.source = "folder"` then `cfg.data.path = ...` in Python (or
+        # the other way round) was refused at the first line; `fit` checks the whole again.
         data = self.data
+        if data.source == "digits" and data.path is not None:
+            kind = "npz" if data.path.suffix.lower() == ".npz" else "folder"
+            raise ConfigError(
+                f"data.path={data.path} is set but data.source is digits (the built-in images), "
+                f"which reads no path: add --set data.source={kind}, or drop data.path"
+            )
         if data.source != "digits" and (data.path is None or not str(data.path).strip()):
             raise ConfigError(f"data.source={data.source} needs data.path (--set data.path=...)")
         return self

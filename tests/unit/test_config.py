@@ -343,6 +343,12 @@ def test_a_source_without_its_data_path_is_a_config_error(source: str, given: li
         revalidated(cfg)
     cfg.data.path = Path("d.npz" if source == "npz" else "shapes")
     assert revalidated(cfg).data.source == source
+    cfg = load_config(None)  # and the other way round
+    cfg.data.path = Path("d.npz" if source == "npz" else "shapes")
+    with pytest.raises(ConfigError, match="is set but data.source is digits"):
+        revalidated(cfg)
+    cfg.data.source = source
+    assert revalidated(cfg).data.source == source
 
 
 def test_a_runs_older_config_with_a_path_beside_digits_reads_as_digits(tmp_path: Path) -> None:

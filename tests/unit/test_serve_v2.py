@@ -6,10 +6,11 @@ import io
 import json
 import re
 import struct
+import warnings
 
 import numpy as np
 import pytest
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, PngImagePlugin
 
 from lightship.serve import v1, v2
 from lightship.serve.batcher import TooManyRows
@@ -545,6 +546,23 @@ def test_a_damaged_exif_orientation_is_a_400_and_other_damage_stays_out_of_the_l
     whole = b"MM\x00\x2a\x00\x00\x00\x08\x00\x01\x01\x0f\x00\x02\x00\x00\x00\x04cam\x00"
     seen = v1.decode_image(image(whole), (1, 8, 16), "x")[0]
     assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15  # as stored
+    if fmt == "PNG":  # the same block as ImageMagick writes it, in a hex text chunk
+        text = PngImagePlugin.PngInfo()
+        hexed = (b"Exif\x00\x00" + whole).hex()
+        text.add_text("Raw profile type exif", f"\nexif\n{len(whole) + 6}\n{hexed}\n", zip=True)
+        buf = io.BytesIO()
+        stored.save(buf, "PNG", pnginfo=text)
+        seen = v1.decode_image(buf.getvalue(), (1, 8, 16), "x")[0]
+        assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15
+    else:  # no EXIF, and a damaged MPO index, which Pillow's EXIF parser reads too
+        index = b"II*\x00\x08\x00\x00\x00\x01\x00\x00\xb0\x07\x00\x04\x00\x00\x000100"
+        buf = io.BytesIO()
+        stored.save(buf, "JPEG")
+        app2 = b"\xff\xe2" + struct.pack(">H", len(index) + 6) + b"MPF\x00" + index
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Pillow's "malformed MPO"
+            seen = v1.decode_image(buf.getvalue()[:2] + app2 + buf.getvalue()[2:], (1, 8, 16))[0]
+        assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15
     # the orientation's own data past the end: skipped, so which way is up is unknown
     with pytest.raises(
         ProtocolError, match=r"x: its EXIF orientation is unreadable \(Tag data"

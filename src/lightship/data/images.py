@@ -85,20 +85,37 @@ def _as_seen(im: Image.Image, name: str, damage: list[str]) -> Image.Image:
             name, f"its EXIF metadata is unreadable ({type(exc).__name__}: {exc}); {fix}", "exif"
         ) from None
     said = (*damage, *more)
-    if orientation is None and said and _lists_orientation(im.info.get("exif")) is not False:
+    if orientation is None and said and _lists_orientation(_exif_block(im)) is not False:
         message = " ".join(said[0].split())  # Pillow's double and trailing spaces
         raise ImageError(name, f"its EXIF orientation is unreadable ({message}); {fix}", "exif")
     method = _TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
     return im.transpose(method) if method is not None else im
 
 
-def _lists_orientation(raw: object) -> bool | None:
+def _exif_block(im: Image.Image) -> bytes | None:
+    """The image's EXIF block as Pillow's `getexif` reads it: a JPEG's APP1 or a PNG's eXIf
+    chunk, or ImageMagick's hex "Raw profile type exif" text chunk in a PNG; None: it has none
+    (Pillow's damage warnings then came from elsewhere, an MPO's index)."""
+    raw = im.info.get("exif")
+    if isinstance(raw, bytes):
+        return raw
+    profile = im.info.get("Raw profile type exif")
+    if not isinstance(profile, str):
+        return None
+    try:
+        return bytes.fromhex("".join(profile.split("\n")[3:]))
+    except ValueError:
+        return b""  # there, and unreadable
+
+
+def _lists_orientation(raw: bytes | None) -> bool | None:
     """Whether the first IFD of the EXIF block `raw` (TIFF, maybe behind "Exif\\0\\0") has an
     entry for the orientation; None where its table of entries cannot be read that far. Pillow
     skips a damaged tag with a warning, or stops at damage after the last entry (a missing
-    next-IFD offset): only an orientation listed, or a table cut short, is lost."""
-    if not isinstance(raw, bytes):
-        return None
+    next-IFD offset): only an orientation listed, or a table cut short, is lost. No block at
+    all lists none."""
+    if raw is None:
+        return False
     tiff = raw[6:] if raw.startswith(b"Exif\x00\x00") else raw
     order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
     if order is None or len(tiff) < 8:
