@@ -1221,3 +1221,21 @@ def test_a_training_that_diverges_is_refused_and_keeps_the_runs_model(
     )
     assert proc.returncode == 2 and not (tmp_path / "new" / "best.ckpt").exists()
     assert not list((tmp_path / "new" / "checkpoints").iterdir())  # nothing to resume from
+
+
+def test_a_resume_refuses_optimizer_settings_it_would_not_use(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """Lightning restores the optimizer's state, its learning rate with it: a resume with
+    `--set optim.lr=...` trained on at the old rate and wrote the new one to config.yaml."""
+    run = tmp_path / "resumed"
+    shutil.copytree(tiny_run, run)
+    config = (run / "config.yaml").read_text()
+    proc = run_cli("train", "--run", str(run), "--resume", "--set", "optim.lr=0.5")
+    assert proc.returncode == 2, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: cannot resume {run}: a resume goes on with the optimizer as "
+        "checkpoints/last.ckpt saved it, so optim.lr 0.003 -> 0.5 would not be used: keep the "
+        "run's values, or train afresh without --resume"
+    )
+    assert (run / "config.yaml").read_text() == config

@@ -559,10 +559,13 @@ def test_a_damaged_exif_orientation_is_a_400_and_other_damage_stays_out_of_the_l
         buf = io.BytesIO()
         stored.save(buf, "JPEG")
         app2 = b"\xff\xe2" + struct.pack(">H", len(index) + 6) + b"MPF\x00" + index
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # Pillow's "malformed MPO"
-            seen = v1.decode_image(buf.getvalue()[:2] + app2 + buf.getvalue()[2:], (1, 8, 16))[0]
-        assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            for _ in range(3):  # Pillow's "malformed MPO", passed on once, not once an upload
+                jpeg = buf.getvalue()[:2] + app2 + buf.getvalue()[2:]
+                seen = v1.decode_image(jpeg, (1, 8, 16))[0]
+                assert seen[:, :8].mean() > 240 and seen[:, 8:].mean() < 15
+        assert len([w for w in shown if "malformed MPO" in str(w.message)]) <= 1
     # the orientation's own data past the end: skipped, so which way is up is unknown
     with pytest.raises(
         ProtocolError, match=r"x: its EXIF orientation is unreadable \(Tag data"

@@ -297,6 +297,32 @@ _SCHEDULE_KEYS = (
 )
 
 
+# What a resume restores from the checkpoint's optimizer state, whatever the config says
+_OPTIMIZER_KEYS = ("name", "lr", "weight_decay", "momentum")
+
+
+def _check_resume_optimizer(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+    """A resume restores the optimizer as the checkpoint saved it (its learning rate, weight
+    decay and momentum in its state): `--resume --set optim.lr=...` trained on at the old rate
+    and wrote the new one to config.yaml, which then said what was not done."""
+    was = ckpt["hyper_parameters"].get("optim") or {}
+
+    def said(value: Any) -> str:
+        return f"{value:g}" if isinstance(value, float) else repr(value)
+
+    diffs = [
+        f"optim.{key} {said(was[key])} -> {said(getattr(cfg.optim, key))}"
+        for key in _OPTIMIZER_KEYS
+        if key in was and was[key] != getattr(cfg.optim, key)
+    ]
+    if diffs:
+        raise ConfigError(
+            f"cannot resume {run.root}: a resume goes on with the optimizer as "
+            f"checkpoints/last.ckpt saved it, so {'; '.join(diffs)} would not be used: keep the "
+            "run's values, or train afresh without --resume"
+        )
+
+
 def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bool:
     """OneCycleLR stores its total_steps; a resume planning more steps fails mid-run, fewer
     would cut the cycle short. Compare with the run's previous config, read before it is
@@ -715,6 +741,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         own = own and Path(str(given.file)).resolve() == run.config.resolve()
         _check_resume_config(cfg, resumed["hyper_parameters"], run, own)
         _check_resume_epochs(cfg, resumed, run)
+        _check_resume_optimizer(cfg, resumed, run)
         schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
