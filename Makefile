@@ -145,8 +145,9 @@ args_note = $(if $(and $(ARGS),$(if $(filter train,$(MAKECMDGOALS)),,1)),$(warni
 	the training this target starts when best.ckpt is missing): $(1) takes $(2)='...'))
 
 # Training's flags: anew with CONFIG, or, when $(1) is 1 (yes, true), resumed with the run's own
-# config.yaml unless CONFIG is given.
-train_flags = $(if $(filter 1 yes true,$(1)),$(if $(filter file,$(origin CONFIG)),,--config $(CONFIG)) --resume,--config $(CONFIG))
+# config.yaml unless CONFIG is given on make's command line (one left in the shell's environment
+# under that generic name is not the run's: as `train_asked` reads it).
+train_flags = $(if $(filter 1 yes true,$(1)),$(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) --resume,--config $(CONFIG))
 
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(RESUME)) $(ARGS)

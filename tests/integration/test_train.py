@@ -150,6 +150,16 @@ def test_make_maps_resume_flag() -> None:
     for no in ("0", "no", "false", ""):  # any word at all resumed
         out = make_n("train", f"RESUME={no}", "RUN=runs/x")
         assert "lightship train --run runs/x" in out and "--resume" not in out, no
+    # resumed with the run's own config.yaml, unless CONFIG is given on make's command line: one
+    # left in the shell's environment (a generic name) was passed, and its settings refused
+    env = {**os.environ, "MAKEFLAGS": "", "PWD": str(ROOT), "CONFIG": "configs/tiny.yaml"}
+    out = subprocess.run(
+        ["make", "-n", "train", "RESUME=1", "RUN=runs/x"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env=env,
+    ).stdout  # fmt: skip
+    assert "--resume" in out and "--config" not in out, out
+    out = make_n("train", "RESUME=1", "RUN=runs/x", "CONFIG=configs/tiny.yaml")
+    assert "--config configs/tiny.yaml --resume" in out, out
 
 
 def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> None:
@@ -1233,9 +1243,23 @@ def test_a_resume_refuses_optimizer_settings_it_would_not_use(
     config = (run / "config.yaml").read_text()
     proc = run_cli("train", "--run", str(run), "--resume", "--set", "optim.lr=0.5")
     assert proc.returncode == 2, proc.stderr
-    assert last_line(proc.stderr) == (
+    said = (
         f"error: cannot resume {run}: a resume goes on with the optimizer as "
-        "checkpoints/last.ckpt saved it, so optim.lr 0.003 -> 0.5 would not be used: keep the "
-        "run's values, or train afresh without --resume"
+        "checkpoints/last.ckpt saved it, so optim.lr 0.003 -> 0.5 would not be used: "
+    )
+    assert last_line(proc.stderr) == (
+        f"{said}resume with the run's own config (`make train RESUME=1 RUN={run}`), or train "
+        "afresh without --resume"
     )
     assert (run / "config.yaml").read_text() == config
+    # momentum is SGD's alone (and OneCycleLR's to set): AdamW's run resumes with another
+    proc = run_cli("train", "--run", str(run), "--resume", "--set", "optim.momentum=0.95")
+    assert proc.returncode == 0, proc.stderr
+    # the run's own config.yaml edited since: the fix names the file and what to put back
+    (run / "config.yaml").write_text(config.replace("lr: 0.003", "lr: 0.5"))
+    proc = run_cli("train", "--run", str(run), "--resume")
+    assert proc.returncode == 2, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"{said}put back the checkpoint's values in {run / 'config.yaml'} (optim.name: 'adamw', "
+        "optim.lr: 0.003, optim.weight_decay: 0.0001), or train afresh without --resume"
+    )

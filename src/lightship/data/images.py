@@ -67,15 +67,16 @@ def _exif_damage() -> Iterator[list[str]]:
             if w.category is UserWarning and w.filename.endswith("TiffImagePlugin.py"):
                 damage.append(str(w.message))
             else:
-                key = (str(w.message), w.category, w.filename, w.lineno)
-                if key not in _PASSED_ON and len(_PASSED_ON) < 1000:
+                key = (w.category, w.filename, w.lineno)
+                if key not in _PASSED_ON:
                     _PASSED_ON.add(key)
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-# The warnings `_exif_damage` passed on, each once: inside catch_warnings Python's own once-only
-# registry is reset every time, and a malformed MPO index was two raw log lines an upload
-_PASSED_ON: set[tuple[str, type[Warning], str, int]] = set()
+# Where the warnings `_exif_damage` passed on came from, each passed on once (bounded by the
+# places in Pillow that warn): inside catch_warnings Python's own once-only registry is reset
+# every time, and a malformed MPO index was two raw log lines an upload
+_PASSED_ON: set[tuple[type[Warning], str, int]] = set()
 
 
 def _as_seen(im: Image.Image, name: str, damage: list[str]) -> Image.Image:

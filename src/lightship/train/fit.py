@@ -301,26 +301,37 @@ _SCHEDULE_KEYS = (
 _OPTIMIZER_KEYS = ("name", "lr", "weight_decay", "momentum")
 
 
-def _check_resume_optimizer(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+def _check_resume_optimizer(
+    cfg: Config, ckpt: dict[str, Any], run: RunDir, own_config: bool, env: str = ""
+) -> None:
     """A resume restores the optimizer as the checkpoint saved it (its learning rate, weight
     decay and momentum in its state): `--resume --set optim.lr=...` trained on at the old rate
-    and wrote the new one to config.yaml, which then said what was not done."""
+    and wrote the new one to config.yaml, which then said what was not done. Momentum is SGD's
+    alone, and OneCycleLR sets it as it goes: compared only where it is used. `own_config`: the
+    config is the run's own config.yaml (edited since), which the fix names."""
     was = ckpt["hyper_parameters"].get("optim") or {}
-
-    def said(value: Any) -> str:
-        return f"{value:g}" if isinstance(value, float) else repr(value)
-
+    keys = list(_OPTIMIZER_KEYS)
+    if was.get("name") != "sgd" or was.get("scheduler") == "onecycle":
+        keys.remove("momentum")
     diffs = [
-        f"optim.{key} {said(was[key])} -> {said(getattr(cfg.optim, key))}"
-        for key in _OPTIMIZER_KEYS
+        f"optim.{key} {was[key]!r} -> {getattr(cfg.optim, key)!r}"
+        for key in keys
         if key in was and was[key] != getattr(cfg.optim, key)
     ]
-    if diffs:
-        raise ConfigError(
-            f"cannot resume {run.root}: a resume goes on with the optimizer as "
-            f"checkpoints/last.ckpt saved it, so {'; '.join(diffs)} would not be used: keep the "
-            "run's values, or train afresh without --resume"
-        )
+    if not diffs:
+        return
+    kept = ", ".join(f"optim.{key}: {was[key]!r}" for key in keys if key in was)
+    fix = (
+        f"put back the checkpoint's values in {run.config} ({kept}), or train afresh without "
+        "--resume"
+        if own_config
+        else f"resume with the run's own config ({run.train_command(env=env)}), or train "
+        "afresh without --resume"
+    )
+    raise ConfigError(
+        f"cannot resume {run.root}: a resume goes on with the optimizer as "
+        f"checkpoints/last.ckpt saved it, so {'; '.join(diffs)} would not be used: {fix}"
+    )
 
 
 def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bool:
@@ -741,7 +752,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         own = own and Path(str(given.file)).resolve() == run.config.resolve()
         _check_resume_config(cfg, resumed["hyper_parameters"], run, own)
         _check_resume_epochs(cfg, resumed, run)
-        _check_resume_optimizer(cfg, resumed, run)
+        _check_resume_optimizer(cfg, resumed, run, own)
         schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
