@@ -140,13 +140,13 @@ class _CoalescingTransport:
         if not data:
             return
         if not self._pending:
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
         self._pending.append(data)
 
     def write_now(self, data: bytes) -> None:
         if self._pending:
             self._pending.append(data)
-            self._flush()  # the turn's own flush then finds nothing left
+            self.flush()  # the turn's own flush then finds nothing left
         elif not self.is_closing():
             self._transport.write(data)
 
@@ -155,10 +155,7 @@ class _CoalescingTransport:
             self.write(data)
 
     def flush(self) -> None:
-        """Write what this turn holds now."""
-        self._flush()
-
-    def _flush(self) -> None:
+        """Write what this turn holds now (its end's call finds nothing left)."""
         pending, self._pending = self._pending, []
         if pending and not self.is_closing():  # a closed peer reads nothing more
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
@@ -170,7 +167,7 @@ class _CoalescingTransport:
         return self._eof or self._transport.is_closing()
 
     def write_eof(self) -> None:
-        self._flush()
+        self.flush()
         self._eof = True
         self._transport.write_eof()
 
@@ -178,12 +175,12 @@ class _CoalescingTransport:
         if self._closer is None:
             self.close_now()
         else:
-            self._flush()
+            self.flush()
             self._closer()
 
     def close_now(self) -> None:
         self.closed_here = True
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def abort(self) -> None:
@@ -193,13 +190,6 @@ class _CoalescingTransport:
 
     def __getattr__(self, name: str) -> Any:  # everything else is the transport's own
         return getattr(self._transport, name)
-
-
-def _told_left(cycle: Any) -> None:
-    """uvicorn's request cycle, its client gone: the metrics middleware reads it in its scope
-    (`LEFT`), since an answer the app makes now is written to no one."""
-    scope: dict[str, Any] = cycle.scope
-    scope[LEFT] = True
 
 
 class _NoEvent:
@@ -981,14 +971,23 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             as the tensor routes' `_undelivered` counts theirs."""
             self._out.flush()
             if not self._out.closed_here:
-                for cycle in (self._running, self.cycle):
-                    uvicorns = cycle is not None and type(cycle) is not _TensorCycle
-                    if uvicorns and not cycle.response_complete:
-                        _told_left(cycle)
+                self._mark_left()
             HttpToolsProtocol.eof_received(self)
+
+        def _mark_left(self) -> None:
+            """uvicorn's request cycles under way (the one running, the last one read), their
+            client gone: the metrics middleware reads it in their scope (`LEFT`), since an
+            answer the app makes now is written to no one."""
+            for cycle in (self._running, self.cycle):
+                uvicorns = cycle is not None and type(cycle) is not _TensorCycle
+                if uvicorns and not cycle.response_complete:
+                    scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+                    scope[LEFT] = True
 
         def connection_lost(self, exc: Exception | None) -> None:
             left = not self._out.closed_here  # the client closed it (uvicorn's close follows)
+            if left:
+                self._mark_left()
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
             if self._body_stop is not None:
@@ -1011,12 +1010,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 else:  # uvicorn's, as its connection_lost tells the last one
                     running.disconnected = True
                     running.message_event.set()
-                    if left:
-                        _told_left(running)
             if type(cycle) is _TensorCycle:
                 cycle.lost(left)
-            elif cycle is not None and not cycle.response_complete and left:
-                _told_left(cycle)
             HttpToolsProtocol.connection_lost(self, exc)
             # Tensor requests pipelined and never started, their client gone: started now, to
             # be counted 499 (at once, without compute), as a request started before its

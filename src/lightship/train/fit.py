@@ -302,7 +302,7 @@ _OPTIMIZER_KEYS = ("name", "lr", "weight_decay", "momentum")
 
 
 def _check_resume_optimizer(
-    cfg: Config, ckpt: dict[str, Any], run: RunDir, own_config: bool, env: str = ""
+    cfg: Config, ckpt: dict[str, Any], run: RunDir, own_config: bool
 ) -> None:
     """A resume restores the optimizer as the checkpoint saved it (its learning rate, weight
     decay and momentum in its state): `--resume --set optim.lr=...` trained on at the old rate
@@ -325,7 +325,7 @@ def _check_resume_optimizer(
         f"put back the checkpoint's values in {run.config} ({kept}), or train afresh without "
         "--resume"
         if own_config
-        else f"resume with the run's own config ({run.train_command(env=env)}), or train "
+        else f"resume with the run's own config ({run.train_command()}), or train "
         "afresh without --resume"
     )
     raise ConfigError(
@@ -936,8 +936,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # Evaluated from its source in checkpoints/, before RUN/best.ckpt is replaced, so that
     # the copy and its manifest entry land together below. Loaded before anything made from
     # the old best.ckpt goes: a corrupt checkpoint fails here and loses nothing.
-    loaded = checked[1] if checked is not None and checked[0] == best else load_checkpoint(best)
-    _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
+    if checked is not None and checked[0] == best:
+        loaded = checked[1]  # loaded and checked as the training ended
+    else:
+        loaded = load_checkpoint(best)
+        _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
         _discard_derived(run, new_best=not was_there)
