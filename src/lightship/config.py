@@ -384,11 +384,12 @@ def _drop_digits_path(tree: dict[str, Any], file: str) -> tuple[str, ...]:
 
 def load_config(
     path: Path | str | None = None,
-    overrides: list[str] | None = None,
+    overrides: Sequence[str] | str | None = None,
     unusable_fix: str | None = None,
     recorded: bool = False,
 ) -> Config:
-    """Load a YAML file (or the defaults) and apply `key.sub=value` overrides, validated.
+    """Load a YAML file (or the defaults) and apply `key.sub=value` overrides (a list, or one
+    string), validated.
     `unusable_fix` says what to do about an empty file or one that is no YAML (a run's own
     config.yaml is no --config to edit). `recorded`: the file is a run's own config.yaml, maybe
     written by an older lightship; what is read differently is in `cfg.sources.notes`."""
@@ -433,6 +434,8 @@ def load_config(
         tree = loaded
     notes = _drop_digits_path(tree, str(file)) if recorded and file is not None else ()
     written = copy.deepcopy(tree)
+    if isinstance(overrides, str):  # one override: its characters were read as many
+        overrides = [overrides]
     keys = tuple(_set_dotted(tree, item) for item in overrides or [])
     sources = Sources(file, written, keys, notes)
     try:

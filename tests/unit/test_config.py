@@ -38,6 +38,8 @@ def test_dotted_overrides_are_typed() -> None:
     assert cfg.optim.lr == 0.5
     assert cfg.model.kwargs == {"widths": [4]}
     assert cfg.data.image_size == 16  # from tiny.yaml, untouched
+    # one override as a string, not a list: it was read a character at a time ("--set 't'")
+    assert load_config(CONFIGS / "tiny.yaml", "trainer.max_epochs=2").trainer.max_epochs == 2
 
 
 def test_unknown_key_names_key_and_allowed_keys() -> None:

@@ -15,7 +15,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper
 
-from lightship.errors import RunError
+from lightship.errors import ConfigError, RunError
 from lightship.runtime import InputError, base, load_predictor, softmax
 from lightship.runtime.base import LoadError, cgroup_cpu_limit, physical_cores
 from lightship.runtime.ort import (
@@ -163,10 +163,105 @@ def test_a_second_required_input_is_refused(tmp_path: Path) -> None:
         load_predictor(path)
 
 
-def test_an_unsupported_input_type_is_refused(tmp_path: Path) -> None:
-    path = _onnx(tmp_path / "m.onnx", [("x", TensorProto.DOUBLE, ["N", 1, 2, 2])])
-    with pytest.raises(RunError, match=r"input x is float64 .*uint8, float32, float16, int8"):
+@pytest.mark.parametrize(
+    ("kind", "said"), [(TensorProto.DOUBLE, "float64"), (TensorProto.INT8, "int8")]
+)
+def test_an_unsupported_input_type_is_refused(tmp_path: Path, kind: int, said: str) -> None:
+    # int8 was fed pixels cast from uint8: 200 became -56, and the answers were another image's
+    path = _onnx(tmp_path / "m.onnx", [("x", kind, ["N", 1, 2, 2])])
+    with pytest.raises(
+        RunError, match=rf"input x is {said} .*; lightship feeds images as uint8, float32, float16:"
+    ):
         load_predictor(path)
+
+
+def test_an_output_that_does_not_follow_the_batch_is_an_error_not_an_answer(
+    tmp_path: Path,
+) -> None:
+    """Logits summed over the batch ([1, 4] for any batch): 3 images got one row, and the
+    server's batches of several requests answered all but the first with no prediction."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+            helper.make_node("Flatten", ["xf"], ["f"], axis=1),
+            helper.make_node("ReduceSum", ["f", "axes"], ["y"], keepdims=1),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, ["N", 1, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        initializer=[helper.make_tensor("axes", TensorProto.INT64, [1], [0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    p = load_predictor(tmp_path / "m.onnx")
+    np.testing.assert_array_equal(p.predict(np.ones((1, 1, 2, 2), np.uint8)), [[1, 1, 1, 1]])
+    with pytest.raises(base.OutputError, match=r"m.onnx gave logits \[1, 4\] for 3 images, ex"):
+        p.predict(np.ones((3, 1, 2, 2), np.uint8))
+    with pytest.raises(base.OutputError, match=r"expected \[2, 4\] \(one row an image, one col"):
+        p.logits(np.ones((2, 1, 2, 2), np.uint8))  # what the server's batches run
+
+
+def test_metadata_whose_image_size_the_graph_refuses_is_refused_at_load(tmp_path: Path) -> None:
+    """Loaded, it refused every image: the metadata's size at the graph, the graph's at check."""
+    spec = json.dumps({"shape": ["batch", 3, 2, 2]})
+    path = _onnx(tmp_path / "m.onnx", [IMAGE], meta={"lightship.input_spec": spec})
+    with pytest.raises(
+        RunError,
+        match=r"input_spec says images \[3, 2, 2\] but its graph takes uint8 \[N, 1, 2, 2\]: re-",
+    ):
+        load_predictor(path)
+    # a graph open in H and W takes the metadata's size
+    spec = json.dumps({"shape": ["batch", 1, 2, 2]})
+    path = _onnx(
+        tmp_path / "open.onnx",
+        [("x", TensorProto.UINT8, ["N", 1, "h", "w"])],
+        (TensorProto.FLOAT, ["N", 4]),
+        meta={"lightship.input_spec": spec},
+    )
+    assert load_predictor(path).chw == (1, 2, 2)
+    # without it, nothing says what size to resize to
+    path = _onnx(tmp_path / "bare.onnx", [("x", TensorProto.UINT8, ["N", 1, "h", "w"])])
+    with pytest.raises(RunError, match=r"\[N, 1, h, w\] has no fixed C, H, W, and no lightship.in"):
+        load_predictor(path)
+
+
+def test_an_open_output_width_without_labels_is_found_by_a_blank_image(tmp_path: Path) -> None:
+    """Its labels were [] and the server stopped at warm-up on "expected finite logits [1, 0]".
+    The graph's width is 4 columns sliced off by a count computed from the pixels (x times 0,
+    plus 4), which onnxruntime cannot fold: it leaves the width open."""
+    tensor, node = helper.make_tensor, helper.make_node
+    graph = helper.make_graph(
+        [
+            node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+            node("Flatten", ["xf"], ["f"], axis=1),
+            node("ReduceMin", ["xf"], ["low"], keepdims=0),
+            node("Mul", ["low", "zero"], ["nothing"]),
+            node("Add", ["nothing", "four"], ["width"]),
+            node("Cast", ["width"], ["whole"], to=TensorProto.INT64),
+            node("Reshape", ["whole", "one"], ["ends"]),
+            node("Slice", ["f", "starts", "ends", "axes"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, ["N", 1, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "classes"])],
+        initializer=[
+            tensor("zero", TensorProto.FLOAT, [], [0.0]),
+            tensor("four", TensorProto.FLOAT, [], [4.0]),
+            tensor("one", TensorProto.INT64, [1], [1]),
+            tensor("starts", TensorProto.INT64, [1], [0]),
+            tensor("axes", TensorProto.INT64, [1], [1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    p = load_predictor(path)
+    assert isinstance(p, OrtPredictor)
+    assert p.session.get_outputs()[0].shape == ["N", "classes"]  # open, as meant
+    assert p.labels == ["0", "1", "2", "3"]
+    np.testing.assert_array_equal(p.predict(np.full((2, 1, 2, 2), 2, np.uint8)), [[2] * 4] * 2)
 
 
 def test_a_float16_input_is_fed_float16(tmp_path: Path) -> None:
@@ -467,6 +562,16 @@ def test_a_cuda_device_gives_trt_and_cuda_the_gpu_it_names(
         "CPUExecutionProvider",
     ]
     assert providers_for("cuda")[1] == ("CUDAExecutionProvider", {"device_id": 0})
+    # LIGHTSHIP_TENSORRT as the server's switches are read: `false` had left TensorRT on
+    for off in ("0", "false", "Off", " no "):
+        monkeypatch.setenv("LIGHTSHIP_TENSORRT", off)
+        assert providers_for("cuda") == [("CUDAExecutionProvider", {"device_id": 0}), gpu[2]]
+    for on in ("", "1", "true", "YES"):
+        monkeypatch.setenv("LIGHTSHIP_TENSORRT", on)
+        assert providers_for("cuda")[0][0] == "TensorrtExecutionProvider"
+    monkeypatch.setenv("LIGHTSHIP_TENSORRT", "banana")
+    with pytest.raises(ConfigError, match="LIGHTSHIP_TENSORRT='banana' is neither on nor off: set"):
+        providers_for("cuda")
 
 
 @pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
@@ -615,21 +720,21 @@ def test_a_read_only_array_reaches_torch_without_its_warning(exported_run: Path)
     np.testing.assert_array_equal(got, ts.predict(x))
 
 
-@pytest.mark.parametrize("threads", [0, -1])
+@pytest.mark.parametrize("threads", [0, -1, 2.0, "2"])
 def test_a_thread_count_below_one_is_refused_before_anything_changes(
-    tmp_path: Path, threads: int
+    tmp_path: Path, threads: Any
 ) -> None:
     # threads=0 meant all cores and -1 opened a session; a torch model's load set the process's
-    # thread count before it found its file missing
+    # thread count before it found its file missing; 2.0 reached onnxruntime, whose TypeError
+    # was said as a model to export again, and "2" a bare TypeError
     import torch
 
-    from lightship.errors import ConfigError
     from lightship.runtime import load_predictor
 
     before = torch.get_num_threads()
     for name in ("m.onnx", "m.ts"):
         with pytest.raises(
-            ConfigError, match=f"threads must be a whole number >= 1.*got {threads}"
+            ConfigError, match=re.escape(f"whole number >= 1 (None: one per core), got {threads!r}")
         ):
             load_predictor(tmp_path / name, threads=threads)
     assert torch.get_num_threads() == before
@@ -641,7 +746,6 @@ def test_a_thread_count_below_one_is_refused_before_anything_changes(
 @pytest.mark.parametrize("device", ["gpu", "gpu0", "cuda0", "CPU", ""])
 def test_a_device_name_torch_does_not_take_is_refused_as_such(tmp_path: Path, device: str) -> None:
     # "gpu0" on a .ts said "re-export it"; "gpu" on an .onnx, "install onnxruntime-gpu"
-    from lightship.errors import ConfigError
     from lightship.runtime import load_predictor
 
     for name in ("m.onnx", "m.ts"):
@@ -680,3 +784,20 @@ def test_an_int8_model_made_for_another_cpu_is_warned_of_once(
     ]
     load_predictor(handmade_onnx(tmp_path / "fp32.onnx"))  # no target: runs anywhere
     assert len(caplog.records) == 1
+
+
+def test_qats_own_checkpoint_is_named_with_what_to_load_instead(tmp_path: Path) -> None:
+    # quantize/qat.ckpt "lacks 'model_spec' in its hyper-parameters: train it with lightship",
+    # though lightship made it
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "quantize" / "qat.ckpt"
+    path.parent.mkdir()
+    hparams = {"source": {"model_spec": {"name": "digits_cnn"}}, "qat": {"lr": 1e-4}}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams}, path)
+    with pytest.raises(RunError) as err:
+        load_predictor(path)
+    assert str(err.value) == (
+        f"checkpoint {path} is quantization-aware training's, a step of `lightship quantize`, "
+        f"not a trained model: load what QAT made, {path.parent / 'model.int8-qat.onnx'}, or "
+        "the run's best.ckpt"
+    )

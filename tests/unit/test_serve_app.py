@@ -3802,3 +3802,35 @@ def test_a_request_answered_before_its_body_cannot_hold_its_connection(tmp_path:
     assert trickled == b"" and waited < 2, waited
     assert late.startswith(b"HTTP/1.1 408 Request Timeout") and late_waited < 2, late
     assert b"request head incomplete after 0.3 s" in late
+
+
+def test_a_model_whose_output_does_not_follow_its_batch_is_a_500_not_a_short_answer(
+    tmp_path: Path, via: str
+) -> None:
+    """A model that sums its logits over the batch ([1, 2] for any batch): the rows of a batch
+    past the first were answered 200 with no prediction (or another request's)."""
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    whole = predictor._run
+
+    def summed(x: np.ndarray) -> np.ndarray:
+        y = whole(x)
+        return y if len(x) == 1 else y.sum(axis=0, keepdims=True)
+
+    predictor._run = summed  # type: ignore[method-assign]
+    app = create_app(predictor, ServedModel("hand", "file", path, None), ServeSettings(run=path))
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app, via=via) as client:
+            return [
+                await client.post(INFER, json=v2_json(X[:1])),
+                await client.post(INFER, json=v2_json(X)),
+                await client.post("/v1/predict", json={"instances": X[:, 0].tolist()}),
+            ]
+
+    one, two, v1_two = run(main())
+    assert one.status_code == 200
+    np.testing.assert_allclose(one.json()["outputs"][0]["data"], expected_logits(X[:1]).ravel())
+    for r in (two, v1_two):
+        assert r.status_code == 500, r.text
+        assert "gave logits [1, 2] for 2 images, expected [2, 2]" in r.json()["error"]

@@ -92,6 +92,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
     ckpt = read_checkpoint(path)
     hparams = ckpt.get("hyper_parameters") or {}
+    if "qat" in hparams and "source" in hparams:  # quantize's QAT checkpoint (`LitQAT`)
+        raise RunError(
+            f"checkpoint {path} is quantization-aware training's, a step of `lightship "
+            "quantize`, not a trained model: load what QAT made, "
+            f"{path.with_name('model.int8-qat.onnx')}, or the run's best.ckpt"
+        )
     for key in ("model_spec", "labels", "input_spec", "data_spec"):
         if key not in hparams:
             raise RunError(

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from lightship.errors import ConfigError, RunError
-from lightship.runtime.base import InputError, Predictor, physical_cores, softmax
+from lightship.runtime.base import InputError, OutputError, Predictor, physical_cores, softmax
 from lightship.runtime.ort import OrtPredictor
 
 TORCH_SUFFIXES = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "eager"}
@@ -37,9 +37,12 @@ def load_predictor(
     path = Path(path)
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
+    # bool is an int; 2.0 reached onnxruntime, whose TypeError blamed the model file
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
         raise ConfigError(
-            f"threads must be a whole number >= 1 (None: one per core), got {threads}"
+            f"threads must be a whole number >= 1 (None: one per core), got {threads!r}"
         )
     if path.suffix == ".onnx":
         return OrtPredictor(path, device=device, threads=threads, split=split, isa_check=isa_check)
@@ -62,4 +65,12 @@ def load_predictor(
     raise RunError(f"{path}: unknown model file type; expected .onnx, .ts, .pt2 or .ckpt")
 
 
-__all__ = ["InputError", "OrtPredictor", "Predictor", "load_predictor", "physical_cores", "softmax"]
+__all__ = [
+    "InputError",
+    "OrtPredictor",
+    "OutputError",
+    "Predictor",
+    "load_predictor",
+    "physical_cores",
+    "softmax",
+]

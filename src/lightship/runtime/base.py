@@ -102,6 +102,11 @@ class InputError(ValueError):
     """The caller's input does not fit the model (shape, dtype, values); a 4xx in a server."""
 
 
+class OutputError(RuntimeError):
+    """The model's output does not fit its batch or labels (`Predictor.logits`): the model's
+    fault, not the caller's; a 5xx in a server."""
+
+
 @contextmanager
 def torch_threads_kept() -> Iterator[None]:
     """torch's intra-op thread count as the caller had it, after a stage that loads torch
@@ -348,7 +353,22 @@ class Predictor(ABC):
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """float32 logits `[N, classes]` for uint8 `[N, C, H, W]` (validated)."""
-        return self._run(self.check(x))
+        return self.logits(self.check(x))
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """`_run`, and OutputError unless it gave one row of logits per image and one column
+        per label: a model whose output rows follow anything but its batch (a sum over it, a
+        width that depends on the pixels) had its answers cut to the rows asked for, or
+        missing, under a 200. For input `check` has validated; what the server's batches run."""
+        y = self._run(x)
+        if y.shape != (len(x), len(self.labels)):
+            raise OutputError(
+                f"{self.path} gave logits {list(y.shape)} for {len(x)} image"
+                f"{'' if len(x) == 1 else 's'}, expected [{len(x)}, {len(self.labels)}] (one "
+                f"row an image, one column a label): its output does not follow its batch or "
+                f"its labels; fix the model, or its lightship.labels metadata"
+            )
+        return y
 
     @abstractmethod
     def _run(self, x: np.ndarray) -> np.ndarray:

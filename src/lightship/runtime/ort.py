@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from lightship.errors import RunError
+from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import compatibility, requantize_in_its_run
 from lightship.runs import RunDir, enclosing_run, export_hint, variant_of
 from lightship.runtime.base import (
+    META_INPUT_SPEC,
+    META_LABELS,
     LoadError,
     Predictor,
     physical_cores,
@@ -29,11 +31,11 @@ from lightship.runtime.base import (
 
 log = logging.getLogger(__name__)
 
+# The input types pixels 0..255 are fed as (int8 is not one: 200 wrapped to -56)
 _ORT_DTYPES = {
     "tensor(uint8)": np.uint8,
     "tensor(float)": np.float32,
     "tensor(float16)": np.float16,
-    "tensor(int8)": np.int8,
 }
 _LOGIT_TYPES = {"tensor(float)", "tensor(float16)", "tensor(double)"}
 # Graph transformers a model asks onnxruntime to skip (comma-separated names in its
@@ -237,10 +239,7 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
     available = ort.get_available_providers()
     gpu = device_index(device)
     chosen: list[Any] = []
-    if (
-        "TensorrtExecutionProvider" in available
-        and os.environ.get("LIGHTSHIP_TENSORRT", "1") != "0"
-    ):
+    if "TensorrtExecutionProvider" in available and _tensorrt_wanted():
         cache = str(
             cache_dir or os.environ.get("LIGHTSHIP_TRT_CACHE") or "/tmp/lightship-trt-cache"
         )  # empty: the default, as for every LIGHTSHIP_ variable
@@ -263,6 +262,22 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
             "install onnxruntime-gpu or serve with --device cpu"
         )
     return [*chosen, "CPUExecutionProvider"]
+
+
+def _tensorrt_wanted() -> bool:
+    """LIGHTSHIP_TENSORRT as the server's own switches are read (0/1, false/true, no/yes,
+    off/on; empty: the default, on). Only "0" turned it off: `false` left TensorRT on, and
+    any other word passed without a word."""
+    given = os.environ.get("LIGHTSHIP_TENSORRT", "")
+    value = given.strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    raise ConfigError(
+        f"LIGHTSHIP_TENSORRT={given!r} is neither on nor off: set it to 0 to run without "
+        "TensorRT, or 1 (the default) to use it where onnxruntime has it"
+    )
 
 
 def _is_tensorrt(provider: Any) -> bool:
@@ -368,6 +383,12 @@ class OrtPredictor(Predictor):
             _warn_if_made_for_another_cpu(self.path, meta.get(TARGET))
         labels, spec = read_metadata(meta, self.path)
         if spec is None:  # a foreign ONNX file: take what the graph says
+            if not all(isinstance(d, int) for d in inp.shape[1:]):
+                raise RunError(
+                    f"{self.path}: input {inp.name} {_describe(inp)} has no fixed C, H, W, and "
+                    f"no {META_INPUT_SPEC} metadata says the size images are resized to: add "
+                    "it, or re-export the model with fixed sizes and a dynamic batch"
+                )
             dims = [d if isinstance(d, int) else "batch" for d in inp.shape]
             spec = {"name": inp.name, "dtype": "uint8", "shape": dims, "layout": "NCHW"}
             if not valid_input_spec(spec):
@@ -380,10 +401,21 @@ class OrtPredictor(Predictor):
                     self.path,
                     _describe_type(inp.type),
                 )
+        elif any(
+            isinstance(d, int) and d != want
+            for d, want in zip(inp.shape[1:], spec["shape"][1:], strict=True)
+        ):
+            # `check` takes images of the metadata's size only, and the graph refuses them
+            raise RunError(
+                f"{self.path}: its metadata {META_INPUT_SPEC} says images "
+                f"{spec['shape'][1:]} but its graph takes {_describe(inp)}: re-export it"
+            )
         self.input_spec = spec
         width = out.shape[1]
+        if labels is None and not isinstance(width, int):
+            width = self._output_width(inp)  # the classes, from a blank image's logits
         if labels is None:
-            labels = [str(i) for i in range(width if isinstance(width, int) else 0)]
+            labels = [str(i) for i in range(width)]
         elif isinstance(width, int) and len(labels) != width:
             raise RunError(
                 f"{self.path} has {len(labels)} labels in its metadata but its output has "
@@ -399,6 +431,25 @@ class OrtPredictor(Predictor):
         dynamic = meta.get(QUANTIZATION) == "dynamic"
         if split and threads > 1 and self.providers == ["CPUExecutionProvider"] and not dynamic:
             self._plan_lanes(threads, spinning)
+
+    def _output_width(self, inp: Any) -> int:
+        """The classes of a model whose output width the graph leaves open and whose
+        metadata names no labels: its logits' width for one blank image."""
+        x = np.zeros((1, *(int(d) for d in inp.shape[1:])), dtype=self.input_dtype)
+        try:
+            out = self.session.run([self.output_name], {self.input_name: x})[0]
+        except Exception as exc:  # onnxruntime raises its own types
+            raise RunError(
+                f"{self.path}: its output's width (the classes) is not fixed and a blank "
+                f"image could not be run to find it ({str(exc).splitlines()[0][:200]}): add "
+                f"{META_LABELS} to its metadata, or re-export it with a fixed output width"
+            ) from None
+        if out.ndim != 2 or out.shape[0] != 1 or out.shape[1] < 1:
+            raise RunError(
+                f"{self.path} gave logits {list(out.shape)} for one image: lightship serves "
+                "logits [N, classes]"
+            )
+        return int(out.shape[1])
 
     def _open(self, threads: int, spinning: bool, providers: list[Any]) -> ort.InferenceSession:
         try:

@@ -171,11 +171,12 @@ class Service:
             str(getattr(sys.modules.get(runtime), "__version__", "unknown")),
             platform.python_version(),
         ).set(1)
-        # `_run` is the predictor's unchecked hot path: every request was checked on the event
-        # loop (Predictor.check) before it was queued, so a bad row never reaches a batch. The
-        # metrics observe it from the end of the warm-up batch (`warm_up`): served traffic only.
+        # `logits` runs the model unchecked (`_run`) and checks only its output's shape: every
+        # request was checked on the event loop (Predictor.check) before it was queued, so a
+        # bad row never reaches a batch. The metrics observe it from the end of the warm-up
+        # batch (`warm_up`): served traffic only.
         self.batcher = Batcher(
-            predictor._run,
+            predictor.logits,
             max_batch_rows=settings.max_batch_rows,
             max_wait_ms=settings.max_wait_ms,
             max_queue_rows=settings.max_queue_rows,
