@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,10 +66,9 @@ def test_bad_settings_are_a_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _settings(**given)
-    if "run" in given:  # LIGHTSHIP_RUN=" " is refused like --run " " (an empty one is unset)
+    if "run" in given:  # LIGHTSHIP_RUN=" " counts as unset, as an empty one, and is warned of
         monkeypatch.setenv("LIGHTSHIP_RUN", " ")
-        with pytest.raises(ConfigError, match=message):
-            _settings()
+        assert _settings().run == Path("runs/default")
     with pytest.raises(ValidationError):
         ServeSettings(**given)  # type: ignore[arg-type]
 
@@ -82,14 +82,16 @@ def test_a_bad_value_is_named_as_it_was_given_flag_or_variable(
         "invalid serve settings (--max-batch-rows 0: Input should be greater than or equal to 1)"
     )
     monkeypatch.setenv("LIGHTSHIP_MAX_BATCH_ROWS", "0")
-    monkeypatch.setenv("lightship_threads", "many")  # read whatever its case, named as written
+    monkeypatch.setenv("LIGHTSHIP_THREADS", "many")
+    monkeypatch.setenv("lightship_threads", "2")  # not read (upper case only), and warned of
     with pytest.raises(ConfigError) as err:
         _settings()
     assert str(err.value) == (
         "invalid serve settings (LIGHTSHIP_MAX_BATCH_ROWS=0: Input should be greater than or "
-        "equal to 1; lightship_threads=many: Input should be a valid integer, unable to parse "
+        "equal to 1; LIGHTSHIP_THREADS=many: Input should be a valid integer, unable to parse "
         "string as an integer)"
     )
+    monkeypatch.delenv("LIGHTSHIP_THREADS")
     monkeypatch.delenv("LIGHTSHIP_MAX_BATCH_ROWS")
     monkeypatch.delenv("lightship_threads")
     monkeypatch.setenv("LIGHTSHIP_MAX_QUEUE_ROWS", "8")  # a conflict: either may be the fix
@@ -424,6 +426,18 @@ def test_a_lone_file_is_served_under_its_stem_and_finds_its_manifest_entry(tmp_p
     alone = tmp_path / "alone.onnx"
     shutil.copy(run / "export" / "onnx-int8-static.onnx", alone)
     assert choose(ServeSettings(run=alone)).entry is None
+    # beside a manifest.json that is not lightship's (a web app's), in a folder that is no run:
+    # it stopped on it, "malformed ...: delete it and re-run the stages"
+    site = tmp_path / "site"
+    (site / "models").mkdir(parents=True)
+    (site / "manifest.json").write_text('{"name": "My PWA", "icons": []}')
+    for model in (site / "m.onnx", site / "models" / "m.onnx"):
+        shutil.copy(alone, model)
+        assert choose(ServeSettings(run=model)).entry is None
+    # a run's own manifest, damaged, is still said to be
+    (run / "manifest.json").write_text('{"name": "My PWA", "icons": []}')
+    with pytest.raises(RunError, match="manifest.json is malformed"):
+        choose(ServeSettings(run=run / "export" / "onnx-int8-static.onnx"))
 
 
 def test_int8_for_another_cpu_is_refused_or_warned(
@@ -521,6 +535,51 @@ def test_an_empty_lightship_variable_is_said_to_leave_the_default_in_force() -> 
         "(from inside this host or container only); give it a value or leave it out",
         "LIGHTSHIP_THREADS is set but empty, which counts as unset: its default is used; give "
         "it a value or leave it out",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "warning"),
+    [
+        # blank was read as a value after the warning said the default was used: exit 2,
+        # "cannot listen on host ' '"
+        ("LIGHTSHIP_HOST", "  ", "LIGHTSHIP_HOST is set but empty, which counts as unset"),
+        ("LIGHTSHIP_THREADS", " ", "LIGHTSHIP_THREADS is set but empty, which counts as unset"),
+        # read in any case, where the images' healthcheck reads LIGHTSHIP_PORT: it knocked at
+        # 8000 while the server listened at 9000, and called it unhealthy
+        ("lightship_port", "9000", "lightship_port is not read: lightship's variables are upper"),
+        # what Kubernetes sets in every pod of a namespace with a Service named lightship: the
+        # pods started after it stopped on "LIGHTSHIP_PORT=tcp://...: not a valid integer"
+        ("LIGHTSHIP_PORT", "tcp://10.96.0.50:80", "LIGHTSHIP_PORT=tcp://10.96.0.50:80 is the l"),
+    ],
+)
+def test_a_variable_serve_does_not_read_leaves_the_default_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, warning: str
+) -> None:
+    from lightship.serve.command import _settings
+    from lightship.serve.settings import unknown_variables
+
+    for name in list(os.environ):
+        if name.upper().startswith("LIGHTSHIP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(variable, value)
+    settings = _settings()
+    assert (settings.host, settings.threads, settings.port) == ("127.0.0.1", None, 8000)
+    assert os.environ[variable] == value  # hidden only while the settings were read
+    (said,) = unknown_variables(os.environ)
+    assert said.startswith(warning)
+
+
+def test_another_services_links_are_no_typos() -> None:
+    from lightship.serve.settings import unknown_variables
+
+    env = {"LIGHTSHIP_SERVICE_HOST": "10.96.0.50", "LIGHTSHIP_SERVICE_PORT": "80",
+           "LIGHTSHIP_SERVICE_PORT_HTTP": "80", "LIGHTSHIP_PORT_80_TCP": "tcp://10.96.0.50:80",
+           "LIGHTSHIP_PORT_80_TCP_PROTO": "tcp", "LIGHTSHIP_PORT_80_TCP_PORT": "80",
+           "LIGHTSHIP_PORT_80_TCP_ADDR": "10.96.0.50", "LIGHTSHIP_GPU_PORT": "tcp://10.0.0.7:80",
+           "LIGHTSHIP_GPU_SERVICE_HOST": "10.0.0.7", "LIGHTSHIP_PORTS": "80"}  # fmt: skip
+    assert unknown_variables(env) == [
+        "LIGHTSHIP_PORTS is not a serve setting and is ignored (did you mean LIGHTSHIP_PORT?)"
     ]
 
 

@@ -164,12 +164,22 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
 
 
 def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
-    """The manifest entry of a lone file that lies inside a run directory, if any."""
+    """The manifest entry of a lone file that lies inside a run directory, if any. A
+    manifest.json that is not lightship's, in a folder that is no run (a web app's, beside
+    its model), is none: serving the file stopped on it, with the fix to delete it."""
     resolved = path.resolve()
     for root in (resolved.parent, resolved.parent.parent):
         if not (root / "manifest.json").is_file():
             continue
-        for entry in RunDir(root).manifest()["artifacts"].values():
+        run = RunDir(root)
+        try:
+            artifacts = run.manifest()["artifacts"]
+        except RunError:
+            if any((root / name).exists() for name in ("checkpoints", *RUN_CONTENTS[1:])):
+                raise  # a run's own manifest, damaged: what it says to do stands
+            log.debug("%s: not a lightship run's manifest, ignored", run.manifest_path)
+            continue
+        for entry in artifacts.values():
             if (
                 isinstance(entry, dict)
                 and (root / str(entry.get("file", ""))).resolve() == resolved
