@@ -33,8 +33,13 @@ def _option(argv: Sequence[str], name: str) -> str | None:
 
 
 def server_port(argv: Sequence[str], env: Mapping[str, str]) -> str:
-    """The port a server started with ARGV and ENV listens on."""
-    return _option(argv, "port") or env.get("LIGHTSHIP_PORT") or DEFAULT_PORT
+    """The port a server started with ARGV and ENV listens on. A blank LIGHTSHIP_PORT, and
+    the tcp://IP:PORT that Kubernetes sets for a Service named lightship, are not read by the
+    server (`lightship.serve.settings.unread_variables`): nor here."""
+    given = env.get("LIGHTSHIP_PORT", "").strip()
+    if "://" in given:
+        given = ""
+    return _option(argv, "port") or given or DEFAULT_PORT
 
 
 def server_host(argv: Sequence[str], env: Mapping[str, str]) -> str:

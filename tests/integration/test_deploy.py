@@ -192,11 +192,19 @@ def test_healthcheck_asks_the_port_the_server_listens_on(
     assert healthcheck.main() == int(env_port != "{port}")  # without the command line
 
 
-def test_healthcheck_port_defaults_as_the_server_does() -> None:
+def test_healthcheck_port_defaults_as_the_server_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightship.serve.command import _settings
+
     assert healthcheck.server_port([], {}) == healthcheck.DEFAULT_PORT == str(ServeSettings().port)
     argv = ["lightship", "serve", "--port", "1", "--port=2"]
     assert healthcheck.server_port(argv, {"LIGHTSHIP_PORT": "3"}) == "2"
     assert healthcheck.server_port(["lightship", "serve", "--port"], {}) == "8000"
+    # what the server does not read: blank, and a Kubernetes Service's link
+    for unread in (" ", "tcp://10.96.0.50:80"):
+        assert healthcheck.server_port([], {"LIGHTSHIP_PORT": unread}) == "8000"
+        monkeypatch.setenv("LIGHTSHIP_PORT", unread)
+        assert _settings().port == 8000
+        assert os.environ["LIGHTSHIP_PORT"] == unread  # hidden only while it was read
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -868,9 +876,17 @@ def test_ports_probes_and_settings_match_the_server(routes: set[tuple[str, str]]
         assert_honored(env)
         given = {k.removeprefix("LIGHTSHIP_").lower(): v for k, v in env.items()}
         ServeSettings(**{k: v for k, v in given.items() if k in ServeSettings.model_fields})
-        # SIGTERM stops accepting connections within 0.5 s: a pause lets the pod leave the
-        # Service's endpoints first (KServe's runtimes had none)
-        assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep", where
+        if where.startswith("ServingRuntime/"):
+            # Knative, under KServe's Serverless mode, refuses a user container's lifecycle
+            # hooks ("unknown field ...lifecycle") and drains the pod through its queue-proxy
+            assert "lifecycle" not in c, where
+        else:
+            # SIGTERM stops accepting connections within 0.5 s: a pause lets the pod leave
+            # the Service's endpoints first
+            assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep", where
+            # Service links: the Service `lightship` set LIGHTSHIP_PORT=tcp://IP:80 in the
+            # pods started after it, which stopped on it as their port
+            assert pod["enableServiceLinks"] is False, where
         security = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
         assert security["runAsNonRoot"] is True, where
         assert f"{security['runAsUser']}:{security['runAsUser']}" == image["user"], where

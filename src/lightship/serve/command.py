@@ -6,9 +6,11 @@ import this file, and must not pay for FastAPI, onnxruntime or torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,7 +31,8 @@ def _settings(**given: Any) -> Any:
 
     flags = {k: v for k, v in given.items() if v is not None}
     try:
-        settings = ServeSettings(**flags)
+        with _unread_hidden():
+            settings = ServeSettings(**flags)
     except ValidationError as exc:
         _warn_unknown_variables()  # a misspelt variable may be why
         problems = "; ".join(_problem(e, flags) for e in exc.errors())
@@ -49,10 +52,23 @@ def _problem(error: Any, flags: dict[str, Any]) -> str:
     if field in flags:
         return f"{flag(field)} {shlex.quote(str(error['input']))}: {message}"
     variable = ENV_PREFIX + field.upper()
-    for name, value in os.environ.items():  # pydantic-settings reads them in any case
-        if name.upper() == variable and value:
-            return f"{name}={shlex.quote(value)}: {message}"
+    if os.environ.get(variable, "").strip():
+        return f"{variable}={shlex.quote(os.environ[variable])}: {message}"
     return f"{names(field)}: {message}"
+
+
+@contextlib.contextmanager
+def _unread_hidden() -> Iterator[None]:
+    """The environment without the variables serve does not read (`unread_variables`: blank,
+    not upper case, a Kubernetes Service's link) while pydantic-settings reads it, which would
+    read them; as it was afterwards."""
+    from lightship.serve.settings import unread_variables
+
+    hidden = {name: os.environ.pop(name) for name in unread_variables(os.environ)}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def _check_variant(variant: str, given_as: str) -> None:
@@ -180,8 +196,9 @@ def serve(
 ) -> None:
     """Serve a run's model over HTTP: KServe V2 (/v2), JSON and images (/v1), /metrics, /docs.
 
-    Every flag is also an environment variable, LIGHTSHIP_<FLAG>; a flag wins over it, and an
-    empty variable counts as unset. With --device cuda, ONNX Runtime reads two more:
+    Every flag is also an environment variable, LIGHTSHIP_<FLAG> (upper case); a flag wins
+    over it, and an empty or blank variable counts as unset. With --device cuda, ONNX Runtime
+    reads two more:
     LIGHTSHIP_TENSORRT=0 turns its TensorRT provider off, and LIGHTSHIP_TRT_CACHE is the folder
     of the engines TensorRT builds (default /tmp/lightship-trt-cache).
     """
