@@ -203,6 +203,7 @@ def test_healthcheck_port_defaults_as_the_server_does(monkeypatch: pytest.Monkey
     for unread in (" ", "tcp://10.96.0.50:80"):
         assert healthcheck.server_port([], {"LIGHTSHIP_PORT": unread}) == "8000"
         monkeypatch.setenv("LIGHTSHIP_PORT", unread)
+        monkeypatch.setenv("LIGHTSHIP_SERVICE_HOST", "10.96.0.50")  # set beside the link
         assert _settings().port == 8000
         assert os.environ["LIGHTSHIP_PORT"] == unread  # hidden only while it was read
 

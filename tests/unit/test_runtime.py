@@ -226,7 +226,10 @@ def test_metadata_whose_image_size_the_graph_refuses_is_refused_at_load(tmp_path
         load_predictor(path)
 
 
-def test_an_open_output_width_without_labels_is_found_by_a_blank_image(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hw", [[2, 2], ["h", "w"]])
+def test_an_open_output_width_without_labels_is_found_by_a_blank_image(
+    tmp_path: Path, hw: list[Any]
+) -> None:
     """Its labels were [] and the server stopped at warm-up on "expected finite logits [1, 0]".
     The graph's width is 4 columns sliced off by a count computed from the pixels (x times 0,
     plus 4), which onnxruntime cannot fold: it leaves the width open."""
@@ -243,7 +246,7 @@ def test_an_open_output_width_without_labels_is_found_by_a_blank_image(tmp_path:
             node("Slice", ["f", "starts", "ends", "axes"], ["y"]),
         ],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.UINT8, ["N", 1, 2, 2])],
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, ["N", 1, *hw])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "classes"])],
         initializer=[
             tensor("zero", TensorProto.FLOAT, [], [0.0]),
@@ -255,6 +258,10 @@ def test_an_open_output_width_without_labels_is_found_by_a_blank_image(tmp_path:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 10
+    # open in H and W too, the metadata's size is what the blank image has (it crashed on
+    # int('h'))
+    spec = json.dumps({"shape": ["batch", 1, 2, 2]})
+    model.metadata_props.add(key="lightship.input_spec", value=spec)
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
     p = load_predictor(path)
@@ -569,6 +576,8 @@ def test_a_cuda_device_gives_trt_and_cuda_the_gpu_it_names(
     for on in ("", "1", "true", "YES"):
         monkeypatch.setenv("LIGHTSHIP_TENSORRT", on)
         assert providers_for("cuda")[0][0] == "TensorrtExecutionProvider"
+    monkeypatch.setenv("LIGHTSHIP_TRT_CACHE", " ")  # blank: unset (the cache was the folder " ")
+    assert providers_for("cuda")[0][1]["trt_engine_cache_path"] == "/tmp/lightship-trt-cache"
     monkeypatch.setenv("LIGHTSHIP_TENSORRT", "banana")
     with pytest.raises(ConfigError, match="LIGHTSHIP_TENSORRT='banana' is neither on nor off: set"):
         providers_for("cuda")

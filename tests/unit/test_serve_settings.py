@@ -431,13 +431,15 @@ def test_a_lone_file_is_served_under_its_stem_and_finds_its_manifest_entry(tmp_p
     site = tmp_path / "site"
     (site / "models").mkdir(parents=True)
     (site / "manifest.json").write_text('{"name": "My PWA", "icons": []}')
-    for model in (site / "m.onnx", site / "models" / "m.onnx"):
+    (site / "export").mkdir()  # a folder named as a run's is
+    for model in (site / "m.onnx", site / "models" / "m.onnx", site / "export" / "m.onnx"):
         shutil.copy(alone, model)
         assert choose(ServeSettings(run=model)).entry is None
     # a run's own manifest, damaged, is still said to be
-    (run / "manifest.json").write_text('{"name": "My PWA", "icons": []}')
-    with pytest.raises(RunError, match="manifest.json is malformed"):
-        choose(ServeSettings(run=run / "export" / "onnx-int8-static.onnx"))
+    for damaged in ('{"schema": 1, "artifacts": []}', '{"schema": 1, "artifa'):
+        (run / "manifest.json").write_text(damaged)
+        with pytest.raises(RunError, match="manifest.json is (malformed|unreadable)"):
+            choose(ServeSettings(run=run / "export" / "onnx-int8-static.onnx"))
 
 
 def test_int8_for_another_cpu_is_refused_or_warned(
@@ -563,11 +565,42 @@ def test_a_variable_serve_does_not_read_leaves_the_default_and_says_so(
         if name.upper().startswith("LIGHTSHIP_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv(variable, value)
+    if value.startswith("tcp://"):  # Kubernetes sets it beside LIGHTSHIP_PORT
+        monkeypatch.setenv("LIGHTSHIP_SERVICE_HOST", "10.96.0.50")
     settings = _settings()
     assert (settings.host, settings.threads, settings.port) == ("127.0.0.1", None, 8000)
     assert os.environ[variable] == value  # hidden only while the settings were read
     (said,) = unknown_variables(os.environ)
-    assert said.startswith(warning)
+    assert said.startswith(warning) and said.endswith(
+        "the pod's spec, or LIGHTSHIP_PORT in its container's env"
+        if value.startswith("tcp://")
+        else "give it a value or leave it out"
+        if not value.strip()
+        else "(LIGHTSHIP_PORT)"
+    )
+    # given as a flag, the flag's value is what is used instead
+    field = variable.upper().removeprefix("LIGHTSHIP_").lower()
+    (said,) = unknown_variables(os.environ, [field])
+    assert f"--{field} is used" in said or "is not read" in said
+
+
+def test_a_port_written_as_a_url_by_hand_is_a_bad_value() -> None:
+    """Only beside the LIGHTSHIP_SERVICE_HOST it names is tcp://IP:PORT a Service's link: one
+    written by hand was replaced by 8000, warned as Kubernetes' link."""
+    from lightship.serve.settings import unread_variables
+
+    for given in ({}, {"LIGHTSHIP_SERVICE_HOST": "10.0.0.9"}):
+        assert unread_variables({"LIGHTSHIP_PORT": "tcp://0.0.0.0:9000", **given}) == {}
+    linked = {"LIGHTSHIP_PORT": "tcp://[fd00::5]:80", "LIGHTSHIP_SERVICE_HOST": "fd00::5"}
+    assert list(unread_variables(linked)) == ["LIGHTSHIP_PORT"]
+
+
+def test_tensorrts_variables_in_another_case_are_warned_of() -> None:
+    from lightship.serve.settings import unknown_variables
+
+    assert unknown_variables({"lightship_tensorrt": "0", "LIGHTSHIP_TRT_CACHE": "/c"}) == [
+        "lightship_tensorrt is not read: lightship's variables are upper case (LIGHTSHIP_TENSORRT)"
+    ]
 
 
 def test_another_services_links_are_no_typos() -> None:

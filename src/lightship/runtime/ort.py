@@ -241,8 +241,10 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
     chosen: list[Any] = []
     if "TensorrtExecutionProvider" in available and _tensorrt_wanted():
         cache = str(
-            cache_dir or os.environ.get("LIGHTSHIP_TRT_CACHE") or "/tmp/lightship-trt-cache"
-        )  # empty: the default, as for every LIGHTSHIP_ variable
+            cache_dir
+            or os.environ.get("LIGHTSHIP_TRT_CACHE", "").strip()
+            or "/tmp/lightship-trt-cache"
+        )  # empty or blank: the default, as for every LIGHTSHIP_ variable
         chosen.append(
             (
                 "TensorrtExecutionProvider",
@@ -413,7 +415,7 @@ class OrtPredictor(Predictor):
         self.input_spec = spec
         width = out.shape[1]
         if labels is None and not isinstance(width, int):
-            width = self._output_width(inp)  # the classes, from a blank image's logits
+            width = self._output_width()  # the classes, from a blank image's logits
         if labels is None:
             labels = [str(i) for i in range(width)]
         elif isinstance(width, int) and len(labels) != width:
@@ -432,10 +434,11 @@ class OrtPredictor(Predictor):
         if split and threads > 1 and self.providers == ["CPUExecutionProvider"] and not dynamic:
             self._plan_lanes(threads, spinning)
 
-    def _output_width(self, inp: Any) -> int:
+    def _output_width(self) -> int:
         """The classes of a model whose output width the graph leaves open and whose
-        metadata names no labels: its logits' width for one blank image."""
-        x = np.zeros((1, *(int(d) for d in inp.shape[1:])), dtype=self.input_dtype)
+        metadata names no labels: its logits' width for one blank image of `input_spec`'s
+        size (the graph's may be open too)."""
+        x = np.zeros((1, *self.chw), dtype=self.input_dtype)
         try:
             out = self.session.run([self.output_name], {self.input_name: x})[0]
         except Exception as exc:  # onnxruntime raises its own types

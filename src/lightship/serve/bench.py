@@ -489,12 +489,13 @@ def bench_model(
 
     from lightship.serve.app import LARGE_BODY_BYTES
     from lightship.serve.model import choose
-    from lightship.serve.settings import ServeSettings
+    from lightship.serve.settings import ServeSettings, unread_hidden
 
     console = Console(stderr=True, soft_wrap=True)
-    settings = ServeSettings(
-        run=run.root, variant=variant, threads=threads, instances=instances, device=device
-    )
+    with unread_hidden():  # as `lightship serve`, which it starts, reads them
+        settings = ServeSettings(
+            run=run.root, variant=variant, threads=threads, instances=instances, device=device
+        )
     served = choose(settings)
     spec = (served.entry or {})["input_spec"]
     c, h, w = (int(d) for d in spec["shape"][1:])

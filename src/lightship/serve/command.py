@@ -6,11 +6,10 @@ import this file, and must not pay for FastAPI, onnxruntime or torch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,14 +26,14 @@ def _settings(**given: Any) -> Any:
     from pydantic import ValidationError
 
     from lightship.errors import ConfigError
-    from lightship.serve.settings import ServeSettings
+    from lightship.serve.settings import ServeSettings, unread_hidden
 
     flags = {k: v for k, v in given.items() if v is not None}
     try:
-        with _unread_hidden():
+        with unread_hidden():
             settings = ServeSettings(**flags)
     except ValidationError as exc:
-        _warn_unknown_variables()  # a misspelt variable may be why
+        _warn_unknown_variables(flags)  # a misspelt variable may be why
         problems = "; ".join(_problem(e, flags) for e in exc.errors())
         raise ConfigError(f"invalid serve settings ({problems})") from None
     _check_variant(settings.variant, "--variant" if "variant" in flags else "LIGHTSHIP_VARIANT")
@@ -57,20 +56,6 @@ def _problem(error: Any, flags: dict[str, Any]) -> str:
     return f"{names(field)}: {message}"
 
 
-@contextlib.contextmanager
-def _unread_hidden() -> Iterator[None]:
-    """The environment without the variables serve does not read (`unread_variables`: blank,
-    not upper case, a Kubernetes Service's link) while pydantic-settings reads it, which would
-    read them; as it was afterwards."""
-    from lightship.serve.settings import unread_variables
-
-    hidden = {name: os.environ.pop(name) for name in unread_variables(os.environ)}
-    try:
-        yield
-    finally:
-        os.environ.update(hidden)
-
-
 def _check_variant(variant: str, given_as: str) -> None:
     """Before the run is read, so that the error names `given_as`, flag or variable."""
     from lightship.errors import ConfigError
@@ -85,10 +70,12 @@ def _check_variant(variant: str, given_as: str) -> None:
     )
 
 
-def _warn_unknown_variables() -> None:
+def _warn_unknown_variables(flags: Collection[str]) -> None:
+    """Each LIGHTSHIP_* variable that is no setting, or is not read; `flags`: the settings
+    given as flags, which a variable's value would not have set anyway."""
     from lightship.serve.settings import unknown_variables
 
-    for warning in unknown_variables(os.environ):
+    for warning in unknown_variables(os.environ, flags):
         logging.getLogger("lightship.serve").warning(warning)
 
 
@@ -202,7 +189,7 @@ def serve(
     LIGHTSHIP_TENSORRT=0 turns its TensorRT provider off, and LIGHTSHIP_TRT_CACHE is the folder
     of the engines TensorRT builds (default /tmp/lightship-trt-cache).
     """
-    settings = _settings(
+    given = dict(
         run=run,
         variant=variant,
         device=device,
@@ -225,13 +212,14 @@ def serve(
         access_log=access_log,
         log_level=log_level,
     )
+    settings = _settings(**given)
     if "log_level" in settings.model_fields_set:  # else `lightship -v`'s debug lines stay on
         logging.getLogger("lightship").setLevel(settings.log_level.upper())
     from lightship.serve.app import LogFormatter
 
     for handler in logging.getLogger().handlers:  # a server's lines say when (uvicorn's too)
         handler.setFormatter(LogFormatter())
-    _warn_unknown_variables()
+    _warn_unknown_variables([k for k, v in given.items() if v is not None])
     # Every counter and histogram also exported a `_created` timestamp series, doubling the
     # families a scrape stores (prometheus_client's default; Prometheus reads none of them).
     # Process-wide, so here, where the process is the server's.

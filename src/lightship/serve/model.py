@@ -165,8 +165,9 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
 
 def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
     """The manifest entry of a lone file that lies inside a run directory, if any. A
-    manifest.json that is not lightship's, in a folder that is no run (a web app's, beside
-    its model), is none: serving the file stopped on it, with the fix to delete it."""
+    manifest.json that is not lightship's (a web app's, beside its model: JSON with neither
+    `schema` nor `artifacts`, or in a folder that is no run) is none: serving the file stopped
+    on it, with the fix to delete it."""
     resolved = path.resolve()
     for root in (resolved.parent, resolved.parent.parent):
         if not (root / "manifest.json").is_file():
@@ -175,10 +176,12 @@ def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
         try:
             artifacts = run.manifest()["artifacts"]
         except RunError:
-            if any((root / name).exists() for name in ("checkpoints", *RUN_CONTENTS[1:])):
-                raise  # a run's own manifest, damaged: what it says to do stands
-            log.debug("%s: not a lightship run's manifest, ignored", run.manifest_path)
-            continue
+            if _foreign_manifest(run) or not any(
+                (root / name).exists() for name in ("checkpoints", *RUN_CONTENTS[1:])
+            ):
+                log.debug("%s: not a lightship run's manifest, ignored", run.manifest_path)
+                continue
+            raise  # a run's own manifest, damaged: what it says to do stands
         for entry in artifacts.values():
             if (
                 isinstance(entry, dict)
@@ -186,6 +189,16 @@ def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
             ):
                 return dict(entry)
     return None
+
+
+def _foreign_manifest(run: RunDir) -> bool:
+    """Whether the run's manifest.json is JSON that no lightship wrote (an object with neither
+    of its keys); one cut short or garbled may be the run's own."""
+    try:
+        data = json.loads(run.manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return not (isinstance(data, dict) and {"schema", "artifacts"} & data.keys())
 
 
 def choose(settings: ServeSettings) -> ServedModel:

@@ -6,9 +6,11 @@ An empty variable counts as unset (pydantic-settings' `env_ignore_empty`): docke
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -219,75 +221,103 @@ MAKES_OWN = {"LIGHTSHIP_MAKE_GOALS", "LIGHTSHIP_MAKE_FROM", "LIGHTSHIP_MAKE_THEN
 
 
 # Kubernetes gives each pod variables for every Service in its namespace (`enableServiceLinks`,
-# on by default), named after the Service: one named `lightship` sets LIGHTSHIP_PORT to
-# tcp://CLUSTER-IP:80, which a pod started after the Service read as its port and stopped on.
-SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://\S+:\d+", re.IGNORECASE)
+# on by default), named after the Service: one named `lightship` sets LIGHTSHIP_SERVICE_HOST to
+# its cluster IP and LIGHTSHIP_PORT to tcp://CLUSTER-IP:80, which a pod started after the
+# Service read as its port and stopped on.
+SERVICE_LINK = re.compile(r"(?:tcp|udp|sctp)://(\[[0-9A-Fa-f:.]+\]|[0-9.]+):\d+")
 _LINK_NAME = re.compile(
     r"LIGHTSHIP_(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
     r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_PROTO|_PORT|_ADDR)?)"
 )
 
 
-def _is_link(name: str, value: str) -> bool:
+def _is_link(name: str, value: str, environ: Mapping[str, str]) -> bool:
     """Whether `name` is one of the variables Kubernetes sets for a Service (`lightship`,
-    `lightship-gpu`, ...), not a setting."""
-    return bool(_LINK_NAME.fullmatch(name)) or (
-        name.endswith("_PORT") and bool(SERVICE_LINK.fullmatch(value.strip()))
-    )
+    `lightship-gpu`, ...), not a setting: X_PORT only beside the X_SERVICE_HOST it names (a
+    port written tcp://0.0.0.0:9000 by hand is a bad value, said as one)."""
+    if _LINK_NAME.fullmatch(name):
+        return True
+    link = SERVICE_LINK.fullmatch(value.strip()) if name.endswith("_PORT") else None
+    host = environ.get(name.removesuffix("_PORT") + "_SERVICE_HOST", "").strip()
+    return link is not None and link.group(1).strip("[]") == host.strip("[]") != ""
 
 
-def unread_variables(environ: Mapping[str, str]) -> dict[str, str]:
+def unread_variables(environ: Mapping[str, str], flags: Collection[str] = ()) -> dict[str, str]:
     """The `LIGHTSHIP_*` variables of settings that `lightship serve` does not read, and why:
     pydantic-settings would. An empty or blank one (`${VAR:-}` in compose, an unset Helm value)
     counts as unset; blank, it was read as a value (LIGHTSHIP_HOST=" ": "cannot listen on ' '"),
     after the warning said the default was used. A name not in upper case: pydantic-settings
     reads names in any case, the images' healthcheck and the docs in upper case, so
     `-e lightship_port=9000` moved the server and its healthcheck knocked at 8000. And a
-    Service's link (`SERVICE_LINK`) where a setting's name is."""
+    Service's link (`_is_link`) where a setting's name is. `flags`: the settings given as
+    flags, whose value is said to be used instead of the default."""
     fields = ServeSettings.model_fields
     unread = {}
     for name, value in environ.items():
-        key = name.upper().removeprefix(ENV_PREFIX)
-        if not name.upper().startswith(ENV_PREFIX) or key.lower() not in fields:
+        upper = name.upper()
+        if name != upper and upper in OTHER_VARIABLES:  # read by name, elsewhere
+            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
+        key = upper.removeprefix(ENV_PREFIX)
+        if not upper.startswith(ENV_PREFIX) or key.lower() not in fields:
             continue
         default = fields[key.lower()].default
-        used = "its default" if default is None else f"the default {default}"
-        if name != name.upper():
-            unread[name] = (
-                f"{name} is not read: lightship's variables are upper case ({name.upper()})"
-            )
-        elif _is_link(name, value):
+        used = (
+            f"{flag(key.lower())} is used"
+            if key.lower() in flags
+            else "its default is used"
+            if default is None
+            else f"the default {default} is used"
+        )
+        if name != upper:
+            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
+        elif _is_link(name, value, environ):
             unread[name] = (
                 f"{name}={value} is the link Kubernetes sets for a Service named lightship, "
-                f"not a setting: ignored, {used} is used; set `enableServiceLinks: false` in "
-                f"the pod's spec, or {name} in its container's env"
+                f"not a setting: ignored, {used}; set `enableServiceLinks: false` in the pod's "
+                f"spec, or {name} in its container's env"
             )
         elif not value.strip():
             # `${BIND:-}` in compose, an unset Helm value: it replaces an image's own value
             # (LIGHTSHIP_HOST=0.0.0.0), and the server listened on 127.0.0.1, unreachable
-            where = " (from inside this host or container only)" if key == "HOST" else ""
+            where = (
+                " (from inside this host or container only)"
+                if key == "HOST" and key.lower() not in flags
+                else ""
+            )
             unread[name] = (
-                f"{name} is set but empty, which counts as unset: {used} is used{where}; give "
-                "it a value or leave it out"
+                f"{name} is set but empty, which counts as unset: {used}{where}; give it a "
+                "value or leave it out"
             )
     return unread
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+@contextlib.contextmanager
+def unread_hidden() -> Iterator[None]:
+    """The process's environment without the variables serve does not read
+    (`unread_variables`) while ServeSettings reads it (pydantic-settings would read them), and
+    as it was afterwards."""
+    hidden = {name: os.environ.pop(name) for name in unread_variables(os.environ)}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def unknown_variables(environ: Mapping[str, str], flags: Collection[str] = ()) -> list[str]:
     """A warning for each `LIGHTSHIP_*` variable that is no setting, or a setting's that is not
     read (`unread_variables`): pydantic-settings ignores the first, so a typo in a container's
     environment would silently leave the default in force."""
     prefix = ENV_PREFIX
     known = {name.upper() for name in ServeSettings.model_fields}
     known |= {name.removeprefix(prefix) for name in OTHER_VARIABLES | MAKES_OWN}
-    unread = unread_variables(environ)
+    unread = unread_variables(environ, flags)
     warnings = []
     for name in sorted(environ):
         key = name.upper().removeprefix(prefix)
         if name in unread:
             warnings.append(unread[name])
         elif name.upper().startswith(prefix) and key not in known:
-            if _is_link(name, environ[name]):
+            if _is_link(name, environ[name], environ):
                 continue  # another Service's link (lightship-gpu): no typo
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
