@@ -168,7 +168,8 @@ class LatestBestCheckpoint(ModelCheckpoint):
 
 
 class EpochSummary(Callback):
-    """One line per epoch where no progress bar is drawn (CI logs, pipes)."""
+    """One line per epoch where no progress bar is drawn (CI logs, pipes), epochs counted as
+    `EpochBar` counts them: "epoch 4/4" for the last of max_epochs=4 (it said "epoch 3")."""
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
@@ -179,10 +180,9 @@ class EpochSummary(Callback):
             for k, v in sorted(m.items())
             if k in ("train_loss", "val_loss", "val_acc")
         ]
-        print(
-            f"epoch {trainer.current_epoch:3d}  step {trainer.global_step:6d}  " + "  ".join(parts),
-            flush=True,
-        )
+        of = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
+        epoch = f"{trainer.current_epoch + 1}{of}"
+        print(f"epoch {epoch:>7}  step {trainer.global_step:6d}  " + "  ".join(parts), flush=True)
 
 
 class EpochBar(RichProgressBar):

@@ -15,10 +15,11 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from lightship import __version__
 from lightship.errors import LightshipError, QuantizeError
 from lightship.runs import (
     interrupt_exit_code,
@@ -26,6 +27,7 @@ from lightship.runs import (
     interrupted,
     lock_run,
     next_command,
+    results_file,
     run_dir_parser,
     stage_command,
     watch_interrupts,
@@ -33,17 +35,21 @@ from lightship.runs import (
 
 # A bare `lightship` (or `lightship bench`) prints its help and exits 0, as `--help` does, and
 # as kubectl and docker do: asking what there is is no error (`_help_when_bare`).
+# -h as well as --help, as most command lines take it
+HELP = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     help="Train, export, quantize, report and serve image classifiers.",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # click's plain help: typer's panels show every flag as `<bool>`
+    context_settings=HELP,
 )
 bench_app = typer.Typer(
     help="Benchmarks: they print and save what they measured.",
     invoke_without_command=True,
     rich_markup_mode=None,
+    context_settings=HELP,
 )
 app.add_typer(bench_app, name="bench")
 
@@ -83,10 +89,24 @@ def _help_when_bare(ctx: typer.Context) -> None:
 bench_app.callback()(_help_when_bare)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(f"lightship {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="debug logging, and tracebacks")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="print lightship's version", callback=_print_version, is_eager=True
+        ),
+    ] = False,
 ) -> None:
     _help_when_bare(ctx)
     logging.basicConfig(
@@ -362,9 +382,10 @@ def bench_train(
     config: ConfigOpt = None,
     overrides: SetOpt = None,
     steps: Annotated[int, typer.Option(help="timed optimizer steps per setting")] = 30,
-    out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
-        "runs/bench/train.json"
-    ),
+    out: Annotated[
+        Path,
+        typer.Option(help="JSON file for the results", parser=results_file, metavar="<file>"),
+    ] = Path("runs/bench/train.json"),
 ) -> None:
     """Training speed for data choices: float32 vs uint8 input, workers, precision."""
     from lightship.config import load_config
@@ -405,8 +426,15 @@ def _invoke(argv: list[str] | None = None) -> int:
         code = command.main(argv, prog_name="lightship", standalone_mode=False)
     except typer.TyperException as exc:  # click's usage errors derive from it
         ctx = getattr(exc, "ctx", None)
-        where = ctx.command_path if ctx is not None else "lightship"
+        where = ctx.command_path if ctx is not None else _command_path(argv)
         message = exc.format_message().rstrip(".")
+        option = re.match(r"No such option: (-v|--verbose)\b", message)
+        if option and where != "lightship":
+            # the README's `lightship --verbose export`, typed after the command
+            message = (  # not click's "Possible options: --opset"
+                f"No such option: {option.group(1)}: it goes before the command, "
+                f"`lightship {option.group(1)} {where.removeprefix('lightship ')} ...`"
+            )
         extra = re.fullmatch(r"Got unexpected extra argument(?:\(s\)|s)? \((\S+)\)", message)
         takes_run = ctx is not None and any("--run" in p.opts for p in ctx.command.params)
         if extra and takes_run and not extra.group(1).startswith("-"):
@@ -421,6 +449,22 @@ def _invoke(argv: list[str] | None = None) -> int:
         print(interrupt_message(), file=sys.stderr)
         return interrupt_exit_code()
     return code if isinstance(code, int) else 0
+
+
+def _command_path(argv: list[str] | None) -> str:
+    """`lightship quantize` (or `lightship bench serve`) from the command line, for a usage
+    error click raises without a context (an option missing its value): its fix named the
+    top-level help."""
+    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
+    path = ["lightship"]
+    group: Any = typer.main.get_command(app)
+    for word in words:
+        commands = getattr(group, "commands", None)
+        if not commands or word not in commands:
+            break
+        path.append(word)
+        group = commands[word]
+    return " ".join(path)
 
 
 def _done() -> None:

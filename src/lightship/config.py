@@ -48,6 +48,14 @@ class Section(BaseModel):
                         "and on/off as such)",
                         {"names": _either(names)},
                     )
+                kinds = {annotation, *get_args(annotation)}
+                if kinds & {str, Path} and not kinds & {int, float}:
+                    # `model.name=no`, `data.path=off`: said as a number
+                    raise PydanticCustomError(
+                        "bool_type",
+                        "Input should be text, not true/false (YAML reads true/false, yes/no and "
+                        "on/off as such): quote the word in the YAML, as 'no'",
+                    )
                 raise PydanticCustomError("bool_type", "Input should be a number, not true/false")
         return value
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightship import __version__
-from lightship.errors import RunBusyError, RunError
+from lightship.errors import ConfigError, RunBusyError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +349,10 @@ def run_path(value: str | Path) -> Path:
     string would silently mean the current folder, so it is refused."""
     if isinstance(value, str) and not value.strip():
         raise RunError("a run directory cannot be empty: give one, e.g. --run runs/default")
+    if str(value).startswith("~"):
+        # `--run=~/x` (bash expands no ~ after `=`), LIGHTSHIP_RUN=~/x in an env file: a folder
+        # named `~` was made, and its fix, pasted, made it
+        value = Path(value).expanduser()
     try:
         str(value).encode("utf-8")
     except UnicodeEncodeError:  # bytes that are no UTF-8, as Python decodes argv
@@ -517,13 +521,49 @@ def export_hint(model: Path) -> str:
     return RunDir(run).make_hint(variant_of(model)) if run else "export it first"
 
 
+def results_file(value: str | Path) -> Path:
+    """Typer parser of a benchmark's --out, a JSON file: a folder given for it was "a folder
+    where a file goes: move it away", the folder being /tmp."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise ConfigError(
+            f"--out takes a file for the results, and {path} is a folder: give a file in it, "
+            f"e.g. --out {shlex.quote(str(path / 'results.json'))}"
+        )
+    return path
+
+
+# The folders a run's stages make in it
+RUN_FOLDERS = ("checkpoints", "logs", "export", "quantize", "report")
+
+
+def run_of_folder(path: Path) -> Path | None:
+    """The run whose own folder `path` is (RUN/export, RUN/checkpoints, ...), where given as a
+    run it was taken for a new one: `quantize --run R/export` said to train R/export, and
+    `train --run R/checkpoints` trained a whole run among R's checkpoints."""
+    if path.name not in RUN_FOLDERS or not path.is_dir():
+        return None
+    if (path / "manifest.json").is_file() or (path / "checkpoints").is_dir():
+        return None  # a run of its own, named so
+    parent = path.parent
+    run = (parent / "manifest.json").is_file() or (parent / "best.ckpt").is_file()
+    return parent if run or (parent / "checkpoints").is_dir() else None
+
+
 def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
     """Typer parser of a stage's run-directory `option`: as `run_path`, and a file (a model, a
-    config) is refused, naming the run it lies in, where it would be taken for a run directory
-    not made yet. Not for `serve --run`, which serves a lone model file."""
+    config) or a run's own folder is refused, naming the run it lies in, where it would be
+    taken for a run directory not made yet. Not for `serve --run`, which serves a lone model
+    file (and says the same of a run's folder itself)."""
 
     def parse(value: str | Path) -> Path:
         path = run_path(value)
+        owner = run_of_folder(path)
+        if owner is not None:
+            raise RunError(
+                f"{option} takes a run directory: {path} is run {owner}'s {path.name} folder; "
+                f"give {option} {shlex.quote(str(owner))}"
+            )
         if not path.is_file():
             return path
         run = enclosing_run(path)

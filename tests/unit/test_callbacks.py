@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightship.callbacks import EpochBar, WarmupEMA
+from lightship.callbacks import EpochBar, EpochSummary, WarmupEMA
 
 
 class One(pl.LightningModule):
@@ -105,3 +105,21 @@ def test_resuming_a_run_from_before_warmup_ema_asks_for_no_callback() -> None:
         "Please add the following callbacks: ['MyCallback'].",
         "Please add the following callbacks: ['EMAWeightAveraging'].",
     ]
+
+
+def test_the_epoch_lines_count_epochs_as_the_progress_bar_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A log's last epoch of max_epochs=4 said "epoch   3", where the bar says "Epoch 4/4"."""
+    trainer = SimpleNamespace(
+        sanity_checking=False,
+        is_global_zero=True,
+        current_epoch=3,
+        max_epochs=4,
+        global_step=12,
+        callback_metrics={"val_acc": torch.tensor(0.5), "train_loss": torch.tensor(1.25)},
+    )
+    EpochSummary().on_validation_epoch_end(trainer, None)  # type: ignore[arg-type]
+    assert (
+        capsys.readouterr().out == "epoch     4/4  step     12  train_loss 1.2500  val_acc 0.5000\n"
+    )

@@ -267,6 +267,17 @@ def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -
             "unable to parse string as an integer",
         ),
         (["nosuch"], "No such command 'nosuch'"),
+        # the README's `lightship --verbose export`, typed after the command: click's hint was
+        # "(Possible options: --opset)"
+        (
+            ["export", "--verbose", "--run", "r"],
+            "No such option: --verbose: it goes before the command, `lightship --verbose export "
+            "...`",
+        ),
+        (["quantize", "-v"], "No such option: -v: it goes before the command, `lightship -v q"),
+        # an option without its value: its fix named `lightship --help`
+        (["quantize", "--gate"], "Option '--gate' requires an argument"),
+        (["bench", "serve", "--out"], "Option '--out' requires an argument"),
     ],
 )
 def test_usage_errors_are_one_line(
@@ -274,12 +285,24 @@ def test_usage_errors_are_one_line(
 ) -> None:
     assert cli._invoke(argv) == 2
     where = "lightship" if argv == ["nosuch"] else f"lightship {argv[0]}"
-    assert capsys.readouterr().err == f"error: {message}; see `{where} --help`\n"
+    where += " serve" if argv[0] == "bench" else ""
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.endswith(f"; see `{where} --help`\n")
+    assert err.count("\n") == 1
 
 
 def test_help_still_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli._invoke(["report", "--help"]) == 0
     assert "--rounds" in capsys.readouterr().out
+    assert cli._invoke(["report", "-h"]) == 0  # as most command lines take it
+    assert "--rounds" in capsys.readouterr().out
+
+
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightship import __version__
+
+    assert cli._invoke(["--version"]) == 0
+    assert capsys.readouterr().out == f"lightship {__version__}\n"
 
 
 @pytest.mark.parametrize(
@@ -634,3 +657,18 @@ def test_sigterm_while_the_cli_is_imported_ends_it_at_once() -> None:
     )
     assert (proc.returncode, proc.stdout) == (143, ""), proc.stderr
     assert 'lightship = "lightship._start:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("argv", [["bench", "train"], ["bench", "serve"]])
+def test_a_benchmarks_out_given_a_folder_asks_for_a_file(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "/tmp is a folder where a file goes: move it away and run again"
+    from lightship.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        cli._invoke([*argv, "--out", str(tmp_path)])
+    assert str(err.value) == (
+        f"--out takes a file for the results, and {tmp_path} is a folder: give a file in it, "
+        f"e.g. --out {tmp_path / 'results.json'}"
+    )

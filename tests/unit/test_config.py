@@ -100,6 +100,19 @@ def test_a_word_yaml_reads_as_true_or_false_for_a_choice_names_the_choices(
     )
 
 
+@pytest.mark.parametrize("setting", ["model.name=no", "data.path=off"])
+def test_a_word_yaml_reads_as_true_or_false_for_text_says_to_quote_it(setting: str) -> None:
+    # it said "Input should be a number, not true/false" of keys that take a name or a path
+    key, _, _ = setting.partition("=")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [setting, "data.source=folder"])
+    assert str(err.value) == (
+        f"--set: '{key}' = False: Input should be text, not true/false (YAML reads true/false, "
+        f"yes/no and on/off as such): quote the word in the YAML, as 'no'; fix it with --set "
+        f"{key}=..."
+    )
+
+
 def test_bad_literal_lists_choices() -> None:
     with pytest.raises(ConfigError, match="'32', 'bf16-mixed' or '16-mixed'"):
         load_config(None, ["trainer.precision=64"])

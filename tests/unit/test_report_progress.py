@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 
@@ -24,3 +26,25 @@ def test_report_prints_one_line_per_round_without_a_terminal(
     assert proc.stdout.splitlines()[-1] == (
         f"next: make serve RUN={run}   (or `lightship serve --run {run}`)"
     ), proc.stdout
+
+
+def test_a_dumb_terminal_gets_the_lines_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TERM=dumb on a terminal: rich draws no bar there, and the report showed nothing until
+    its table."""
+    from rich.console import Console
+
+    from lightship.report.core import _progress
+
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))
+    with _progress(["a", "b"], 2) as on_step:
+        for r in range(2):
+            on_step("a", r)
+            on_step("b", r)
+    assert capsys.readouterr().err.splitlines() == [
+        "measuring 2 variants, 2 rounds: a, b",
+        "measured round 1/2",
+        "measured round 2/2",
+    ]

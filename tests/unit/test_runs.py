@@ -928,3 +928,56 @@ def test_ctrl_c_out_of_a_stage_called_from_python_carries_how_to_go_on(
         raise KeyboardInterrupt  # stopped before it knew what to say
     assert not hasattr(stopped.value, "__notes__")
     assert interrupt_message() == "interrupted"
+
+
+def test_a_runs_own_folder_given_as_a_run_names_the_run(tmp_path: Path) -> None:
+    """`quantize --run R/export` said to train R/export, and `train --run R/checkpoints`
+    trained a whole run among R's checkpoints."""
+    from lightship.serve.model import choose
+    from lightship.serve.settings import ServeSettings
+
+    run = tmp_path / "r1"
+    for folder in ("checkpoints", "export"):
+        (run / folder).mkdir(parents=True)
+    (run / "manifest.json").write_text('{"schema": 1, "artifacts": {}}')
+    parse = runs.run_dir_parser("--run")
+    for folder in ("checkpoints", "export"):
+        with pytest.raises(RunError) as err:
+            parse(str(run / folder))
+        assert str(err.value) == (
+            f"--run takes a run directory: {run / folder} is run {run}'s {folder} folder; give "
+            f"--run {run}"
+        )
+    with pytest.raises(RunError, match=f"is run {run}'s export folder: give --run .LIGHTSHIP"):
+        choose(ServeSettings(run=run / "export"))
+    # a run named so in a folder of runs, and one of a run's folders that is a run itself
+    (tmp_path / "export").mkdir()
+    assert parse(str(tmp_path / "export")) == tmp_path / "export"
+    (run / "export" / "checkpoints").mkdir()
+    assert parse(str(run / "export")) == run / "export"
+
+
+def test_a_run_given_with_a_tilde_is_the_home_folders(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--run=~/x`: bash expands no ~ after `=`, and a folder named `~` was made in the cwd
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert runs.run_path("~/runs/a") == Path("/home/someone/runs/a")
+    assert runs.run_dir_parser("--run")("~/runs/a") == Path("/home/someone/runs/a")
+    assert runs.run_path("runs/~a") == Path("runs/~a")
+
+
+def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -> None:
+    """Its checkpoints/ and logs/ went among the class folders: the next training refused the
+    data, "2 of 12 classes have no images ('checkpoints', 'logs')"."""
+    from lightship.config import load_config
+    from lightship.errors import ConfigError
+    from lightship.runs import RunDir
+    from lightship.train.fit import _check_run_outside_data
+
+    images = tmp_path / "imgs"
+    (images / "cat").mkdir(parents=True)
+    cfg = load_config(None, ["data.source=folder", f"data.path={images}"])
+    for run in (images, images / "run"):
+        with pytest.raises(ConfigError, match="lies in the image folder it would train on"):
+            _check_run_outside_data(cfg, RunDir(run))
+    _check_run_outside_data(cfg, RunDir(tmp_path / "runs" / "a"))  # beside it: fine
+    _check_run_outside_data(cfg, RunDir(tmp_path))  # the data inside the run: fine

@@ -303,7 +303,8 @@ class FreezeLate(Callback):
             self.checkpoint.best_model_score = None
         net = pl_module.net
         if isinstance(net, ExportedNet) and not net.frozen:
-            log.info("QAT epoch %d: observers off, batch-norm statistics frozen", self.at)
+            # counted from 1, as the epoch lines and the progress bar count them
+            log.info("QAT epoch %d: observers off, batch-norm statistics frozen", self.at + 1)
             net.freeze()
 
 

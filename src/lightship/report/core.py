@@ -89,7 +89,7 @@ def _progress(names: list[str], rounds: int) -> Iterator[Callable[[str, int], No
     from rich.progress import Progress
 
     console = Console(stderr=True)
-    if console.is_terminal:
+    if console.is_terminal and not console.is_dumb_terminal:  # TERM=dumb: rich draws no bar
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("measuring variants", total=len(names) * rounds)
             yield lambda name, r: bar.update(task, advance=1, description=f"round {r + 1}: {name}")

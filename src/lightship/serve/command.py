@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lightship.runs import run_dir_parser, run_path
+from lightship.runs import results_file, run_dir_parser, run_path
 
 ENV = "env LIGHTSHIP_"
 
@@ -100,7 +100,9 @@ def serve(
             f"(best.ckpt, the report's eager) ({ENV}VARIANT)"
         ),
     ] = None,
-    device: Annotated[str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE)")] = None,
+    device: Annotated[
+        str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE; cpu)")
+    ] = None,
     host: Annotated[str | None, typer.Option(help=f"({ENV}HOST; default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help=f"({ENV}PORT; default 8000)")] = None,
     model_name: Annotated[
@@ -270,9 +272,10 @@ def bench_serve(
         ),
     ] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N, for both")] = "cpu",
-    out: Annotated[Path, typer.Option(help="JSON file for the results")] = Path(
-        "runs/bench/serve.json"
-    ),
+    out: Annotated[
+        Path,
+        typer.Option(help="JSON file for the results", parser=results_file, metavar="<file>"),
+    ] = Path("runs/bench/serve.json"),
 ) -> None:
     """Serving throughput and latency with wrk, beside in-process and no-model ceilings.
 

@@ -24,6 +24,7 @@ from lightship.runs import (
     enclosing_run,
     export_hint,
     make_elsewhere,
+    run_of_folder,
     variant_of,
 )
 from lightship.runtime import Predictor, load_predictor
@@ -230,6 +231,12 @@ def choose(settings: ServeSettings) -> ServedModel:
         raise RunError(
             f"{target} has no best.ckpt yet: run {run.train_command()}, then "
             f"{run.command('export')}"
+        )
+    owner = run_of_folder(target)
+    if owner is not None:
+        raise RunError(
+            f"{target} is run {owner}'s {target.name} folder: give --run (LIGHTSHIP_RUN) the "
+            f"run, {owner}, or one model file in it"
         )
     if not any((target / name).exists() for name in RUN_CONTENTS):
         # e.g. the empty folder Docker mounts for a -v host path that does not exist

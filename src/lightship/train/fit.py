@@ -392,6 +392,21 @@ def _check_resume_steps(
         )
 
 
+def _check_run_outside_data(cfg: Config, run: RunDir) -> None:
+    """A run in the image folder it trains on (`--run imgs --set data.path=imgs`) wrote its
+    checkpoints/ and logs/ among the class folders: the next training read them as classes
+    with no images, and refused the data."""
+    if cfg.data.source != "folder" or cfg.data.path is None:
+        return
+    data, root = cfg.data.path.expanduser().resolve(), run.root.resolve()
+    if root == data or data in root.parents:
+        raise ConfigError(
+            f"the run directory {run.root} lies in the image folder it would train on "
+            f"(data.path={cfg.data.path}): its checkpoints/ and logs/ would be read as classes; "
+            "give a run directory outside the data, e.g. --run runs/NAME"
+        )
+
+
 def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -> None:
     """A model that builds may still be unable to train: catch it before anything is written.
     It runs on 2 images and on 1 (a `squeeze()` drops the batch axis of one image only:
@@ -743,6 +758,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     for note in cfg.sources.notes:
         print(note, flush=True)
     _check_runtime_config(cfg)
+    _check_run_outside_data(cfg, run)
     resumed = _resume_checkpoint(run) if resume else None
     schedule_checked = True
     own = False  # resumed with the run's own config.yaml, as it is
