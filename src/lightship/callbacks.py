@@ -197,8 +197,9 @@ class EpochBar(RichProgressBar):
 
 def progress(mode: str) -> tuple[bool, list[Callback]]:
     """(enable Lightning's bar, callbacks): rich on a terminal, one line per epoch elsewhere."""
-    if mode == "auto":
-        mode = "rich" if sys.stderr.isatty() else "none"
+    if mode == "auto":  # TERM=dumb: rich draws no bar there, and the log had no epoch lines
+        dumb = os.environ.get("TERM", "").lower() in ("dumb", "unknown")
+        mode = "rich" if sys.stderr.isatty() and not dumb else "none"
     if mode == "rich":
         return True, [EpochBar()]
     return False, [EpochSummary()]

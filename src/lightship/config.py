@@ -10,7 +10,8 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -48,13 +49,19 @@ class Section(BaseModel):
                         "and on/off as such)",
                         {"names": _either(names)},
                     )
-                kinds = {annotation, *get_args(annotation)}
+                # the types a union allows (a dict[str, Any]'s arguments are no choice)
+                union = get_origin(annotation) in (Union, UnionType)
+                kinds = set(get_args(annotation)) if union else {annotation}
+                if any(k is dict or get_origin(k) is dict for k in kinds):
+                    raise PydanticCustomError(
+                        "bool_type", "Input should be a mapping {key: value}, not true/false"
+                    )
                 if kinds & {str, Path} and not kinds & {int, float}:
-                    # `model.name=no`, `data.path=off`: said as a number
+                    # `model.name=no`, `data.path=off`: it was said to want a number
                     raise PydanticCustomError(
                         "bool_type",
                         "Input should be text, not true/false (YAML reads true/false, yes/no and "
-                        "on/off as such): quote the word in the YAML, as 'no'",
+                        "on/off as such): quote the word to keep it text, as \"'off'\"",
                     )
                 raise PydanticCustomError("bool_type", "Input should be a number, not true/false")
         return value

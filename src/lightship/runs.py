@@ -344,15 +344,26 @@ def check_space(folder: Path, needed: int, what: str) -> None:
         )
 
 
+def home_expanded(value: str | Path) -> Path:
+    """`value` with a leading `~` or `~user` expanded, as a shell would have: `--run=~/x` (bash
+    expands no ~ after `=`) and LIGHTSHIP_RUN=~/x in an env file made a folder named `~`, and
+    the fix printed, pasted, made it again. A user with no home is left as written (said
+    missing where it is looked for)."""
+    path = Path(value)
+    if not str(value).startswith("~"):
+        return path
+    try:
+        return path.expanduser()
+    except RuntimeError:  # "Could not determine home directory"
+        return path
+
+
 def run_path(value: str | Path) -> Path:
     """Typer parser for run-directory options (given as text, or the default Path): an empty
     string would silently mean the current folder, so it is refused."""
     if isinstance(value, str) and not value.strip():
         raise RunError("a run directory cannot be empty: give one, e.g. --run runs/default")
-    if str(value).startswith("~"):
-        # `--run=~/x` (bash expands no ~ after `=`), LIGHTSHIP_RUN=~/x in an env file: a folder
-        # named `~` was made, and its fix, pasted, made it
-        value = Path(value).expanduser()
+    value = home_expanded(value)
     try:
         str(value).encode("utf-8")
     except UnicodeEncodeError:  # bytes that are no UTF-8, as Python decodes argv
@@ -524,7 +535,7 @@ def export_hint(model: Path) -> str:
 def results_file(value: str | Path) -> Path:
     """Typer parser of a benchmark's --out, a JSON file: a folder given for it was "a folder
     where a file goes: move it away", the folder being /tmp."""
-    path = Path(value).expanduser()
+    path = home_expanded(value)
     if path.is_dir():
         raise ConfigError(
             f"--out takes a file for the results, and {path} is a folder: give a file in it, "
@@ -538,16 +549,21 @@ RUN_FOLDERS = ("checkpoints", "logs", "export", "quantize", "report")
 
 
 def run_of_folder(path: Path) -> Path | None:
-    """The run whose own folder `path` is (RUN/export, RUN/checkpoints, ...), where given as a
-    run it was taken for a new one: `quantize --run R/export` said to train R/export, and
-    `train --run R/checkpoints` trained a whole run among R's checkpoints."""
-    if path.name not in RUN_FOLDERS or not path.is_dir():
+    """The run whose own folder `path` is (RUN/export, RUN/checkpoints, ... made or not yet),
+    where given as a run it was taken for a new one: `quantize --run R/export` said to train
+    R/export, and `train --run R/checkpoints` trained a whole run among R's checkpoints. `.`
+    from inside R/export too; said relative where `path` was."""
+    whole = Path(os.path.abspath(path))  # `.`, `x/..`: the folder they name
+    if whole.name not in RUN_FOLDERS:
         return None
-    if (path / "manifest.json").is_file() or (path / "checkpoints").is_dir():
+    if (whole / "manifest.json").is_file() or (whole / "checkpoints").is_dir():
         return None  # a run of its own, named so
-    parent = path.parent
-    run = (parent / "manifest.json").is_file() or (parent / "best.ckpt").is_file()
-    return parent if run or (parent / "checkpoints").is_dir() else None
+    parent = whole.parent
+    # a run: trained (best.ckpt, its manifest), or stopped before its best (last.ckpt)
+    marks = ("manifest.json", "best.ckpt", "checkpoints/last.ckpt")
+    if not any((parent / mark).is_file() for mark in marks):
+        return None
+    return parent if path.is_absolute() else Path(os.path.relpath(parent))
 
 
 def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
@@ -561,7 +577,8 @@ def run_dir_parser(option: str) -> Callable[[str | Path], Path]:
         owner = run_of_folder(path)
         if owner is not None:
             raise RunError(
-                f"{option} takes a run directory: {path} is run {owner}'s {path.name} folder; "
+                f"{option} takes a run directory: {path} is run {owner}'s "
+                f"{Path(os.path.abspath(path)).name} folder; "
                 f"give {option} {shlex.quote(str(owner))}"
             )
         if not path.is_file():

@@ -123,3 +123,18 @@ def test_the_epoch_lines_count_epochs_as_the_progress_bar_does(
     assert (
         capsys.readouterr().out == "epoch     4/4  step     12  train_loss 1.2500  val_acc 0.5000\n"
     )
+
+
+def test_a_dumb_terminal_gets_the_epoch_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TERM=dumb on a terminal: rich draws its bar as one line at the end, and the log had no
+    line while it trained."""
+    import sys
+
+    from lightship.callbacks import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm")
+    assert isinstance(progress("auto")[1][0], EpochBar)
+    monkeypatch.setenv("TERM", "dumb")
+    show, (callback,) = progress("auto")
+    assert not show and isinstance(callback, EpochSummary)

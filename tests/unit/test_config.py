@@ -100,17 +100,24 @@ def test_a_word_yaml_reads_as_true_or_false_for_a_choice_names_the_choices(
     )
 
 
-@pytest.mark.parametrize("setting", ["model.name=no", "data.path=off"])
+@pytest.mark.parametrize("setting", ["model.name=no", "data.path=off", "model.kwargs=no"])
 def test_a_word_yaml_reads_as_true_or_false_for_text_says_to_quote_it(setting: str) -> None:
-    # it said "Input should be a number, not true/false" of keys that take a name or a path
+    # it said "Input should be a number, not true/false" of keys that take a name, a path or a
+    # mapping
     key, _, _ = setting.partition("=")
     with pytest.raises(ConfigError) as err:
         load_config(None, [setting, "data.source=folder"])
-    assert str(err.value) == (
-        f"--set: '{key}' = False: Input should be text, not true/false (YAML reads true/false, "
-        f"yes/no and on/off as such): quote the word in the YAML, as 'no'; fix it with --set "
-        f"{key}=..."
+    wanted = (
+        "a mapping {key: value}, not true/false"
+        if key == "model.kwargs"
+        else "text, not true/false (YAML reads true/false, yes/no and on/off as such): quote the "
+        "word to keep it text, as \"'off'\""
     )
+    assert str(err.value) == (
+        f"--set: '{key}' = False: Input should be {wanted}; fix it with --set {key}=..."
+    )
+    if key == "model.name":  # quoted, it is the text
+        assert load_config(None, [f"{key}='off'"]).model.name == "off"
 
 
 def test_bad_literal_lists_choices() -> None:

@@ -930,7 +930,9 @@ def test_ctrl_c_out_of_a_stage_called_from_python_carries_how_to_go_on(
     assert interrupt_message() == "interrupted"
 
 
-def test_a_runs_own_folder_given_as_a_run_names_the_run(tmp_path: Path) -> None:
+def test_a_runs_own_folder_given_as_a_run_names_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`quantize --run R/export` said to train R/export, and `train --run R/checkpoints`
     trained a whole run among R's checkpoints."""
     from lightship.serve.model import choose
@@ -950,11 +952,21 @@ def test_a_runs_own_folder_given_as_a_run_names_the_run(tmp_path: Path) -> None:
         )
     with pytest.raises(RunError, match=f"is run {run}'s export folder: give --run .LIGHTSHIP"):
         choose(ServeSettings(run=run / "export"))
+    # one not made yet, and `.` from inside one (said relative, as given)
+    with pytest.raises(RunError, match=f"is run {run}'s report folder; give --run {run}$"):
+        parse(str(run / "report"))
+    monkeypatch.chdir(run / "export")
+    with pytest.raises(RunError, match=r"\. is run \.\.'s export folder; give --run \.\.$"):
+        parse(".")
     # a run named so in a folder of runs, and one of a run's folders that is a run itself
     (tmp_path / "export").mkdir()
     assert parse(str(tmp_path / "export")) == tmp_path / "export"
     (run / "export" / "checkpoints").mkdir()
     assert parse(str(run / "export")) == run / "export"
+    # a project folder with an empty checkpoints/ is no run: its logs/ may be one
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    assert parse(str(project / "logs")) == project / "logs"
 
 
 def test_a_run_given_with_a_tilde_is_the_home_folders(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -963,6 +975,13 @@ def test_a_run_given_with_a_tilde_is_the_home_folders(monkeypatch: pytest.Monkey
     assert runs.run_path("~/runs/a") == Path("/home/someone/runs/a")
     assert runs.run_dir_parser("--run")("~/runs/a") == Path("/home/someone/runs/a")
     assert runs.run_path("runs/~a") == Path("runs/~a")
+    # a user with no home: as written (a traceback, "Could not determine home directory")
+    assert runs.run_path("~nosuchuser-x/a") == Path("~nosuchuser-x/a")
+    # LIGHTSHIP_RUN=~/x in an env file, as --run
+    from lightship.serve.settings import ServeSettings
+
+    monkeypatch.setenv("LIGHTSHIP_RUN", "~/runs/a")
+    assert ServeSettings().run == Path("/home/someone/runs/a")
 
 
 def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -> None:
@@ -980,4 +999,5 @@ def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -
         with pytest.raises(ConfigError, match="lies in the image folder it would train on"):
             _check_run_outside_data(cfg, RunDir(run))
     _check_run_outside_data(cfg, RunDir(tmp_path / "runs" / "a"))  # beside it: fine
+    _check_run_outside_data(cfg, RunDir(images / ".runs" / "a"))  # hidden: the loader skips it
     _check_run_outside_data(cfg, RunDir(tmp_path))  # the data inside the run: fine

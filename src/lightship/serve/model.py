@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -235,8 +236,8 @@ def choose(settings: ServeSettings) -> ServedModel:
     owner = run_of_folder(target)
     if owner is not None:
         raise RunError(
-            f"{target} is run {owner}'s {target.name} folder: give --run (LIGHTSHIP_RUN) the "
-            f"run, {owner}, or one model file in it"
+            f"{target} is run {owner}'s {Path(os.path.abspath(target)).name} folder: give --run "
+            f"(LIGHTSHIP_RUN) the run, {owner}, or one model file in it"
         )
     if not any((target / name).exists() for name in RUN_CONTENTS):
         # e.g. the empty folder Docker mounts for a -v host path that does not exist

@@ -138,7 +138,10 @@ class ServeSettings(BaseSettings):
             raise ValueError(
                 "run is empty: give a run directory or a model file, e.g. runs/default"
             )
-        return value
+        from lightship.runs import home_expanded
+
+        # LIGHTSHIP_RUN=~/x in an env file, as --run=~/x: no shell expands it
+        return home_expanded(value) if isinstance(value, (str, Path)) else value
 
     @field_validator("log_level", "device", "isa_check", mode="before")
     @classmethod

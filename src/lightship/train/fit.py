@@ -400,6 +400,8 @@ def _check_run_outside_data(cfg: Config, run: RunDir) -> None:
         return
     data, root = cfg.data.path.expanduser().resolve(), run.root.resolve()
     if root == data or data in root.parents:
+        if any(part.startswith(".") for part in root.relative_to(data).parts):
+            return  # under a hidden folder (imgs/.runs/r1), which the image loader skips
         raise ConfigError(
             f"the run directory {run.root} lies in the image folder it would train on "
             f"(data.path={cfg.data.path}): its checkpoints/ and logs/ would be read as classes; "
