@@ -182,7 +182,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _held_stop_signals() -> Iterator[None]:
+def held_stop_signals() -> Iterator[None]:
     """SIGINT and SIGTERM held back until the block ends, then the last one raised: each stop
     signal's handler records its own outside (`interrupt_exit_code`), so SIGINT, then SIGTERM,
     exits 143 here too. Nested, the inner block's signal is raised into the outer's hold.
@@ -209,7 +209,7 @@ def _held_stop_signals() -> Iterator[None]:
 def _replace_all(pairs: list[tuple[Path, Path]], done: str = "") -> None:
     """Rename each (temporary, final) pair into place, in order, and sync their folders, with
     SIGINT and SIGTERM held back until the last is in place, and `done` noted for the CLI."""
-    with _held_stop_signals():
+    with held_stop_signals():
         for tmp, final in pairs:
             os.replace(tmp, final)
         if done:  # before the sync, which may fail: the files are in place all the same
@@ -231,7 +231,7 @@ def then_held() -> Iterator[Callable[..., None]]:
 
         def then(call: Callable[..., None], *args: Any) -> None:
             if not calls:
-                stack.enter_context(_held_stop_signals())
+                stack.enter_context(held_stop_signals())
             calls.append((call, args))
 
         yield then
@@ -603,6 +603,8 @@ def _inside_run(name: object) -> bool:
 
 LOCK_FILE = ".lock"
 SET_ASIDE_PREFIX = ".previous."
+# In a set-aside folder once all it holds has been moved there (`RunDir.put_back`)
+SET_ASIDE_DONE = ".done"
 # The run directories this process holds locked, each with the thread holding it and its
 # command: a stage that runs another in-process (same thread) takes the lock again without
 # waiting on itself; another thread of the process is refused, as another process is.
@@ -642,7 +644,10 @@ def _acquire(root: Path, create: bool) -> int | None:
                 root.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         except OSError:
-            return None
+            try:  # another user's .lock (0644 in a shared run): flock takes a read-only one
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # none, and none can be made: a read-only run, or no run at all
+                return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1070,10 +1075,18 @@ class RunDir:
 
     def put_back(self, folder: Path) -> None:
         """The checkpoints and config.yaml set aside in `folder` replace the ones a training
-        wrote since, and the folder goes: the run is as it was before that training."""
-        for new in self.checkpoints.glob("*.ckpt"):
-            new.unlink()
-        for old in folder.iterdir():
+        wrote since, and the folder goes: the run is as it was before that training. Only a
+        folder filled whole (`SET_ASIDE_DONE` in it) says the checkpoints beside it are new:
+        one still being filled, or being put back, when its process was stopped has old ones
+        beside it, which were deleted. last.ckpt goes back last: a folder that still holds it
+        is not put back yet (`recover_set_aside`)."""
+        done = folder / SET_ASIDE_DONE
+        if done.is_file():
+            for new in self.checkpoints.glob("*.ckpt"):
+                new.unlink()
+            done.unlink()
+        kept = sorted(folder.iterdir(), key=lambda old: old.name == self.last_ckpt.name)
+        for old in kept:
             os.replace(old, self.config if old.suffix == ".yaml" else self.checkpoints / old.name)
         folder.rmdir()
 

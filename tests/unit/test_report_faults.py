@@ -433,3 +433,22 @@ def test_report_gives_the_callers_allocator_back_measured_or_not(
     with pytest.raises(KeyboardInterrupt):
         report(RunDir(run), FAST)
     assert calls == ["kept", "given back"] * 2
+
+
+def test_a_full_disk_is_said_before_the_timing_not_after_it(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report timed every variant (a minute), then failed on "no space left ... writing a
+    file"."""
+    from lightship import runs
+
+    usage = shutil.disk_usage(run)
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda _: usage._replace(free=40_000))
+    timed: list[str] = []
+    monkeypatch.setattr(report_core, "measure", lambda *a, **k: timed.append("timed"))
+    with pytest.raises(RunError) as err:
+        report(run)
+    assert str(err.value) == (
+        f"report needs about 2 MB in {run} but 40 kB are free: make room and run again"
+    )
+    assert not timed

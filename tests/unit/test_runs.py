@@ -1001,3 +1001,28 @@ def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -
     _check_run_outside_data(cfg, RunDir(tmp_path / "runs" / "a"))  # beside it: fine
     _check_run_outside_data(cfg, RunDir(images / ".runs" / "a"))  # hidden: the loader skips it
     _check_run_outside_data(cfg, RunDir(tmp_path))  # the data inside the run: fine
+
+
+def test_a_lock_file_this_user_cannot_write_still_locks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's .lock (0644) in a shared run: it could not be opened for writing, and the
+    stage ran unlocked, beside another that read and wrote the same manifest."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / runs.LOCK_FILE).write_text("")
+    opened = os.open
+
+    def not_for_writing(path: Any, flags: int, *args: Any) -> int:
+        if str(path).endswith(runs.LOCK_FILE) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, flags, *args)
+
+    monkeypatch.setattr(runs.os, "open", not_for_writing)
+    with runs.lock_run(run, "lightship export"):
+        other = opened(run / runs.LOCK_FILE, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)

@@ -329,3 +329,72 @@ def test_ctrl_c_in_fit_called_from_python_ends_its_traceback_with_how_to_resume(
         f"interrupted: the training finished; resume with {RunDir(run).train_command()} to "
         "evaluate it and write best.ckpt"
     ]
+
+
+def _old_run(tmp_path: Path) -> tuple[RunDir, dict[str, bytes]]:
+    """A run with three checkpoints and a config.yaml, each file its own bytes."""
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    for name in ("epoch=02.ckpt", "epoch=03.ckpt", "last.ckpt"):
+        (run.checkpoints / name).write_bytes(name.encode())
+    run.config.write_text("old: config\n")
+    return run, {**{p.name: p.read_bytes() for p in run.checkpoints.iterdir()}, "config": b""}
+
+
+def _contents(run: RunDir) -> dict[str, bytes]:
+    return {**{p.name: p.read_bytes() for p in run.checkpoints.iterdir()}, "config": b""}
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_a_stop_while_the_old_checkpoints_are_set_aside_keeps_every_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    """Ctrl-C between two of the moves: those not moved yet were deleted as a failed
+    training's own, and the run was said to be "as it was" with last.ckpt alone left."""
+    fit = importlib.import_module("lightship.train.fit")  # `lightship.train.fit` is the function
+    run, before = _old_run(tmp_path)
+    moves = 0
+    replace = os.replace
+
+    def stopped(src: object, dst: object) -> None:
+        nonlocal moves
+        replace(src, dst)  # type: ignore[arg-type]
+        moves += 1
+        if moves == at:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(fit.os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt), fit._replacing_previous(run, keep=False):
+        raise AssertionError("the stop is raised once the checkpoints are all set aside")
+    monkeypatch.setattr(fit.os, "replace", replace)
+    assert _contents(run) == before
+    assert run.config.read_text() == "old: config\n"
+    assert not list(run.root.glob(".previous.*"))
+
+
+def test_what_a_kill_left_half_set_aside_or_half_put_back_goes_back_whole(
+    tmp_path: Path,
+) -> None:
+    """kill -9 while a stash was filled (or emptied): the next training's recovery deleted
+    the old checkpoints still beside it as if a training had written them."""
+    run, before = _old_run(tmp_path)
+    # filled as far as last.ckpt: the other checkpoints were still beside it
+    stash = run.set_aside()
+    os.replace(run.last_ckpt, stash / "last.ckpt")
+    assert run.recover_set_aside() is not None
+    assert _contents(run) == before and not stash.exists()
+    # put back as far as one checkpoint: last.ckpt goes back last
+    stash = run.set_aside()
+    for name in ("last.ckpt", "epoch=03.ckpt"):
+        os.replace(run.checkpoints / name, stash / name)
+    os.replace(run.config, stash / "config.yaml")
+    assert run.recover_set_aside() is not None
+    assert _contents(run) == before and run.config.read_text() == "old: config\n"
+    # filled whole, and the training wrote a checkpoint of its own but no last.ckpt: it goes
+    stash = run.set_aside()
+    for old in list(run.checkpoints.iterdir()):
+        os.replace(old, stash / old.name)
+    (stash / runs.SET_ASIDE_DONE).touch()
+    (run.checkpoints / "epoch=00.ckpt").write_bytes(b"new")
+    assert run.recover_set_aside() is not None
+    assert _contents(run) == before and not list(run.root.glob(".previous.*"))

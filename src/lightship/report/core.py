@@ -38,6 +38,7 @@ from lightship.runs import (
     RunLike,
     as_run,
     atomic_paths,
+    check_space,
     check_writable,
     lock_run,
     note_interrupt,
@@ -138,6 +139,11 @@ def _recorded_gate(entries: list[dict[str, Any]]) -> float:
     return gates[-1] if gates else DEFAULT_GATE
 
 
+# Room the report's files need, with a margin: report.json and report.md grow with the
+# variants, pareto.png with nothing
+REPORT_ROOM = 2_000_000
+
+
 def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     threads = s.threads or physical_cores()
     ckpt = run.artifact("checkpoint")
@@ -145,6 +151,9 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         raise run.unrecorded("export", "quantize")
     outputs = [run.root / f for f in REPORT_FILES]  # json, md, png: what a new artifact removes
     check_writable(*outputs)
+    # Before minutes of timing, not after them ("no space left ... writing a file"): the
+    # files take ~50 kB (digits), each written beside the old one before it replaces it
+    check_space(run.root, REPORT_ROOM, "report")
     left_out: dict[str, str] = {}
     found = candidates(run, threads, left_out)
     gate = s.gate if s.gate is not None else _recorded_gate([c.entry for c in found])

@@ -54,6 +54,7 @@ from lightship.models.checkpoint import (
 from lightship.runs import (
     MAKE_GOALS,
     REPORT_FILES,
+    SET_ASIDE_DONE,
     RunDir,
     RunLike,
     as_run,
@@ -61,6 +62,7 @@ from lightship.runs import (
     atomic_write_text,
     check_the_name,
     check_writable,
+    held_stop_signals,
     lock_run,
     made_next_by_make,
     next_command,
@@ -589,30 +591,40 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
     if not keep:
         run.checkpoints.mkdir(parents=True, exist_ok=True)
         stash = run.set_aside()
+    restored = False  # put back, or to be (left for `recover_set_aside` where that failed)
     try:
         new_run = False
         try:
             if stash is not None:
-                # last.ckpt first: what `RunDir.recover_set_aside` tells a finished stash by
-                for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
-                    if old.is_file():
-                        os.replace(old, stash / old.name)
-                kept = stash / run.config.name
-                if kept.is_file():  # and config.yaml back in its place until then (a copy)
-                    with atomic_path(run.config) as tmp:
-                        tmp.write_bytes(kept.read_bytes())
-                new_run = not any(stash.iterdir())
+                # One move with Ctrl-C and SIGTERM held: stopped halfway, the old checkpoints
+                # were split between the two folders, and putting back deleted those not
+                # moved yet. last.ckpt first: what `RunDir.recover_set_aside` tells a stash
+                # being filled by, after a kill -9; SET_ASIDE_DONE once it is full.
+                with held_stop_signals():
+                    for old in [run.last_ckpt, *run.checkpoints.glob("*.ckpt"), run.config]:
+                        if old.is_file():
+                            os.replace(old, stash / old.name)
+                    new_run = not any(stash.iterdir())
+                    (stash / SET_ASIDE_DONE).touch()
+                    kept = stash / run.config.name
+                    if kept.is_file():  # and config.yaml back in its place until then (a copy)
+                        with atomic_path(run.config) as tmp:
+                            tmp.write_bytes(kept.read_bytes())
             yield new_run
         except Diverged:
             # its checkpoints are of no use, even to resume: the run is put back as it was
             if stash is not None:
-                run.put_back(stash)
+                restored = True
+                with held_stop_signals():  # a second Ctrl-C: as the first
+                    run.put_back(stash)
             raise
         except BaseException as exc:
             # after an error, not a stop: the same command would fail the same way until then
             fixed = "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
             if stash is not None and not run.last_ckpt.is_file():
-                run.put_back(stash)
+                restored = True
+                with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
+                    run.put_back(stash)
                 # a new run keeps its folder and config.yaml: nothing was there to put back
                 what = (
                     f"no checkpoint was written yet: {fixed}train {run.root} again with "
@@ -628,7 +640,9 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
                 print(f"training stopped: {what}", file=sys.stderr, flush=True)
             raise
     finally:
-        if stash is not None:
+        # replaced by the new training's checkpoints; one put back is gone already, and one
+        # that failed to go back stays for the next training to put back
+        if stash is not None and not restored:
             shutil.rmtree(stash, ignore_errors=True)
 
 
