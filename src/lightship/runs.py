@@ -258,7 +258,7 @@ def _sync_folder(folder: Path) -> None:
 
 # The prefixes of the scratch folders quantize makes in a run with tempfile (`Quantizer.work`
 # and QAT's Lightning folder): model copies and checkpoints, megabytes each.
-SCRATCH_PREFIXES = {"quantize": ".quantize.", "qat": ".qat."}
+SCRATCH_PREFIXES = {"quantize": ".quantize.", "qat": ".qat.", "outdated": ".outdated."}
 # What a stage killed outright (kill -9, out of memory) leaves in a run, matched by the names
 # tempfile gives (a prefix, 8 random characters of [a-z0-9_], a suffix) so that a user's file
 # of a like name is never taken: `atomic_path`'s temporary files, in the run and its folders,
@@ -1082,13 +1082,29 @@ class RunDir:
         is not put back yet (`recover_set_aside`)."""
         done = folder / SET_ASIDE_DONE
         if done.is_file():
-            for new in self.checkpoints.glob("*.ckpt"):
+            # the new last.ckpt first: a run without it is one whose training wrote nothing,
+            # which `recover_set_aside` puts back (with it, it deleted these as outdated)
+            for new in sorted(self.checkpoints.glob("*.ckpt"), key=lambda p: p != self.last_ckpt):
                 new.unlink()
             done.unlink()
         kept = sorted(folder.iterdir(), key=lambda old: old.name == self.last_ckpt.name)
         for old in kept:
             os.replace(old, self.config if old.suffix == ".yaml" else self.checkpoints / old.name)
         folder.rmdir()
+
+    def drop_set_aside(self, folder: Path) -> None:
+        """Delete a set-aside folder that newer checkpoints outdate: renamed first, in one step,
+        to a scratch name (`sweep_temporaries` deletes what is left of it after a kill). Deleted
+        file by file under its own name, one stopped halfway was put back by the next training
+        over the new checkpoints."""
+        outdated = folder.with_name(
+            SCRATCH_PREFIXES["outdated"] + folder.name.removeprefix(SET_ASIDE_PREFIX)
+        )
+        try:
+            os.replace(folder, outdated)
+        except OSError:
+            outdated = folder
+        shutil.rmtree(outdated, ignore_errors=True)
 
     def recover_set_aside(self) -> str | None:
         """What a training killed outright (kill -9, out of memory) set aside: put back when it
@@ -1103,7 +1119,7 @@ class RunDir:
             if self.last_ckpt.is_file() and (
                 (folder / "last.ckpt").is_file() or not any(folder.glob("*.ckpt"))
             ):
-                shutil.rmtree(folder, ignore_errors=True)
+                self.drop_set_aside(folder)
                 done = done or "deleted the old checkpoints a stopped training had set aside"
             else:
                 self.put_back(folder)

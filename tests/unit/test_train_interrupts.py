@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -398,3 +399,85 @@ def test_what_a_kill_left_half_set_aside_or_half_put_back_goes_back_whole(
     (run.checkpoints / "epoch=00.ckpt").write_bytes(b"new")
     assert run.recover_set_aside() is not None
     assert _contents(run) == before and not list(run.root.glob(".previous.*"))
+
+
+def test_a_second_stop_before_the_put_back_keeps_the_old_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C, then another as the failure was handled, before the put-back began: the stash
+    was deleted on the way out, every old checkpoint with it."""
+    fit = importlib.import_module("lightship.train.fit")
+    run, before = _old_run(tmp_path)
+    is_file = Path.is_file
+
+    def second_stop(path: Path) -> bool:
+        if path == run.last_ckpt and list(run.root.glob(".previous.*/.done")):
+            signal.raise_signal(signal.SIGINT)  # as the handler asks whether one was written
+        return is_file(path)
+
+    with pytest.raises(KeyboardInterrupt), fit._replacing_previous(run, keep=False):
+        monkeypatch.setattr(Path, "is_file", second_stop)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Path, "is_file", is_file)
+    assert _contents(run) == before and run.config.read_text() == "old: config\n"
+    assert not list(run.root.glob(".previous.*"))
+
+
+def test_an_outdated_stash_deleted_halfway_is_never_put_back(tmp_path: Path) -> None:
+    """A kill -9 while the old checkpoints were deleted after the new training finished: the
+    rest of them was put back over the new run by the next training (its config.yaml too)."""
+    run, _ = _old_run(tmp_path)
+    stash = run.set_aside()
+    for old in list(run.checkpoints.iterdir()):
+        os.replace(old, stash / old.name)
+    os.replace(run.config, stash / "config.yaml")
+    (stash / runs.SET_ASIDE_DONE).touch()
+    run.last_ckpt.write_bytes(b"new")
+    run.config.write_text("new: config\n")
+    removed: list[str] = []
+
+    def killed_halfway(path: Any, *args: Any, **kwargs: Any) -> None:
+        (Path(path) / "last.ckpt").unlink()  # what rmtree had deleted when the kill came
+        removed.append(Path(path).name)
+        raise SystemExit("killed")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runs.shutil, "rmtree", killed_halfway)
+        with pytest.raises(SystemExit):
+            run.drop_set_aside(stash)
+    assert removed[0].startswith(".outdated.")  # renamed before any file went
+    assert run.recover_set_aside() is None  # nothing of it is a stash to put back
+    assert runs.sweep_temporaries(run.root)  # and the next stage's lock deletes it
+    assert _contents(run) == {"last.ckpt": b"new", "config": b""}
+    assert run.config.read_text() == "new: config\n"
+    assert not [p for p in run.root.iterdir() if p.name.startswith(".")]
+
+
+def test_a_diverged_trainings_put_back_removes_its_last_ckpt_first(tmp_path: Path) -> None:
+    """Stopped after deleting another of its checkpoints but not last.ckpt, the next
+    training's recovery took the diverged last.ckpt for a finished training and deleted the
+    old run."""
+    run, before = _old_run(tmp_path)
+    stash = run.set_aside()
+    for old in [run.last_ckpt, *run.checkpoints.iterdir()]:
+        if old.exists():
+            os.replace(old, stash / old.name)
+    (stash / runs.SET_ASIDE_DONE).touch()
+    for name in ("epoch=00.ckpt", "last.ckpt", "epoch=01.ckpt"):
+        (run.checkpoints / name).write_bytes(b"diverged")
+    unlinked: list[str] = []
+    unlink = Path.unlink
+
+    def first_only(path: Path, missing_ok: bool = False) -> None:
+        if unlinked:
+            raise PermissionError(13, "Permission denied", str(path))
+        unlinked.append(path.name)
+        unlink(path, missing_ok=missing_ok)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "unlink", first_only)
+        with pytest.raises(PermissionError):
+            run.put_back(stash)
+    assert unlinked == ["last.ckpt"]
+    assert run.recover_set_aside() is not None  # no last.ckpt: put back, not deleted
+    assert _contents(run) == before

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -612,38 +611,41 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
                             tmp.write_bytes(kept.read_bytes())
             yield new_run
         except Diverged:
-            # its checkpoints are of no use, even to resume: the run is put back as it was
-            if stash is not None:
-                restored = True
-                with held_stop_signals():  # a second Ctrl-C: as the first
+            # its checkpoints are of no use, even to resume: the run is put back as it was. Held
+            # from the first line: a second Ctrl-C before the put-back had the stash deleted.
+            with held_stop_signals():
+                if stash is not None:
+                    restored = True
                     run.put_back(stash)
             raise
         except BaseException as exc:
-            # after an error, not a stop: the same command would fail the same way until then
-            fixed = "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
-            if stash is not None and not run.last_ckpt.is_file():
-                restored = True
-                with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
-                    run.put_back(stash)
-                # a new run keeps its folder and config.yaml: nothing was there to put back
-                what = (
-                    f"no checkpoint was written yet: {fixed}train {run.root} again with "
-                    f"{run.train_command(env=env)}"
-                    if new_run
-                    else f"{run.root} is as it was (no checkpoint was written yet)"
+            with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
+                # after an error, not a stop: the same command would fail the same way until then
+                fixed = (
+                    "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
                 )
-            else:
-                what = f"{fixed}resume with {run.train_command(env=env)}"
-            if isinstance(exc, KeyboardInterrupt):
-                note_interrupt(what)
-            else:
-                print(f"training stopped: {what}", file=sys.stderr, flush=True)
+                if stash is not None and not run.last_ckpt.is_file():
+                    restored = True
+                    run.put_back(stash)
+                    # a new run keeps its folder and config.yaml: nothing was there to put back
+                    what = (
+                        f"no checkpoint was written yet: {fixed}train {run.root} again with "
+                        f"{run.train_command(env=env)}"
+                        if new_run
+                        else f"{run.root} is as it was (no checkpoint was written yet)"
+                    )
+                else:
+                    what = f"{fixed}resume with {run.train_command(env=env)}"
+                if isinstance(exc, KeyboardInterrupt):
+                    note_interrupt(what)
+                else:
+                    print(f"training stopped: {what}", file=sys.stderr, flush=True)
             raise
     finally:
         # replaced by the new training's checkpoints; one put back is gone already, and one
         # that failed to go back stays for the next training to put back
         if stash is not None and not restored:
-            shutil.rmtree(stash, ignore_errors=True)
+            run.drop_set_aside(stash)
 
 
 def _out_of_time(trainer: pl.Trainer) -> bool:
