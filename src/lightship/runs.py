@@ -603,8 +603,10 @@ def _inside_run(name: object) -> bool:
 
 LOCK_FILE = ".lock"
 SET_ASIDE_PREFIX = ".previous."
-# In a set-aside folder once all it holds has been moved there (`RunDir.put_back`)
+# In a set-aside folder once all it holds has been moved there, and while the checkpoints
+# beside it are deleted to put it back (`RunDir.put_back`)
 SET_ASIDE_DONE = ".done"
+SET_ASIDE_BACK = ".back"
 # The run directories this process holds locked, each with the thread holding it and its
 # command: a stage that runs another in-process (same thread) takes the lock again without
 # waiting on itself; another thread of the process is refused, as another process is.
@@ -1075,18 +1077,20 @@ class RunDir:
 
     def put_back(self, folder: Path) -> None:
         """The checkpoints and config.yaml set aside in `folder` replace the ones a training
-        wrote since, and the folder goes: the run is as it was before that training. Only a
-        folder filled whole (`SET_ASIDE_DONE` in it) says the checkpoints beside it are new:
-        one still being filled, or being put back, when its process was stopped has old ones
-        beside it, which were deleted. last.ckpt goes back last: a folder that still holds it
-        is not put back yet (`recover_set_aside`)."""
-        done = folder / SET_ASIDE_DONE
-        if done.is_file():
-            # the new last.ckpt first: a run without it is one whose training wrote nothing,
-            # which `recover_set_aside` puts back (with it, it deleted these as outdated)
+        wrote since, and the folder goes: the run is as it was before that training.
+
+        The folder's markers say where a stop left it (`recover_set_aside` reads them): filled
+        whole (SET_ASIDE_DONE), the checkpoints beside it are the new training's; being put
+        back (SET_ASIDE_BACK, made first), those are still being deleted, the new last.ckpt
+        first; neither, the old ones are going back (last.ckpt last) or were still being set
+        aside, and the checkpoints beside them are old: they stay."""
+        done, back = folder / SET_ASIDE_DONE, folder / SET_ASIDE_BACK
+        if done.is_file() or back.is_file():
+            back.touch()
+            done.unlink(missing_ok=True)
             for new in sorted(self.checkpoints.glob("*.ckpt"), key=lambda p: p != self.last_ckpt):
                 new.unlink()
-            done.unlink()
+            back.unlink()
         kept = sorted(folder.iterdir(), key=lambda old: old.name == self.last_ckpt.name)
         for old in kept:
             os.replace(old, self.config if old.suffix == ".yaml" else self.checkpoints / old.name)
@@ -1096,29 +1100,38 @@ class RunDir:
         """Delete a set-aside folder that newer checkpoints outdate: renamed first, in one step,
         to a scratch name (`sweep_temporaries` deletes what is left of it after a kill). Deleted
         file by file under its own name, one stopped halfway was put back by the next training
-        over the new checkpoints."""
+        over the new checkpoints: where it cannot be renamed it stays, whole, for the next
+        training's `recover_set_aside`."""
         outdated = folder.with_name(
             SCRATCH_PREFIXES["outdated"] + folder.name.removeprefix(SET_ASIDE_PREFIX)
         )
         try:
             os.replace(folder, outdated)
         except OSError:
-            outdated = folder
+            log.warning("%s: cannot rename it to delete it; the next training will", folder)
+            return
         shutil.rmtree(outdated, ignore_errors=True)
 
     def recover_set_aside(self) -> str | None:
         """What a training killed outright (kill -9, out of memory) set aside: put back when it
-        wrote no checkpoint of its own (no last.ckpt), else outdated by its checkpoints and
-        deleted. Call with the run's lock held. Returns what was done, for a line to print."""
+        wrote no checkpoint of its own (no last.ckpt), or was being put back, else outdated by
+        its checkpoints and deleted (`put_back` says what each marker means). Call with the
+        run's lock held. Returns what was done, for a line to print."""
         done = None
         for folder in sorted(self.root.glob(f"{SET_ASIDE_PREFIX}*")):
             if not folder.is_dir() or folder.is_symlink():
                 continue
-            # last.ckpt is set aside first: a folder without it was still being filled, and
-            # its training wrote nothing yet (the last.ckpt beside it is the old one)
-            if self.last_ckpt.is_file() and (
-                (folder / "last.ckpt").is_file() or not any(folder.glob("*.ckpt"))
-            ):
+            if (folder / SET_ASIDE_BACK).is_file():
+                outdated = False  # a diverged training's, or one's stopped before its checkpoint
+            elif (folder / SET_ASIDE_DONE).is_file():
+                outdated = self.last_ckpt.is_file()  # the new training's: it had one
+            else:
+                # being filled (last.ckpt first: the one beside a folder without it is the old
+                # one), being put back (last.ckpt last), or an older lightship's
+                outdated = self.last_ckpt.is_file() and (
+                    (folder / "last.ckpt").is_file() or not any(folder.glob("*.ckpt"))
+                )
+            if outdated:
                 self.drop_set_aside(folder)
                 done = done or "deleted the old checkpoints a stopped training had set aside"
             else:

@@ -469,9 +469,10 @@ def test_a_diverged_trainings_put_back_removes_its_last_ckpt_first(tmp_path: Pat
     unlink = Path.unlink
 
     def first_only(path: Path, missing_ok: bool = False) -> None:
-        if unlinked:
+        if path.suffix == ".ckpt" and unlinked:
             raise PermissionError(13, "Permission denied", str(path))
-        unlinked.append(path.name)
+        if path.suffix == ".ckpt":
+            unlinked.append(path.name)
         unlink(path, missing_ok=missing_ok)
 
     with pytest.MonkeyPatch.context() as m:
@@ -479,5 +480,61 @@ def test_a_diverged_trainings_put_back_removes_its_last_ckpt_first(tmp_path: Pat
         with pytest.raises(PermissionError):
             run.put_back(stash)
     assert unlinked == ["last.ckpt"]
-    assert run.recover_set_aside() is not None  # no last.ckpt: put back, not deleted
+    assert run.recover_set_aside() is not None  # being put back: put back, not deleted
     assert _contents(run) == before
+    # and where even its last.ckpt could not go, the marker made first says so all the same
+    stash = run.set_aside()
+    for old in list(run.checkpoints.iterdir()):
+        os.replace(old, stash / old.name)
+    (stash / runs.SET_ASIDE_DONE).touch()
+    run.last_ckpt.write_bytes(b"diverged")
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "unlink", refused)
+        with pytest.raises(PermissionError):
+            run.put_back(stash)
+    assert run.recover_set_aside() is not None
+    assert _contents(run) == before
+
+
+def test_a_new_training_of_a_run_without_last_ckpt_is_kept_after_a_kill(tmp_path: Path) -> None:
+    """The old run had no last.ckpt (deleted by hand): a kill -9 after the new training's
+    first last.ckpt had the next training put the old checkpoints back over the new ones."""
+    run, _ = _old_run(tmp_path)
+    run.last_ckpt.unlink()
+    stash = run.set_aside()
+    for old in list(run.checkpoints.iterdir()):
+        os.replace(old, stash / old.name)
+    (stash / runs.SET_ASIDE_DONE).touch()
+    for name in ("epoch=00.ckpt", "last.ckpt"):
+        (run.checkpoints / name).write_bytes(b"new")
+    assert run.recover_set_aside() == (
+        "deleted the old checkpoints a stopped training had set aside"
+    )
+    assert _contents(run) == {"epoch=00.ckpt": b"new", "last.ckpt": b"new", "config": b""}
+
+
+def test_a_stash_that_cannot_be_renamed_to_go_stays_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was deleted file by file in place, and what a kill left of it was put back over the
+    new run."""
+    run, _ = _old_run(tmp_path)
+    stash = run.set_aside()
+    for old in list(run.checkpoints.iterdir()):
+        os.replace(old, stash / old.name)
+    (stash / runs.SET_ASIDE_DONE).touch()
+    replace = os.replace
+
+    def busy(src: Any, dst: Any) -> None:
+        if Path(src) == stash:
+            raise OSError(16, "Device or resource busy")
+        replace(src, dst)
+
+    monkeypatch.setattr(runs.os, "replace", busy)
+    run.drop_set_aside(stash)
+    whole = [".done", "epoch=02.ckpt", "epoch=03.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in stash.iterdir()) == whole

@@ -642,9 +642,9 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
                     print(f"training stopped: {what}", file=sys.stderr, flush=True)
             raise
     finally:
-        # replaced by the new training's checkpoints; one put back is gone already, and one
-        # that failed to go back stays for the next training to put back
-        if stash is not None and not restored:
+        # replaced by the new training's checkpoints (it wrote its last.ckpt); one put back is
+        # gone already, and any other stays for the next training to put back
+        if stash is not None and not restored and run.last_ckpt.is_file():
             run.drop_set_aside(stash)
 
 
