@@ -346,6 +346,7 @@ def _contents(run: RunDir) -> dict[str, bytes]:
     return {**{p.name: p.read_bytes() for p in run.checkpoints.iterdir()}, "config": b""}
 
 
+@pytest.mark.usefixtures("signal_handlers")  # SIGINT ignored where CI starts it
 @pytest.mark.parametrize("at", [1, 2, 3])
 def test_a_stop_while_the_old_checkpoints_are_set_aside_keeps_every_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int
@@ -401,6 +402,7 @@ def test_what_a_kill_left_half_set_aside_or_half_put_back_goes_back_whole(
     assert _contents(run) == before and not list(run.root.glob(".previous.*"))
 
 
+@pytest.mark.usefixtures("signal_handlers")  # SIGINT ignored where CI starts it
 def test_a_second_stop_before_the_put_back_keeps_the_old_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
