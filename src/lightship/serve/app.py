@@ -200,8 +200,9 @@ class Service:
         x = np.zeros((rows, *self.chw), np.uint8)
         try:
             # Generous: a TensorRT engine is built on the first batch and may take minutes.
+            # its shape was checked as it ran (`Predictor.logits`): what is left is its values
             y = await self.batcher.infer(x, max(self.settings.timeout_ms / 1000, 900.0), wait=False)
-            if y.shape != (rows, len(self.labels)) or not np.isfinite(y).all():
+            if not np.isfinite(y).all():
                 raise RuntimeError(
                     f"it gave {y.dtype} {list(y.shape)} (finite: {bool(np.isfinite(y).all())}), "
                     f"expected finite logits {[rows, len(self.labels)]}"

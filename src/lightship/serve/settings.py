@@ -258,10 +258,12 @@ def unread_variables(environ: Mapping[str, str], flags: Collection[str] = ()) ->
     unread = {}
     for name, value in environ.items():
         upper = name.upper()
-        if name != upper and upper in OTHER_VARIABLES:  # read by name, elsewhere
-            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
         key = upper.removeprefix(ENV_PREFIX)
-        if not upper.startswith(ENV_PREFIX) or key.lower() not in fields:
+        setting = upper.startswith(ENV_PREFIX) and key.lower() in fields
+        if name != upper and (setting or upper in OTHER_VARIABLES):  # those read elsewhere too
+            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
+            continue
+        if not setting:
             continue
         default = fields[key.lower()].default
         used = (
@@ -271,9 +273,7 @@ def unread_variables(environ: Mapping[str, str], flags: Collection[str] = ()) ->
             if default is None
             else f"the default {default} is used"
         )
-        if name != upper:
-            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
-        elif _is_link(name, value, environ):
+        if _is_link(name, value, environ):
             unread[name] = (
                 f"{name}={value} is the link Kubernetes sets for a Service named lightship, "
                 f"not a setting: ignored, {used}; set `enableServiceLinks: false` in the pod's "
