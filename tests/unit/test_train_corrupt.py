@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from lightship.config import load_config
 from lightship.errors import RunError
 from lightship.runs import RunDir
-from lightship.train.fit import _resume_checkpoint
+from lightship.train.fit import _check_resume_schedule, _resume_checkpoint
+from tests.conftest import CONFIGS
 
 
 def test_a_corrupt_last_ckpt_is_answered_with_a_fresh_training_not_a_resume(
@@ -24,3 +26,14 @@ def test_a_corrupt_last_ckpt_is_answered_with_a_fresh_training_not_a_resume(
     assert str(err.value).endswith(
         f"delete it and train again (`make train RUN={run} CONFIG={run}/config.yaml`)"
     )
+
+
+def test_a_checkpoint_without_optimizer_settings_resumes_without_a_keyerror(
+    tmp_path: Path,
+) -> None:
+    """A lightship checkpoint whose hyper-parameters lack `optim` (written by hand, or by a
+    LitClassifier made without one): the schedule check raised KeyError: 'optim', a traceback
+    where the optimizer check beside it takes the settings as absent."""
+    cfg = load_config(CONFIGS / "tiny.yaml", ["optim.scheduler=cosine"])
+    ckpt = {"hyper_parameters": {"labels": ["a", "b"]}}
+    assert _check_resume_schedule(cfg, ckpt, RunDir(tmp_path / "run")) is True

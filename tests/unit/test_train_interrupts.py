@@ -540,3 +540,32 @@ def test_a_stash_that_cannot_be_renamed_to_go_stays_whole(
     run.drop_set_aside(stash)
     whole = [".done", "epoch=02.ckpt", "epoch=03.ckpt", "last.ckpt"]
     assert sorted(p.name for p in stash.iterdir()) == whole
+
+
+def test_a_diverged_training_whose_put_back_fails_still_says_it_diverged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint the put-back could not delete raised its PermissionError in place of
+    "training diverged": the user was told of a file, not of the learning rate to lower."""
+    fit = importlib.import_module("lightship.train.fit")
+    run, before = _old_run(tmp_path)
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path.suffix == ".ckpt":
+            raise PermissionError(13, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    with (
+        pytest.MonkeyPatch.context() as m,
+        pytest.raises(fit.Diverged, match="training diverged"),
+        fit._replacing_previous(run, keep=False),
+    ):
+        run.last_ckpt.write_bytes(b"diverged")
+        m.setattr(Path, "unlink", refused)
+        raise fit.Diverged("training diverged (train_loss nan)")
+    err = capsys.readouterr().err
+    assert "could not put back" in err and "Permission denied" in err
+    assert f"the next training of {run.root} puts them back first" in err
+    assert run.recover_set_aside() is not None  # and so it does
+    assert _contents(run) == before and run.config.read_text() == "old: config\n"

@@ -342,7 +342,7 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bo
     config with --config): `_check_resume_steps` then checks the schedule's own length."""
     if (
         cfg.optim.scheduler != "onecycle"
-        and ckpt["hyper_parameters"]["optim"].get("scheduler") != "onecycle"
+        and (ckpt["hyper_parameters"].get("optim") or {}).get("scheduler") != "onecycle"
     ):
         return True
     try:
@@ -616,7 +616,7 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
             with held_stop_signals():
                 if stash is not None:
                     restored = True
-                    run.put_back(stash)
+                    _put_back(run, stash)
             raise
         except BaseException as exc:
             with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
@@ -626,7 +626,7 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
                 )
                 if stash is not None and not run.last_ckpt.is_file():
                     restored = True
-                    run.put_back(stash)
+                    _put_back(run, stash)
                     # a new run keeps its folder and config.yaml: nothing was there to put back
                     what = (
                         f"no checkpoint was written yet: {fixed}train {run.root} again with "
@@ -646,6 +646,22 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
         # gone already, and any other stays for the next training to put back
         if stash is not None and not restored and run.last_ckpt.is_file():
             run.drop_set_aside(stash)
+
+
+def _put_back(run: RunDir, stash: Path) -> None:
+    """`run.put_back(stash)` as a training fails: where that fails too (a file it cannot
+    delete or move), a line says so and the stash stays for the next training's
+    `recover_set_aside`, and the training's own error, not the put-back's, is the one raised
+    (an OSError here had replaced "training diverged")."""
+    try:
+        run.put_back(stash)
+    except OSError as exc:
+        print(
+            f"training stopped: could not put back the checkpoints set aside in {stash} "
+            f"({exc}); the next training of {run.root} puts them back first",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _out_of_time(trainer: pl.Trainer) -> bool:
