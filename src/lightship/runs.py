@@ -619,13 +619,42 @@ def _distributed_worker() -> bool:
     return any(os.environ.get(k, "0") != "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
+def _flock_pid(fd: int) -> int | None:
+    """The pid the kernel lists as holding an flock on `fd`'s file (Linux's /proc/locks);
+    None where it lists none, or cannot be read."""
+    try:
+        st = os.fstat(fd)
+        listed = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    here = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in listed.splitlines():
+        fields = line.replace("->", "").split()  # "1: FLOCK ADVISORY WRITE pid maj:min:ino ..."
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == here:
+            with contextlib.suppress(ValueError):  # 0: a pid gone (in some kernels' lists)
+                return int(fields[4]) if int(fields[4]) > 0 else None
+    return None
+
+
 def _lock_holder(fd: int) -> str:
     """' (pid 1234, lightship quantize)' from a held lock file; '' when it cannot be read
-    (the holder may not have written it yet)."""
+    (the holder may not have written it yet). A holder that locked the file read-only (another
+    user's .lock) could not write its own: the file still names the one before, so the pid
+    the kernel lists, where that differs, is named instead, with its command line."""
     try:
         info = json.loads(os.pread(fd, 4096, 0))
         pid = int(info["pid"])
     except (OSError, ValueError, TypeError, KeyError):
+        info, pid = {}, None
+    locker = _flock_pid(fd)
+    if locker is not None and locker != pid:
+        try:
+            argv = Path(f"/proc/{locker}/cmdline").read_bytes().split(b"\0")
+            command = " ".join(a.decode(errors="replace") for a in argv if a)
+        except OSError:
+            command = ""
+        return f" (pid {locker}{', ' + command[:120] if command else ''})"
+    if pid is None:
         return ""
     try:
         os.kill(pid, 0)

@@ -665,19 +665,51 @@ def test_a_run_locked_by_another_process_is_refused_at_once_naming_it(tmp_path: 
             f"{tmp_path} is in use by another lightship process (pid {holder.pid}, lightship "
             "quantize): wait for it to finish, or stop it"
         )
-        # the pid it names has died, and a child it forked (a DataLoader worker) holds on
-        gone = subprocess.Popen(["true"])
-        gone.wait()
-        (tmp_path / ".lock").write_text(json.dumps({"pid": gone.pid, "command": "lightship x"}))
+        # another user's holder, which locked the file read-only and could not write it: the
+        # file names the process before, and the kernel's list the one that holds it
+        (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "command": "lightship x"}))
         with pytest.raises(RunBusyError) as err, lock_run(tmp_path, "lightship train"):
             pass
-        assert f"(pid {gone.pid}, lightship x, now exiting): wait for it" in str(err.value)
+        assert f"(pid {holder.pid}, {sys.executable} -c " in str(err.value)
+        assert "lightship x" not in str(err.value)
     finally:
         holder.communicate("go\n", timeout=30)
     assert holder.returncode == -signal.SIGKILL
     # the OS released the lock of the process that died holding it
     with lock_run(tmp_path, "lightship train"):
         assert json.loads((tmp_path / ".lock").read_text())["command"] == "lightship train"
+
+
+FORK_HOLDING = """
+import os, sys, time
+from pathlib import Path
+from lightship.runs import lock_run
+with lock_run(Path(sys.argv[1]), "lightship x"):
+    child = os.fork()
+    if child == 0:  # a DataLoader worker: holds the lock's file on after its parent
+        os.close(1)
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    os._exit(0)
+"""
+
+
+def test_a_lock_held_on_by_the_child_of_a_process_gone_names_that_process(
+    tmp_path: Path,
+) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FORK_HOLDING, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.wait(timeout=30) == 0
+        with pytest.raises(RunBusyError) as err, lock_run(tmp_path, "lightship train"):
+            pass
+        assert f"(pid {parent.pid}, lightship x, now exiting): wait for it" in str(err.value)
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_the_lock_is_reentrant_and_released_on_the_way_out(tmp_path: Path) -> None:
