@@ -24,6 +24,7 @@ from lightship.errors import LightshipError, QuantizeError
 from lightship.runs import (
     interrupt_exit_code,
     interrupt_message,
+    interrupt_note,
     interrupted,
     lock_run,
     next_command,
@@ -513,10 +514,11 @@ def main() -> None:
             sys.exit(1)
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise  # anything else is a bug: keep its traceback
-        print(
-            f"error: no space left on the device writing {written}: make room and run again",
-            file=sys.stderr,
-        )
+        # the stage's own note where it set one (a training that finished its epochs resumes
+        # to write best.ckpt: run again, it trained them all again)
+        note = interrupt_note()
+        fix = f"make room; {note}" if note else "make room and run again"
+        print(f"error: no space left on the device writing {written}: {fix}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(interrupt_message(), file=sys.stderr)

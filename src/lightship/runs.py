@@ -101,6 +101,12 @@ def note_interrupt(note: str) -> None:
     _interrupt_note[:] = [note]
 
 
+def interrupt_note() -> str | None:
+    """What the running stage last said to do after a stop (`note_interrupt`), if anything:
+    true after any failure from that point on, as the CLI's full-disk line gives it."""
+    return _interrupt_note[0] if _interrupt_note else None
+
+
 def interrupt_message() -> str:
     """The CLI's last line after Ctrl-C."""
     return f"interrupted: {_interrupt_note[0]}" if _interrupt_note else "interrupted"

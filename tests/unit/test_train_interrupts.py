@@ -569,3 +569,36 @@ def test_a_diverged_training_whose_put_back_fails_still_says_it_diverged(
     assert f"the next training of {run.root} puts them back first" in err
     assert run.recover_set_aside() is not None  # and so it does
     assert _contents(run) == before and run.config.read_text() == "old: config\n"
+
+
+def test_a_full_disk_after_the_epochs_says_to_resume_not_to_train_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """best.ckpt written, then no room for manifest.json: the CLI said "make room and run
+    again", which trained every epoch again, where a resume writes the entry at once."""
+    import errno
+
+    run = tmp_path / "run"
+    record = RunDir.record
+
+    def full(self: RunDir, key: str, entry: dict[str, Any]) -> None:
+        if key == "checkpoint":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        record(self, key, entry)
+
+    monkeypatch.setattr(RunDir, "record", full)
+    monkeypatch.setattr(sys, "argv", ["lightship", "train", "--run", str(run), "--config", TINY])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 1
+    resume = RunDir(run).train_command()
+    assert "--resume" in resume or "RESUME=1" in resume
+    assert last_line(capsys.readouterr().err) == (
+        "error: no space left on the device writing a file: make room; the training "
+        f"finished; resume with {resume} to evaluate it and write best.ckpt"
+    )
+    monkeypatch.setattr(RunDir, "record", record)
+    assert cli._invoke(["train", "--run", str(run), "--resume"]) == 0
+    assert "recorded in manifest.json again" in capsys.readouterr().out
+    entry = RunDir(run).artifact("checkpoint")
+    assert entry is not None and entry["sha256"] == sha256_file(run / "best.ckpt")

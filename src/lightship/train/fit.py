@@ -620,26 +620,25 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
             raise
         except BaseException as exc:
             with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
-                # after an error, not a stop: the same command would fail the same way until then
-                fixed = (
-                    "" if isinstance(exc, KeyboardInterrupt) else "once the error below is fixed, "
-                )
                 if stash is not None and not run.last_ckpt.is_file():
                     restored = True
                     _put_back(run, stash)
                     # a new run keeps its folder and config.yaml: nothing was there to put back
                     what = (
-                        f"no checkpoint was written yet: {fixed}train {run.root} again with "
-                        f"{run.train_command(env=env)}"
+                        "no checkpoint was written yet: {fixed}train {run} again with {command}"
                         if new_run
-                        else f"{run.root} is as it was (no checkpoint was written yet)"
+                        else "{run} is as it was (no checkpoint was written yet)"
                     )
                 else:
-                    what = f"{fixed}resume with {run.train_command(env=env)}"
-                if isinstance(exc, KeyboardInterrupt):
-                    note_interrupt(what)
-                else:
-                    print(f"training stopped: {what}", file=sys.stderr, flush=True)
+                    what = "{fixed}resume with {command}"
+                command = run.train_command(env=env)
+                # the CLI's last line after a stop, or after a full disk (`interrupt_note`)
+                note_interrupt(what.format(fixed="", run=run.root, command=command))
+                if not isinstance(exc, KeyboardInterrupt):
+                    # after an error, not a stop: the same command fails the same way until then
+                    fixed = "once the error below is fixed, "
+                    said = what.format(fixed=fixed, run=run.root, command=command)
+                    print(f"training stopped: {said}", file=sys.stderr, flush=True)
             raise
     finally:
         # replaced by the new training's checkpoints (it wrote its last.ckpt); one put back is
