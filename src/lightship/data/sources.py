@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import warnings
 import zipfile
@@ -63,6 +64,11 @@ class DataSpec:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+# Pixels of one channel per histogram in `Splits.pixel_stats`: np.bincount takes them as int64
+# (8 MB a chunk)
+_STATS_CHUNK = 1 << 20
+
+
 @dataclass(frozen=True)
 class Splits:
     train_x: np.ndarray
@@ -75,11 +81,28 @@ class Splits:
     fingerprint: str
 
     def pixel_stats(self) -> tuple[list[float], list[float]]:
-        """Per-channel mean and std of the training images, in pixel units (0..255)."""
-        x = self.train_x.astype(np.float64)
-        mean = x.mean(axis=(0, 2, 3))
-        std = x.std(axis=(0, 2, 3))
-        return [round(float(m), 4) for m in mean], [round(max(float(s), 1e-3), 4) for s in std]
+        """Per-channel mean and std of the training images, in pixel units (0..255).
+
+        Counted as a histogram of the uint8 values, a chunk of images at a time, and summed in
+        exact integers: a float64 copy of the images (and numpy's temporary for the std) took
+        16 times their own memory, 3 GB for 226 MB of 224-pixel photos."""
+        x = self.train_x
+        counts = np.zeros((x.shape[1], 256), dtype=np.int64)
+        step = max(1, _STATS_CHUNK // max(1, x.shape[2] * x.shape[3]))
+        for start in range(0, len(x), step):
+            chunk = x[start : start + step]
+            for c in range(x.shape[1]):
+                counts[c] += np.bincount(chunk[:, c].ravel(), minlength=256)
+        values = np.arange(256, dtype=np.int64)
+        means, stds = [], []
+        for row in counts:
+            n, total = int(row.sum()), int(row @ values)
+            squares = int(row @ (values * values))
+            n = max(n, 1)
+            means.append(round(total / n, 4))
+            # the variance as one exact fraction, (n * sum x^2 - (sum x)^2) / n^2
+            stds.append(round(max(math.sqrt((n * squares - total * total) / (n * n)), 1e-3), 4))
+        return means, stds
 
 
 def resize_uint8(images: np.ndarray, size: int, channels: int) -> np.ndarray:
