@@ -392,26 +392,91 @@ def test_jpegs_named_jfif_or_jpe_are_images(tmp_path: Path) -> None:
     assert np.bincount(y).tolist() == [4, 2]
 
 
-def test_a_folder_already_split_into_train_and_val_is_warned_of(
+@pytest.mark.parametrize(
+    ("splits", "train"),
+    [
+        (("train", "val"), "train"),
+        (("training_set", "test_set"), "training_set"),  # Kaggle's layout
+        (("Val2017", "train2017"), "train2017"),
+    ],
+)
+def test_a_folder_already_split_into_train_and_val_is_refused(
+    tmp_path: Path, splits: tuple[str, str], train: str
+) -> None:
+    """root/{train,val}/<class>/: read as it is, a train-versus-val classifier, which trained
+    and exited 0 past a warning (and Kaggle's training_set/test_set with none)."""
+    for split in splits:
+        make_folder(tmp_path / "imgs" / split, per_class=4)
+    with pytest.raises(DataError) as err:
+        _folder(tmp_path / "imgs", 3, 8)
+    shown = ", ".join(sorted(splits))
+    assert str(err.value) == (
+        f"image folder {tmp_path / 'imgs'}: its classes would be {shown}, which are the splits "
+        f"of a data set ({train}/ holds cat, dog): lightship splits the data itself "
+        "(data.val_fraction, data.test_fraction), so point data.path at one folder of class "
+        f"folders, e.g. --set data.path={tmp_path / 'imgs' / train}"
+    )
+
+
+def test_a_split_folder_beside_one_of_loose_images_is_refused(tmp_path: Path) -> None:
+    """root/train/<class>/ beside root/test/*.png (unlabelled): no warning, and a
+    train-versus-test classifier."""
+    make_folder(tmp_path / "imgs" / "train", per_class=4)
+    (tmp_path / "imgs" / "test").mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "test" / f"{i}.png")
+    with pytest.raises(DataError, match=r"\(train/ holds cat, dog\)"):
+        _folder(tmp_path / "imgs", 3, 8)
+
+
+def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # root/{train,val}/<class>/: read as it is, a train-versus-val classifier, with no word
-    for split in ("train", "val"):
-        make_folder(tmp_path / "imgs" / split, per_class=4)
+    """Nothing in them but images, and a class named like a split among others: classes."""
+    for cls in ("train", "test"):
+        (tmp_path / "a" / cls).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "a" / cls / "0.png")
+    for cls in ("bus", "train"):  # a vehicle's name, beside another holding folders
+        (tmp_path / "b" / cls / "2024").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "b" / cls / "2024" / "0.png")
     with caplog.at_level("WARNING", logger="lightship.data.sources"):
-        _, _, labels = _folder(tmp_path / "imgs", 3, 8)
-    assert labels == ["train", "val"]
-    assert caplog.messages == [
-        f"image folder {tmp_path / 'imgs'}: its classes are train, val, which look like the "
-        "splits of a data set (each holds cat, dog): lightship splits the data itself, so point "
-        "data.path at one folder of class folders (merge the splits: train/cat and val/cat "
-        "into cat/)"
-    ]
-    caplog.clear()
-    make_folder(tmp_path / "plain", per_class=2)
-    with caplog.at_level("WARNING", logger="lightship.data.sources"):
-        _folder(tmp_path / "plain", 3, 8)
+        assert _folder(tmp_path / "a", 3, 8)[2] == ["test", "train"]
+        assert _folder(tmp_path / "b", 3, 8)[2] == ["bus", "train"]
     assert caplog.messages == []
+
+
+def test_a_link_to_the_data_root_in_a_class_folder_reads_nothing_twice(tmp_path: Path) -> None:
+    """cat/all -> .. read every dog image again as a cat."""
+    make_folder(tmp_path / "imgs", per_class=3)
+    (tmp_path / "imgs" / "cat" / "all").symlink_to("..")
+    (tmp_path / "imgs" / "cat" / "up").symlink_to(tmp_path)
+    _, y, labels = _folder(tmp_path / "imgs", 3, 8)
+    assert labels == ["cat", "dog"] and np.bincount(y).tolist() == [3, 3]
+
+
+def test_a_class_left_no_training_image_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """2 images, val and test fractions of 0.3: one each, none to train on, and no word."""
+    make_folder(tmp_path / "imgs", per_class=20)
+    (tmp_path / "imgs" / "tiny").mkdir()
+    for i in range(2):
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "tiny" / f"{i}.png")
+    spec = DataSpec(
+        source="folder",
+        path=str(tmp_path / "imgs"),
+        image_size=8,
+        val_fraction=0.3,
+        test_fraction=0.3,
+    )
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        splits = load_splits(spec)
+    assert 2 not in splits.train_y
+    assert caplog.messages == [
+        "1 of 3 classes have no training image, all theirs went to validation and test "
+        "('tiny': 2 images): the model never learns them; add images to them, or lower "
+        "data.val_fraction and data.test_fraction"
+    ]
 
 
 def test_classes_too_small_for_a_test_image_are_warned_of(

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import warnings
 import zipfile
 import zlib
@@ -142,7 +143,9 @@ def _files_below(folder: Path) -> list[Path]:
         raise exc
 
     found: list[Path] = []
-    walked: set[tuple[int, int]] = set()
+    # The folders above it too: a link to the data root (`cat/all -> ..`) read every other
+    # class's images again as this one's
+    walked = {(s.st_dev, s.st_ino) for s in map(os.stat, Path(folder).resolve().parents)}
     for top, dirs, names in os.walk(folder, onerror=refused, followlinks=True):
         stat = os.stat(top)
         if (stat.st_dev, stat.st_ino) in walked:  # a link back up the tree
@@ -208,21 +211,35 @@ def _note_gray(colour: int) -> None:
 _SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "dev", "test", "testing"}
 
 
-def _note_split_layout(root: Path, classes: list[str]) -> None:
-    """A warning for root/{train,val}/<class>/, the layout many downloaded data sets come in:
-    read as classes, it trains a train-versus-val classifier."""
-    if len(classes) < 2 or not {c.lower() for c in classes} <= _SPLIT_NAMES:
+def _words(name: str) -> set[str]:
+    """A folder name's words: `training_set` or `val2017` as {training, set}, {val}."""
+    return set(re.split(r"[^a-z]+", name.lower()))
+
+
+def _split_name(name: str) -> bool:
+    """Whether a folder's name is a split's: train, val, ..., also as `training_set`,
+    `test-images` or `val2017`."""
+    return bool(_words(name) & _SPLIT_NAMES)
+
+
+def _refuse_split_layout(root: Path, classes: list[str]) -> None:
+    """root/{train,val}/<class>/, the layout many downloaded data sets come in (Kaggle's
+    training_set/test_set too): read as classes, it trained a train-versus-val classifier, and
+    exited 0. Every class a split's name and one holding class folders of its own: refused (a
+    warning was read past, and root/{train/<class>/, test/} went unwarned)."""
+    if len(classes) < 2 or not all(_split_name(c) for c in classes):
         return
-    inside = [{p.name for p in (root / c).iterdir() if p.is_dir()} for c in classes]
-    shared = sorted(set.intersection(*inside))
-    if shared:
-        note_once(
-            logging.WARNING,
-            f"image folder {root}: its classes are {', '.join(classes)}, which look like the "
-            f"splits of a data set (each holds {_some(shared, 3)}): lightship splits the data "
-            "itself, so point data.path at one folder of class folders (merge the splits: "
-            f"{classes[0]}/{shared[0]} and {classes[1]}/{shared[0]} into {shared[0]}/)",
-        )
+    inside = {c: sorted(p.name for p in (root / c).iterdir() if p.is_dir()) for c in classes}
+    holding = [c for c in classes if inside[c]]
+    if not holding:
+        return
+    train = next((c for c in holding if _words(c) & {"train", "training"}), holding[0])
+    raise DataError(
+        f"image folder {root}: its classes would be {', '.join(classes)}, which are the "
+        f"splits of a data set ({train}/ holds {_some(inside[train], 3)}): lightship splits "
+        "the data itself (data.val_fraction, data.test_fraction), so point data.path at one "
+        f"folder of class folders, e.g. --set data.path={root / train}"
+    )
 
 
 def _image_files(
@@ -269,7 +286,7 @@ def _folder(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
         )
     classes, files, skipped, loose = _image_files(root)
-    _note_split_layout(root, classes)
+    _refuse_split_layout(root, classes)
     if loose and files:
         note_once(
             logging.WARNING,
@@ -519,11 +536,22 @@ def check_as_trained(entry: dict[str, Any], test_y: np.ndarray, accuracy: float,
 
 
 def _note_unseen_classes(
-    labels: list[str], y: np.ndarray, val: np.ndarray, test: np.ndarray
+    labels: list[str], y: np.ndarray, train: np.ndarray, val: np.ndarray, test: np.ndarray
 ) -> None:
     """A warning for classes too small to have a validation or test image (a share of 2 images
-    rounds to 0): test_acc, the checkpoint choice and the quantize gate never see them."""
+    rounds to 0): test_acc, the checkpoint choice and the quantize gate never see them. And for
+    those left no training image (2 images, with val and test fractions of 0.3 each): the model
+    never learns them."""
     counts = np.bincount(y, minlength=len(labels))
+    untrained = np.flatnonzero(np.bincount(train, minlength=len(labels)) == 0)
+    if untrained.size:
+        shown = [f"'{labels[i]}': {counts[i]} images" for i in untrained]
+        note_once(
+            logging.WARNING,
+            f"{len(shown)} of {len(labels)} classes have no training image, all theirs went to "
+            f"validation and test ({_some(shown, 5)}): the model never learns them; add images "
+            "to them, or lower data.val_fraction and data.test_fraction",
+        )
     seen = np.bincount(val, minlength=len(labels)).astype(bool) & np.bincount(
         test, minlength=len(labels)
     ).astype(bool)
@@ -579,6 +607,6 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
             f"val {len(val)}, test {len(test)}): add images or change data.val_fraction / "
             "data.test_fraction"
         )
-    _note_unseen_classes(labels, y, y[val], y[test])
+    _note_unseen_classes(labels, y, y[train], y[val], y[test])
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
     return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels, now)
