@@ -795,3 +795,25 @@ def test_pixel_stats_are_numpys_figures_without_a_float_copy_of_the_images() -> 
         channel = x[:, c].astype(np.float64)
         assert mean[c] == round(float(channel.mean()), 4)
         assert std[c] == round(float(channel.std()), 4)
+
+
+def test_splits_are_drawn_without_a_second_copy_of_the_images(tmp_path: Path) -> None:
+    """x[train], x[val] and x[test] were copied while x was held: twice the data's memory."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(1200, 3, 48, 48), dtype=np.uint8)
+    y = np.arange(len(x)) % 4
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    spec = DataSpec(source="npz", path=str(tmp_path / "d.npz"), channels=3, image_size=48)
+    tracemalloc.start()
+    try:
+        splits = load_splits(spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.3 * x.nbytes
+    train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+    for got, want in ((splits.train_x, x[train]), (splits.val_x, x[val]), (splits.test_x, x[test])):
+        assert got.flags.c_contiguous and np.array_equal(got, want)
+    assert np.array_equal(splits.test_y, y[test])

@@ -609,4 +609,27 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
         )
     _note_unseen_classes(labels, y, y[train], y[val], y[test])
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
-    return Splits(x[train], y[train], x[val], y[val], x[test], y[test], labels, now)
+    # The images in split order, in place, and each split a view of its block: x[train],
+    # x[val] and x[test] copied them all while x was held, 2.2 times the data set's memory
+    _reorder_rows(x, np.concatenate([train, val, test]))
+    cut = np.cumsum([len(train), len(val)])
+    train_x, val_x, test_x = np.split(x, cut)
+    return Splits(train_x, y[train], val_x, y[val], test_x, y[test], labels, now)
+
+
+def _reorder_rows(x: np.ndarray, order: np.ndarray) -> None:
+    """x[:] = x[order] without a copy of x: each cycle of the permutation moved along, one
+    row held aside."""
+    placed = np.zeros(len(order), dtype=bool)
+    for start in range(len(order)):
+        if placed[start]:
+            continue
+        held, i = x[start].copy(), start
+        while True:
+            placed[i] = True
+            j = int(order[i])
+            if j == start:
+                x[i] = held
+                break
+            x[i] = x[j]
+            i = j
