@@ -42,6 +42,24 @@ class FailsWhileFitting(SmallCNN):
         return super().forward(x)
 
 
+class DivergesAfter(SmallCNN):
+    """From its `steps`-th forward pass in training mode on, its weights are NaN: a learning
+    rate that blows up after some good epochs."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, steps: int) -> None:
+        super().__init__(in_channels, num_classes, image_size)
+        self.steps, self.calls = steps, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls >= self.steps:
+                with torch.no_grad():
+                    for p in self.parameters():
+                        p.fill_(float("nan"))
+        return super().forward(x)
+
+
 class BatchNormHead(nn.Sequential):
     """Conv, global average pool, BatchNorm1d, linear: in training mode BatchNorm1d refuses a
     batch of one image (not SmallCNN's layers: its weights load into no other model here)."""

@@ -148,6 +148,20 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
             f"cannot resume: {run.last_ckpt} is not a lightship training checkpoint "
             f"(it lacks {', '.join(missing)}): delete it and train without --resume"
         )
+    weights = ckpt.get("state_dict")
+    if isinstance(weights, dict) and not all(
+        bool(torch.isfinite(w).all())
+        for w in weights.values()
+        if isinstance(w, torch.Tensor) and w.is_floating_point()
+    ):
+        # a training that diverged after its best checkpoint: resumed, every step stays NaN
+        lr = (hparams.get("optim") or {}).get("lr") if isinstance(hparams, dict) else None
+        now = f"now {lr:g}; " if isinstance(lr, (int, float)) else ""
+        raise RunError(
+            f"cannot resume: {run.last_ckpt} holds non-finite weights (its training diverged): "
+            f"train afresh with a lower optim.lr ({now}--set optim.lr=...), as "
+            f"{run.train_command(afresh=True)} does with it"
+        )
     return ckpt
 
 
@@ -735,6 +749,21 @@ def _check_finite(model: torch.nn.Module, x: np.ndarray, cfg: Config, trainer: p
     )
 
 
+def _warn_diverged_after_best(run: RunDir, best: Path, cfg: Config, trainer: pl.Trainer) -> None:
+    """A training whose loss went non-finite after its best checkpoint keeps that one, and
+    said nothing: its last.ckpt holds the non-finite weights, and a resume went on from them."""
+    loss = trainer.callback_metrics.get("train_loss")
+    said = f" (train_loss {float(loss):g})" if loss is not None else ""
+    print(
+        f"warning: the training diverged after its best checkpoint{said}: best.ckpt is "
+        f"{run.relative(best)}, and checkpoints/last.ckpt holds the diverged weights, which "
+        f"cannot be resumed: to train further, train afresh with a lower optim.lr (now "
+        f"{cfg.optim.lr:g}; --set optim.lr=...)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _own_best(run: RunDir, best_model_path: str) -> Path:
     """The best checkpoint in this run's own folder, or last.ckpt.
 
@@ -939,6 +968,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     train_seconds = time.perf_counter() - started
     if not trainer.is_global_zero:
         return run  # DDP workers stop here; rank 0 writes best.ckpt and the manifest
+    if checked is not None:  # diverged after its best checkpoint, which is kept
+        _warn_diverged_after_best(run, checked[0], cfg, trainer)
     # Stopped from here on (evaluating, copying best.ckpt), the epochs are done: resuming
     # trains none again and writes best.ckpt
     note_interrupt(
