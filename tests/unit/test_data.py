@@ -454,48 +454,49 @@ def test_a_link_to_the_data_root_in_a_class_folder_reads_nothing_twice(tmp_path:
     assert labels == ["cat", "dog"] and np.bincount(y).tolist() == [3, 3]
 
 
-def test_a_class_left_no_training_image_is_warned_of(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("fractions", "unseen_by", "message"),
+    [
+        (  # 2 images of a class: 15 % of them rounds to none, and test_acc never sees it
+            (0.15, 0.15),
+            "test_y",
+            "1 of 3 classes have too few images for both a validation and a test image ('rare': "
+            "2 images): accuracy, the best checkpoint and the quantize gate are measured without "
+            "them; add images to them",
+        ),
+        (  # val and test fractions of 0.3: one each, none to train on, and no word
+            (0.3, 0.3),
+            "train_y",
+            "1 of 3 classes have no training image, all theirs went to validation and test "
+            "('rare': 2 images): the model never learns them; add images to them, or lower "
+            "data.val_fraction and data.test_fraction",
+        ),
+    ],
+    ids=["no test image", "no training image"],
+)
+def test_classes_too_small_for_a_split_are_warned_of(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    fractions: tuple[float, float],
+    unseen_by: str,
+    message: str,
 ) -> None:
-    """2 images, val and test fractions of 0.3: one each, none to train on, and no word."""
     make_folder(tmp_path / "imgs", per_class=20)
-    (tmp_path / "imgs" / "tiny").mkdir()
+    (tmp_path / "imgs" / "rare").mkdir()
     for i in range(2):
-        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "tiny" / f"{i}.png")
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "rare" / f"{i}.png")
+    val, test = fractions
     spec = DataSpec(
         source="folder",
         path=str(tmp_path / "imgs"),
         image_size=8,
-        val_fraction=0.3,
-        test_fraction=0.3,
+        val_fraction=val,
+        test_fraction=test,
     )
     with caplog.at_level("WARNING", logger="lightship.data.sources"):
         splits = load_splits(spec)
-    assert 2 not in splits.train_y
-    assert caplog.messages == [
-        "1 of 3 classes have no training image, all theirs went to validation and test "
-        "('tiny': 2 images): the model never learns them; add images to them, or lower "
-        "data.val_fraction and data.test_fraction"
-    ]
-
-
-def test_classes_too_small_for_a_test_image_are_warned_of(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # 2 images of a class: 15 % of them rounds to none, and test_acc never sees the class
-    make_folder(tmp_path / "imgs", per_class=10)
-    (tmp_path / "imgs" / "rare").mkdir()
-    for i in range(2):
-        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "rare" / f"{i}.png")
-    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
-    with caplog.at_level("WARNING", logger="lightship.data.sources"):
-        splits = load_splits(spec)
-    assert 2 not in splits.test_y
-    assert caplog.messages == [
-        "1 of 3 classes have too few images for both a validation and a test image ('rare': 2 "
-        "images): accuracy, the best checkpoint and the quantize gate are measured without "
-        "them; add images to them"
-    ]
+    assert 2 not in getattr(splits, unseen_by)
+    assert caplog.messages == [message]
 
 
 def test_train_and_serve_read_a_file_as_the_same_pixels(tmp_path: Path) -> None:
