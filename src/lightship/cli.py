@@ -305,7 +305,7 @@ def report(
     from lightship.quantize.isa import describe
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import fewer_threads_at_batch1, speedup, tie_note, why_none
+    from lightship.report.render import speedup, threads_note, tie_note, why_none
     from lightship.runs import RunDir
 
     r = report_run(  # takes the run lock
@@ -314,11 +314,8 @@ def report(
     from rich.console import Console
     from rich.table import Table
 
-    fewer = fewer_threads_at_batch1(r)  # p50 is at batch 1
-    table = Table(
-        title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads"
-        + (f"; at batch 1 on fewer threads: {fewer}" if fewer else "")
-    )
+    # p50 is at batch 1, img/s at --batch: each on the threads it ran on
+    table = Table(title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads{threads_note(r)}")
     for col in (
         "variant",
         "accuracy",

@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -275,6 +276,31 @@ def test_report_json_says_how_the_recommendation_was_made_and_on_how_many_thread
     # session answered it sooner as the model loaded
     assert rows["eager"]["batch1_threads"] == rows["torchscript"]["batch1_threads"] == 2
     assert rows["onnx-fp32"]["batch1_threads"] in (1, 2)
+
+
+@pytest.mark.parametrize(("batch", "threads", "lanes"), [(4, 1, 1), (6, 2, 2), (64, 2, 2)])
+def test_report_json_says_the_threads_the_throughput_batch_ran_on(
+    run: Path, monkeypatch: pytest.MonkeyPatch, batch: int, threads: int, lanes: int
+) -> None:
+    """ONNX Runtime splits a batch over one-thread lanes from `split_rows` (here 6, with one
+    image sooner on one thread, as the digits CNN timed): a shorter batch ran on one thread,
+    which report.md and report.json said was the report's two."""
+    from lightship.runtime import ort
+
+    def fastest(session: Any, name: str, x: Any, runs: int = 3) -> float:
+        one_thread = session.get_session_options().intra_op_num_threads == 1
+        return 200e-6 if len(x) == 4 else 65e-6 if one_thread else 90e-6
+
+    monkeypatch.setattr(ort, "_fastest", fastest)
+    monkeypatch.setattr(report_core, "measure", quiet_timings)
+    settings = ReportSettings(threads=2, rounds=3, batch=batch, seconds=0.01)
+    rows = {v["name"]: v for v in report(RunDir(run), settings)["variants"]}
+    fp32 = rows["onnx-fp32"]
+    assert (fp32["split_rows"], fp32["batch1_threads"]) == (6, 1)
+    assert (fp32["batch_threads"], fp32["batch_lanes"]) == (threads, lanes)
+    assert rows["torchscript"]["batch_threads"] == 2 and rows["torchscript"]["batch_lanes"] == 1
+    md = (run / "report" / "report.md").read_text()
+    assert (f"- threads at batch {batch}: fewer than 2 for onnx-fp32 (1):" in md) == (threads == 1)
 
 
 def test_a_quiet_machine_is_no_warning(

@@ -190,6 +190,37 @@ def test_report_md_says_which_variants_answer_one_image_on_one_thread() -> None:
     assert "threads at batch 1" not in render.markdown(r)
 
 
+def at_batch_4() -> dict[str, Any]:
+    """The digits run's int8 variants reported at --batch 4, under the 8 rows they split from:
+    the batch ran on their one-thread session, where ONNX fp32 (split from 4) ran two lanes."""
+    r = report_dict(batch=4)
+    for v in r["variants"]:
+        v.update(batch_threads=1, batch_lanes=1)
+    return r
+
+
+def test_report_md_says_the_threads_a_batch_shorter_than_the_split_ran_on() -> None:
+    """It said "every longer batch" used the report's threads: int8's batch-4 img/s, and its
+    x ONNX fp32, came from one thread."""
+    md = render.markdown(at_batch_4())
+    assert (
+        "- threads at batch 1: fewer than 2 for onnx-int8-static (1), onnx-int8-qat (1): ONNX "
+        "Runtime answered one image sooner on one thread than on all of them when the model "
+        "loaded, and runs it so here as in `serve`; the other variants use 2\n"
+        "- threads at batch 4: fewer than 2 for onnx-int8-static (1), onnx-int8-qat (1): ONNX "
+        "Runtime splits a batch over one-thread lanes only from its split size and runs a "
+        "shorter one as it runs one image, so their img/s and speed-ups at batch 4 are on those "
+        "threads; the other variants use 2\n"
+    ) in md
+    assert "longer batch" not in md
+    long = report_dict()  # batch 64: both split over two lanes
+    for v in long["variants"]:
+        v.update(batch_threads=2, batch_lanes=2)
+    md = render.markdown(long)
+    assert "the other variants use 2, and every variant 2 at batch 64\n" in md
+    assert "threads at batch 64" not in md
+
+
 def test_calibration_peak_rss_is_in_mib() -> None:
     cal = {"samples": 256, "method": "minmax", "chunk": 64, "seconds": 0.13}
     cal["scales_sha256"] = "c60050341897bc46"
@@ -309,6 +340,10 @@ def test_the_plot_names_the_cpu_and_the_threads_batch_one_ran_on(
     )
     r["variants"][0]["batch1_threads"] = 2
     assert plotted(r, tmp_path, monkeypatch).get_title() == f"{CPU}\n2 threads"
+    assert plotted(at_batch_4(), tmp_path, monkeypatch).get_title() == (
+        f"{CPU}\n2 threads; at batch 1 on fewer threads: onnx-int8-static (1), onnx-int8-qat "
+        "(1); at batch 4 on fewer threads: onnx-int8-static (1), onnx-int8-qat (1)"
+    )
 
 
 @pytest.mark.parametrize("top", [0.99, 0.998, 1.0])
@@ -344,6 +379,13 @@ def test_the_cli_table_names_the_cpu_and_the_fp32_it_compares_with(
         [cell.strip() for cell in line.split("┃")] for line in out.splitlines() if "┃" in line
     ]
     assert [cells[6] for cells in header] == ["x ONNX", "fp32"]
+    short = {**at_batch_4(), "timing_warning": None}
+    for v in short["variants"]:
+        v.update(speedup_vs_eager=20.0, speedup_vs_onnx_fp32=0.6)
+    monkeypatch.setattr(lightship.report, "report", lambda *args, **kwargs: short)
+    cli.report(run=Path("runs/default"), threads=2, rounds=1, batch=4, gate=0.99)
+    title = " ".join(capsys.readouterr().out.split())
+    assert "(1); at batch 4 on fewer threads: onnx-int8-static (1), onnx-int8-qat (1)" in title
 
 
 def test_the_plots_latency_labels_leave_out_the_one_beside_each_decade(

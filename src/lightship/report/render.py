@@ -34,24 +34,51 @@ def gate_percent(gate: float) -> str:
     return f"{(Decimal(str(float(gate))) * 100).normalize():f}%"
 
 
-def fewer_threads_at_batch1(r: dict[str, Any]) -> str:
-    """`onnx-fp32 (1), onnx-int8-static (1)`: the variants that answer one image on fewer
-    threads than the report's (ONNX Runtime's `short_batch_threads`: one, where that measured
-    sooner as the model loaded); "" where none does."""
-    fewer = [v for v in r["variants"] if v.get("batch1_threads", r["threads"]) < r["threads"]]
-    return ", ".join(f"{v['name']} ({v['batch1_threads']})" for v in fewer)
+def fewer_threads(r: dict[str, Any], key: str = "batch1_threads") -> str:
+    """`onnx-fp32 (1), onnx-int8-static (1)`: the variants whose `key` (`batch1_threads`, or
+    `batch_threads` at the throughput batch) is fewer threads than the report's: ONNX
+    Runtime's `short_batch_threads` (one, where that measured sooner as the model loaded),
+    which also runs a batch shorter than its split; "" where none is."""
+    fewer = [v for v in r["variants"] if v.get(key, r["threads"]) < r["threads"]]
+    return ", ".join(f"{v['name']} ({v[key]})" for v in fewer)
+
+
+def _fewer_by_batch(r: dict[str, Any]) -> list[tuple[int, str]]:
+    """(batch, `fewer_threads`) at batch 1 (latency) and at the throughput batch, where any
+    variant ran on fewer threads than the report's."""
+    found = [(1, fewer_threads(r, "batch1_threads"))]
+    if r["batch"] != 1:
+        found.append((r["batch"], fewer_threads(r, "batch_threads")))
+    return [(batch, names) for batch, names in found if names]
+
+
+def threads_note(r: dict[str, Any]) -> str:
+    """`; at batch 1 on fewer threads: onnx-fp32 (1)`, after "2 threads" in the plot's and the
+    CLI's titles: each measured batch that some variant ran on fewer threads; "" if none."""
+    return "".join(f"; at batch {b} on fewer threads: {names}" for b, names in _fewer_by_batch(r))
 
 
 def _threads_line(r: dict[str, Any]) -> list[str]:
-    names = fewer_threads_at_batch1(r)
-    if not names:
-        return []
-    return [
-        f"- threads at batch 1: fewer than {r['threads']} for {names}: ONNX Runtime answered "
-        "one image sooner on one thread than on all of them when the model loaded, and runs "
-        "it so here as in `serve`; the other variants, and every longer batch, use "
-        f"{r['threads']}"
-    ]
+    """What report.md says of the threads each measured batch ran on, true of each: a line per
+    batch some variant ran on fewer threads than the report's."""
+    n, batch = r["threads"], r["batch"]
+    fewer = dict(_fewer_by_batch(r))
+    lines = []
+    if 1 in fewer:
+        every = "" if batch == 1 or batch in fewer else f", and every variant {n} at batch {batch}"
+        lines.append(
+            f"- threads at batch 1: fewer than {n} for {fewer[1]}: ONNX Runtime answered one "
+            "image sooner on one thread than on all of them when the model loaded, and runs it "
+            f"so here as in `serve`; the other variants use {n}{every}"
+        )
+    if batch in fewer and batch != 1:
+        lines.append(
+            f"- threads at batch {batch}: fewer than {n} for {fewer[batch]}: ONNX Runtime "
+            "splits a batch over one-thread lanes only from its split size and runs a shorter "
+            f"one as it runs one image, so their img/s and speed-ups at batch {batch} are on "
+            f"those threads; the other variants use {n}"
+        )
+    return lines
 
 
 def tie_note(r: dict[str, Any]) -> str:
@@ -285,10 +312,8 @@ def pareto(r: dict[str, Any], path: Path) -> None:
     ax.set_ylim(*limits)  # as set_yticks left them
     ax.set_xlabel("latency p50 at batch 1 (ms, log scale, lower is better)")
     ax.set_ylabel("test accuracy (%)")
-    fewer = fewer_threads_at_batch1(r)
     ax.set_title(
-        f"{isa.describe(r['cpu'])}\n{r['threads']} threads"
-        + (f"; at batch 1 on fewer threads: {fewer}" if fewer else ""),
+        f"{isa.describe(r['cpu'])}\n{r['threads']} threads{threads_note(r)}",
         fontsize=8,
         wrap=True,  # a long CPU name or many variants
     )
