@@ -54,6 +54,40 @@ def test_a_variant_its_runtime_cannot_load_is_left_out_with_the_command_to_remak
     assert left_out["onnx-fp32"].startswith("onnxruntime cannot load export/model.onnx (")
 
 
+def test_a_variant_changed_since_its_stage_wrote_it_is_left_out_and_its_old_figures_go(
+    run: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model file cut short after export recorded it: the report ended (exit 4) on it, and
+    the old report, the old file's figures, stayed for `serve` to recommend from."""
+    monkeypatch.setattr(report_core, "measure", quiet_timings)
+    report(RunDir(run), FAST)  # the old report, onnx-fp32 in it
+    onnx = run / "export" / "model.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:-100])  # its manifest entry as it was
+
+    with caplog.at_level(logging.WARNING):
+        result = report(RunDir(run), FAST)
+
+    why = (
+        "export/model.onnx differs from its manifest entry (sha256): it changed after "
+        f"`lightship` wrote it; `make export RUN={run} EXPORT_ARGS='--formats onnx'` makes it again"
+    )
+    assert result["not_measured"] == {"onnx-fp32": why}
+    on_disk = json.loads((run / "report" / "report.json").read_text())
+    assert [v["name"] for v in on_disk["variants"]] == ["eager", "torchscript"]
+    assert on_disk["not_measured"] == {"onnx-fp32": why}
+    md = (run / "report" / "report.md").read_text()
+    assert f"Not measured: onnx-fp32, {why}." in md and "| onnx-fp32 |" not in md
+    assert f"onnx-fp32: {why} (not measured)" in caplog.text
+
+
+def test_a_checkpoint_changed_since_it_was_recorded_still_stops_the_report(run: Path) -> None:
+    """best.ckpt is the reference every variant is compared with: no report without it."""
+    ckpt = run / "best.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:-100])
+    with pytest.raises(RunError, match=r"best\.ckpt differs from its manifest entry \(sha256\)"):
+        report(RunDir(run), FAST)
+
+
 def test_interrupted_while_measuring_says_the_old_report_stands_and_how_to_report_again(
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -57,10 +57,12 @@ def candidates(
     run: RunDir, threads: int, left_out: dict[str, str] | None = None
 ) -> list[Candidate]:
     """Every variant of VARIANTS whose file exists, loaded with `threads` threads. A listed
-    variant whose file is gone, whose runtime cannot load it (made by another onnxruntime
-    or torch), or that takes other images than the run's (another model's file) is left out
-    with a warning that says how to make it again, as quantize leaves out a method that
-    fails: one bad variant does not cost the report of all the others.
+    variant whose file is gone, is not the file its manifest entry recorded (sha256: changed
+    or cut short since its stage wrote it), whose runtime cannot load it (made by another
+    onnxruntime or torch), or that takes other images than the run's (another model's file)
+    is left out with a warning that says how to make it again, as quantize leaves out a
+    method that fails: one bad variant does not cost the report of all the others, and the
+    new report, which replaces the old one, no longer shows the old file's figures.
     `left_out`, when given, gets each such variant's reason, for the report to print."""
     artifacts = run.manifest()["artifacts"]
     left_out = {} if left_out is None else left_out
@@ -78,29 +80,42 @@ def candidates(
             log.warning("%s is %s (not measured)", name, left_out[name])
             continue
         fix = f"it changed after `lightship` wrote it; re-run {run.remake_command(name)}"
-        check_recorded(path, entry, fix)
+        try:
+            check_recorded(path, entry, fix)
+        except RunError:
+            if name == "eager":  # the reference: no report without it
+                raise
+            changed = f"{run.relative(path)} differs from its manifest entry (sha256): it changed"
+            why = f"{changed} after `lightship` wrote it; {run.remake_command(name)} makes it again"
+            _leave_out(left_out, name, why)
+            continue
         try:
             # an int8 model made for another CPU: the report says it, by the entry's target
             predictor = load_predictor(path, threads=threads, isa_check=False)
         except LoadError as exc:
             if name == "eager":  # the reference: no report without it
                 raise
-            left_out[name] = (
+            why = (
                 f"{exc.runtime} cannot load {run.relative(path)} ({exc.reason()}); "
                 f"{run.remake_command(name)} makes it again"
             )
-            log.warning("%s: %s (not measured)", name, left_out[name])
+            _leave_out(left_out, name, why)
             continue
         other = other_input(predictor, artifacts.get("checkpoint") or {})
         if other is not None:
             why = f"{run.relative(path)} is not this run's model ({other})"
             if name == "eager":  # the reference: no report without it
                 raise RunError(f"{why}: {run.remake_hint(name)}")
-            left_out[name] = f"{why}; {run.remake_command(name)} makes it again"
-            log.warning("%s: %s (not measured)", name, left_out[name])
+            _leave_out(left_out, name, f"{why}; {run.remake_command(name)} makes it again")
             continue
         found.append(Candidate(name, path, entry, predictor))
     return found
+
+
+def _leave_out(left_out: dict[str, str], name: str, why: str) -> None:
+    """Keep `why` `name` is not measured, for report.json and report.md, and warn of it."""
+    left_out[name] = why
+    log.warning("%s: %s (not measured)", name, why)
 
 
 def logits(predictor: Predictor, x: np.ndarray, batch: int = 256) -> np.ndarray:
