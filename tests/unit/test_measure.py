@@ -157,6 +157,34 @@ def test_measure_counts_the_cpu_others_used_while_each_variant_was_timed(
     assert timings["b"].noise(own_rounds=False) == ["other processes used 60% of the CPU"]
 
 
+# /proc/stat on 2 CPUs (jiffies: user nice system idle iowait irq softirq steal guest guest_nice):
+# cpu1 busy 300 of 500, cpu0 100 of 500
+PROC_STAT = """cpu  300 0 100 580 20 0 0 0 0 0
+cpu0 100 0 0 400 0 0 0 0 0 0
+cpu1 200 0 100 180 20 0 0 0 0 0
+intr 12345 0 0
+ctxt 678
+"""
+
+
+@pytest.mark.parametrize(
+    ("allowed", "busy", "total"),
+    [({0, 1}, 400, 1000), ({0, 1, 2}, 400, 1000), ({1}, 300, 500), ({0, 7}, 100, 500)],
+)
+def test_the_cpu_others_use_is_counted_on_the_cpus_this_process_may_run_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, allowed: set[int], busy: int, total: int
+) -> None:
+    """The report's threads run on its affinity set: others busy on the other cores warned
+    of a busy machine (taskset -c 1 beside a loop on cpu 0). With every CPU in the set, the
+    kernel's own sum, as before."""
+    stat = tmp_path / "stat"
+    stat.write_text(PROC_STAT)
+    monkeypatch.setattr(measure_module, "Path", lambda _: stat)
+    monkeypatch.setattr(measure_module, "allowed_cpus", lambda: allowed)
+    tick = os.sysconf("SC_CLK_TCK")
+    assert measure_module.machine_cpu_s() == pytest.approx((busy / tick, total / tick))
+
+
 def test_without_proc_stat_the_share_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(measure_module, "Path", lambda _: Path("/nonexistent/stat"))
     assert CpuClock.now() is None

@@ -13,6 +13,7 @@ ratio alike: `Timing.noise` says when, from the spread and from the CPU other pr
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from lightship.runtime import Predictor
-from lightship.runtime.base import glibc, trim_heap
+from lightship.runtime.base import allowed_cpus, glibc, trim_heap
 
 # A variant's timings are noisy (`Timing.noise`) past limits no quiet machine reached. On 2
 # shared cores (Xeon, AVX-512 VNNI), the digits run's reports made alone (15 rounds) kept the
@@ -49,24 +50,43 @@ NOISE_RULE = (
 
 
 def machine_cpu_s() -> tuple[float, float] | None:
-    """The machine's busy and total CPU seconds so far, every core together, from Linux's
-    /proc/stat; None where there is none (not Linux)."""
+    """The busy and total CPU seconds so far of the CPUs this process may run on (its affinity,
+    where the report's threads run), from Linux's /proc/stat; None where there is none (not
+    Linux). Other processes on cores outside the set do not slow the report, and counted they
+    warned of a busy machine where `taskset` had kept the report apart from them.
+
+    A cgroup CPU quota (`docker run --cpus`) is not taken in: it throttles this process on any
+    core of its set without binding it to some, so which others' CPU time stood in its way
+    cannot be told from /proc/stat; a quota far below the set can then warn of others' load
+    on cores the report had no share of."""
     try:
         tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
-        # user nice system idle iowait irq softirq steal (guest time is counted in user)
-        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        jiffies = [int(v) for v in first[1:9]]
-        idle = jiffies[3] + jiffies[4]
+        busy = total = 0
+        for line in cpu_lines(Path("/proc/stat").read_text(), allowed_cpus()):
+            # user nice system idle iowait irq softirq steal (guest time is counted in user)
+            jiffies = [int(v) for v in line.split()[1:9]]
+            total += sum(jiffies)
+            busy += sum(jiffies) - jiffies[3] - jiffies[4]
     except (AttributeError, OSError, ValueError, IndexError):
         return None
-    total = sum(jiffies)
-    return (total - idle) / tick, total / tick
+    return busy / tick, total / tick
+
+
+def cpu_lines(stat: str, allowed: set[int]) -> list[str]:
+    """The lines of /proc/stat (`stat`) that count the CPUs in `allowed`: its first, the kernel's
+    sum of every CPU, where `allowed` takes in every CPU it lists (the figures, to the tick, of
+    before the affinity was read); else the `cpuN` line of each CPU in it."""
+    lines = stat.splitlines()
+    per_cpu = {int(m[1]): line for line in lines[1:] if (m := re.match(r"cpu(\d+)\s", line))}
+    if set(per_cpu) <= allowed:
+        return lines[:1]
+    return [line for cpu, line in per_cpu.items() if cpu in allowed]
 
 
 @dataclass(frozen=True)
 class CpuClock:
     """CPU seconds at one moment: this process's, all its threads together, and the machine's
-    busy and total, every core together (Linux's /proc/stat)."""
+    busy and total, the CPUs this process may run on together (`machine_cpu_s`)."""
 
     own_s: float
     busy_s: float
@@ -80,9 +100,9 @@ class CpuClock:
 
     def others_since(self, start: CpuClock) -> tuple[float, float]:
         """CPU seconds other processes used since `start` (the machine's busy time less this
-        process's), and the machine's CPU seconds in all (elapsed x cores). The machine counts
-        in clock ticks (10 ms), this process to the nanosecond: over one short interval the
-        first can come out below zero, over many they even out."""
+        process's), and the machine's CPU seconds in all (elapsed x the CPUs this process may
+        run on). The machine counts in clock ticks (10 ms), this process to the nanosecond:
+        over one short interval the first can come out below zero, over many they even out."""
         others = (self.busy_s - start.busy_s) - (self.own_s - start.own_s)
         return others, self.total_s - start.total_s
 

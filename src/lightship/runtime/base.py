@@ -184,15 +184,19 @@ def caller_state_kept() -> Iterator[None]:
                 os.environ[name] = value
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity: `taskset`, a cpuset), every CPU where the
+    OS has no affinity call (not Linux)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 @cache
 def physical_cores() -> int:
     """Cores this process may use, counting SMT siblings once (the right ORT/torch thread
     count), and no more than its cgroup's CPU quota (`cgroup_cpu_limit`) allows."""
-    allowed = (
-        os.sched_getaffinity(0)
-        if hasattr(os, "sched_getaffinity")
-        else set(range(os.cpu_count() or 1))
-    )
+    allowed = allowed_cpus()
     siblings: set[tuple[str, str]] = set()
     try:
         for cpu in allowed:
