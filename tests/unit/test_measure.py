@@ -157,6 +157,24 @@ def test_measure_counts_the_cpu_others_used_while_each_variant_was_timed(
     assert timings["b"].noise(own_rounds=False) == ["other processes used 60% of the CPU"]
 
 
+def test_the_readme_says_what_each_round_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "0.1 s or one call per variant and round": each round times each variant at
+    batch 1 for 0.1 s and 20 calls at the least, then at its batch for 0.1 s and 1 call."""
+    from lightship.report import ReportSettings
+
+    seconds = ReportSettings().seconds
+    said = (
+        f"(each variant in each round: batch-1 calls for at least {seconds:g} s and "
+        f"{measure_module.MIN_LATENCY_CALLS} calls, then batch calls for at least {seconds:g} s "
+        f"and {measure_module.MIN_BATCH_CALLS} call; order shuffled per round)"
+    )
+    assert said in " ".join((ROOT / "README.md").read_text().split())
+    calls: list[tuple[str, int]] = []
+    p = cast(Predictor, Recorder("a", calls, 0.0))
+    measure({"a": p}, np.zeros((3, 1, 2, 2), np.uint8), rounds=1, batch=8, warmup=0, seconds=0)
+    assert calls == [("a", 1)] * 20 + [("a", 8)]
+
+
 # /proc/stat on 2 CPUs (jiffies: user nice system idle iowait irq softirq steal guest guest_nice):
 # cpu1 busy 300 of 500, cpu0 100 of 500
 PROC_STAT = """cpu  300 0 100 580 20 0 0 0 0 0

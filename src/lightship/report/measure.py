@@ -247,6 +247,12 @@ def time_calls(fn: Callable[[], object], seconds: float, min_calls: int) -> list
     return out
 
 
+# Calls each variant gets at the least in each round, whatever `seconds` allows: enough
+# batch-1 calls for a p90 (on a slow model, 0.1 s holds a few), and one batch for an img/s
+MIN_LATENCY_CALLS = 20
+MIN_BATCH_CALLS = 1
+
+
 def measure(
     predictors: dict[str, Predictor],
     images: np.ndarray,
@@ -258,7 +264,8 @@ def measure(
     latency: bool = True,
 ) -> dict[str, Timing]:
     """Batch-1 latency (unless `latency` is False) and batch-`batch` throughput of each
-    predictor (the hot path, no checks), each timed for at least `seconds` per round."""
+    predictor (the hot path, no checks), each timed per round for at least `seconds` and
+    `MIN_LATENCY_CALLS` or `MIN_BATCH_CALLS` calls."""
     one = np.ascontiguousarray(images[:1])
     big = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])))
     timings = {name: Timing() for name in predictors}
@@ -273,9 +280,9 @@ def measure(
             name, p = names[i], predictors[names[i]]
             start = CpuClock.now()
             if latency:
-                lat = time_calls(lambda p=p: p._run(one), seconds, 20)  # type: ignore[misc]
+                lat = time_calls(lambda p=p: p._run(one), seconds, MIN_LATENCY_CALLS)  # type: ignore[misc]
                 timings[name].latency_ms.extend(1000 * t for t in lat)
-            big_calls = time_calls(lambda p=p: p._run(big), seconds, 1)  # type: ignore[misc]
+            big_calls = time_calls(lambda p=p: p._run(big), seconds, MIN_BATCH_CALLS)  # type: ignore[misc]
             timings[name].throughput.append(batch * len(big_calls) / sum(big_calls))
             end = CpuClock.now()
             if start is not None and end is not None:
