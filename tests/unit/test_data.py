@@ -701,32 +701,6 @@ def test_decompression_bomb_names_the_file(
         load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
 
 
-@pytest.mark.parametrize(
-    ("size", "pillows"),
-    [
-        ((12000, 9000), None),  # 108 MP, over Pillow's warning size of ~89 MP: 1.7 MP decoded
-        ((100, 100), 1000),  # over twice Pillow's limit, which then opens nothing: 169 decoded
-    ],
-)
-def test_a_large_jpeg_is_judged_on_the_pixels_it_decodes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: tuple[int, int], pillows: int | None
-) -> None:
-    """The decoder shrinks a JPEG by up to 8 as it decodes: Pillow's decompression-bomb limit
-    is on what is decoded, and training takes the photo the server takes."""
-    if pillows is not None:
-        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pillows)
-    make_folder(tmp_path / "imgs")
-    photo = tmp_path / "imgs" / "cat" / "photo.jpg"
-    Image.new("L", size, 200).save(photo)  # one gray: small and quick however large
-    x, _, _ = _folder(tmp_path / "imgs", 1, 8)
-    files = sorted((tmp_path / "imgs" / "cat").iterdir()) + sorted(
-        (tmp_path / "imgs" / "dog").iterdir()
-    )
-    trained = x[files.index(photo)]
-    assert trained.min() == trained.max() == 200
-    np.testing.assert_array_equal(trained, v1.decode_image(photo.read_bytes(), (1, 8, 8)))
-
-
 def test_too_few_images_for_the_split(tmp_path: Path) -> None:
     x, y = X20[[0, 10, 11]], np.array([0, 1, 1])
     with pytest.raises(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from PIL import Image, JpegImagePlugin, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 # MPO: a JPEG with extra pictures appended (many phone cameras); the first is the photo.
 FORMATS = ("PNG", "JPEG", "MPO")
@@ -148,76 +148,23 @@ def _is_colour(im: Image.Image) -> bool:
     return im.mode not in GRAY_MODES
 
 
-def _too_large(pixels: int, pillows: int, max_pixels: int | None) -> str:
-    """An image of `pixels` refused by Pillow's limit `pillows` (its warning's, or twice that,
-    past which it opens nothing), said as the caller's own limit says it."""
+def _too_large(exc: Exception, max_pixels: int | None) -> str:
+    """Pillow's refusal of an image past its limit, said as the caller's own limit says it."""
+    pixels = re.search(r"\((\d+) pixels\)", str(exc))
+    if pixels is None:
+        return str(exc).rstrip(".")
     if max_pixels is None:  # training data: Pillow's limit, said with what to do
+        pillows = re.search(r"limit of (\d+) pixels", str(exc))
+        pillows_limit = f" of {int(pillows.group(1)):,}" if pillows else ""
         return (
-            f"{pixels:,} pixels is over Pillow's decompression-bomb limit of {pillows:,}: "
+            f"{int(pixels.group(1)):,} pixels is over Pillow's decompression-bomb "
+            f"limit{pillows_limit}: "
             "downscale it (a few thousand pixels a side is far more than a classifier uses)"
         )
-    return f"{pixels:,} pixels is too large (limit {min(max_pixels, pillows):,})"
-
-
-def _refused_at_open(exc: Image.DecompressionBombError, max_pixels: int | None) -> str:
-    """Pillow's refusal to open an image past twice its limit, said as `_too_large` says it."""
-    pixels = re.search(r"\((\d+) pixels\)", str(exc))
-    limit = re.search(r"limit of (\d+) pixels", str(exc))
-    if pixels is None or limit is None:
-        return str(exc).rstrip(".")
-    return _too_large(int(pixels.group(1)), int(limit.group(1)), max_pixels)
-
-
-def _check_size(im: Image.Image, size: tuple[int, int], name: str, max_pixels: int | None) -> None:
-    """Refuses `im` past the caller's `max_pixels` (the server's) or past Pillow's limit, judged
-    on the pixels it decodes at, said with the file's own `size`: the limits are there so that
-    no decode allocates a huge image, and a JPEG decodes as its decoder shrinks it (`_draft`: a
-    45 MP photo at 0.7 MP for a 224 model), a PNG at the size it declares. Past Pillow's limit,
-    under twice it, Pillow's DecompressionBombWarning is given as its open gives it: the
-    caller's warning filters decide, and training's make it an error."""
-    decoded, (w, h) = im.width * im.height, size
-    if max_pixels is not None and decoded > max_pixels:
-        raise ImageError(name, f"{w}x{h} pixels is too large (limit {max_pixels:,})", "size")
-    pillows = Image.MAX_IMAGE_PIXELS
-    if not pillows or decoded <= pillows:
-        return
-    if decoded > 2 * pillows:
-        raise ImageError(name, _too_large(w * h, 2 * pillows, max_pixels), "size")
-    if max_pixels is None:
-        try:
-            warnings.warn(
-                f"{name}: {w}x{h} decodes to {decoded} pixels, over Pillow's limit of "
-                f"{pillows} pixels: could be a decompression bomb",
-                Image.DecompressionBombWarning,
-                stacklevel=3,
-            )
-        except Image.DecompressionBombWarning:  # the caller made it an error
-            raise ImageError(name, _too_large(w * h, pillows, None), "size") from None
-
-
-def _open(source: bytes | Path) -> Image.Image:
-    """`source` opened (its header read), its size left to `_check_size`: Pillow's open judges
-    the size a file declares, but a JPEG decodes shrunk (`_draft`). Past twice its limit Pillow
-    opens nothing: a JPEG is opened then by its own plugin, a 200 MP phone photo decoding at
-    3 MP; anything else, decoded at the size it declares, stays refused. Under `_OPENING`, with
-    DecompressionBombWarning ignored."""
-    try:
-        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    except Image.DecompressionBombError:
-        data = source if isinstance(source, bytes) else source.read_bytes()
-        if not data.startswith(b"\xff\xd8\xff"):  # not a JPEG (as Pillow tells one)
-            raise
-        return JpegImagePlugin.jpeg_factory(io.BytesIO(data))
-
-
-def _draft(im: Image.Image, chw: tuple[int, int, int]) -> None:
-    """A JPEG set to decode shrunk by 2, 4 or 8 to no less than the model's H x W, at far less
-    work (a 1000x1000 photo to 28x28: 2.6 ms, not 5.9); its size is then the size it decodes
-    at. A square box: the EXIF turn in `decode` may swap W and H. Other formats decode as they
-    declare."""
-    if im.format in ("JPEG", "MPO"):
-        side = max(chw[1], chw[2])
-        im.draft({1: "L", 3: "RGB"}.get(chw[0], "RGB"), (side, side))
+    limit = max_pixels
+    if isinstance(exc, Image.DecompressionBombError) and Image.MAX_IMAGE_PIXELS:
+        limit = min(limit, 2 * Image.MAX_IMAGE_PIXELS)  # Pillow opens nothing larger
+    return f"{int(pixels.group(1)):,} pixels is too large (limit {limit:,})"
 
 
 _OPENING = threading.Lock()
@@ -230,9 +177,11 @@ def pixels_to_decode(source: bytes, chw: tuple[int, int, int]) -> int:
     try:
         with _OPENING, warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = _open(source)
+            im = Image.open(io.BytesIO(source))
         with im:
-            _draft(im, chw)  # shrunk as it decodes, as `decode` asks it to
+            if im.format in ("JPEG", "MPO"):  # shrunk as it decodes, as `decode` asks it to
+                side = max(chw[1], chw[2])
+                im.draft({1: "L", 3: "RGB"}.get(chw[0], "RGB"), (side, side))
             return int(im.width * im.height)
     except Exception:  # anything that does not open: decode says why
         return 0
@@ -255,18 +204,27 @@ def decode(
         # catch_warnings swaps the process's filters, so threads decoding at once take turns
         # (opening reads only the header); unguarded, one could leave the filter on for good
         with _OPENING, _exif_damage() as damage:
-            # judged by `_check_size` once a JPEG is shrunk: Pillow's open judges the declared
-            # size, and its warning past its limit (89 MP) would reach the server's log
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = _open(source)
+            if max_pixels is not None:
+                # Checked below: past Pillow's own limit (89 MP) its warning would say so
+                # again, in the server's log.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
         with im:
             if im.format not in FORMATS:
                 raise ImageError(
                     name, f"{im.format} images are not accepted: use PNG or JPEG", "format"
                 )
-            size, colour = im.size, _is_colour(im)
-            _draft(im, chw)
-            _check_size(im, size, name, max_pixels)
+            if max_pixels is not None and im.width * im.height > max_pixels:
+                raise ImageError(
+                    name,
+                    f"{im.width}x{im.height} pixels is too large (limit {max_pixels:,})",
+                    "size",
+                )
+            colour = _is_colour(im)
+            if im.format in ("JPEG", "MPO"):
+                # The JPEG decoder downscales by 2/4/8 at far less work (a 1000x1000 photo to
+                # 28x28: 2.6 ms, not 5.9). A square box: the EXIF turn below may swap W and H.
+                im.draft(mode, (max(w, h), max(w, h)))
             im.load()  # decoded first: a PNG's EXIF may follow its pixels, and a cut-short
             seen = _as_seen(im, name, damage)  # file is a broken image, not broken EXIF
             if seen.mode in WIDE_MODES:
@@ -281,8 +239,10 @@ def decode(
         raise
     except UnidentifiedImageError:  # its message names the buffer object: say it plainly
         raise ImageError(name, "not a readable PNG or JPEG image (unrecognised data)") from None
-    except Image.DecompressionBombError as exc:  # a small file can declare gigapixels
-        raise ImageError(name, _refused_at_open(exc, max_pixels), "size") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # past Pillow's limit (a warning, unless the caller made it an error): a small file
+        # can declare gigapixels
+        raise ImageError(name, _too_large(exc, max_pixels), "size") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(name, f"not a readable PNG or JPEG image ({exc})") from None
     return (pixels[None] if c == 1 else pixels.transpose(2, 0, 1)), colour

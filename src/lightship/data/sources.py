@@ -319,7 +319,6 @@ def _folder(
     colour = 0
     with warnings.catch_warnings():
         # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
-        # (judged by `images.decode` on the pixels decoded: a JPEG as its decoder shrinks it)
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         for i, (f, idx) in enumerate(files):
             name = str(f.relative_to(root))

@@ -15,9 +15,8 @@ from lightship.runtime.base import softmax
 from lightship.serve.batcher import TooManyRows
 from lightship.serve.v2 import ProtocolError, holds_bool, json_error
 
-# The pixels above which an upload is refused before decoding (a small PNG can declare a huge
-# canvas: a decompression bomb), counted as it would decode: a JPEG as its decoder shrinks it
-# (a 45 MP photo, 0.7 MP), as training counts it. Far above any classifier's input.
+# Width x height above which an upload is refused before decoding (a small PNG can declare a
+# huge canvas: a decompression bomb). Far above any classifier's input.
 MAX_IMAGE_PIXELS = 40_000_000
 # The pixels one request's uploads may take to decode together (a JPEG counts as its decoder
 # shrinks it: a 12 MP photo, 0.19 MP). 64 PNGs of 116 KB declaring 40 MP each held a decode
