@@ -413,9 +413,30 @@ def test_a_folder_already_split_into_train_and_val_is_refused(
     assert str(err.value) == (
         f"image folder {tmp_path / 'imgs'}: its classes would be {shown}, which are the splits "
         f"of a data set ({train}/ holds cat, dog): lightship splits the data itself "
-        "(data.val_fraction, data.test_fraction), so point data.path at one folder of class "
-        f"folders, e.g. --set data.path={tmp_path / 'imgs' / train}"
+        "(data.val_fraction, data.test_fraction), so point data.path at its folder of class "
+        f"folders: --set data.path={tmp_path / 'imgs' / train}"
     )
+    # a run trained on it before the refusal: its later stages read it as they did
+    assert _folder(tmp_path / "imgs", 3, 8, recorded=True)[2] == sorted(splits)
+
+
+def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
+    tmp_path: Path,
+) -> None:
+    """Kaggle's cats and dogs: training_set/training_set/{cats,dogs}. Named training_set/,
+    one class (training_set) was all the pasted fix gave; and a path with a space, unquoted."""
+    root = tmp_path / "my data"
+    for split in ("training_set", "test_set"):
+        make_folder(root / split / split, per_class=3)
+    with pytest.raises(DataError) as err:
+        _folder(root, 3, 8)
+    fixed = root / "training_set" / "training_set"
+    assert str(err.value).endswith(
+        f"(training_set/ holds training_set): lightship splits the data itself "
+        f"(data.val_fraction, data.test_fraction), so point data.path at its folder of class "
+        f"folders: --set data.path='{fixed}'"
+    )
+    assert _folder(fixed, 3, 8)[2] == ["cat", "dog"]  # as pasted
 
 
 def test_a_split_folder_beside_one_of_loose_images_is_refused(tmp_path: Path) -> None:
@@ -439,9 +460,13 @@ def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     for cls in ("bus", "train"):  # a vehicle's name, beside another holding folders
         (tmp_path / "b" / cls / "2024").mkdir(parents=True)
         Image.new("RGB", (8, 8)).save(tmp_path / "b" / cls / "2024" / "0.png")
+    for cls in ("valid", "not_valid", "test_pass", "test_fail"):  # split words in class names
+        (tmp_path / "c" / cls / "batch1").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "c" / cls / "batch1" / "0.png")
     with caplog.at_level("WARNING", logger="lightship.data.sources"):
         assert _folder(tmp_path / "a", 3, 8)[2] == ["test", "train"]
         assert _folder(tmp_path / "b", 3, 8)[2] == ["bus", "train"]
+        assert _folder(tmp_path / "c", 3, 8)[2] == ["not_valid", "test_fail", "test_pass", "valid"]
     assert caplog.messages == []
 
 
@@ -450,6 +475,13 @@ def test_a_link_to_the_data_root_in_a_class_folder_reads_nothing_twice(tmp_path:
     make_folder(tmp_path / "imgs", per_class=3)
     (tmp_path / "imgs" / "cat" / "all").symlink_to("..")
     (tmp_path / "imgs" / "cat" / "up").symlink_to(tmp_path)
+    _, y, labels = _folder(tmp_path / "imgs", 3, 8)
+    assert labels == ["cat", "dog"] and np.bincount(y).tolist() == [3, 3]
+    # a class folder that is itself a link, holding a link back to the data root
+    shutil.move(tmp_path / "imgs" / "cat", tmp_path / "cats")
+    (tmp_path / "imgs" / "cat").symlink_to(tmp_path / "cats")
+    (tmp_path / "cats" / "all").unlink()
+    (tmp_path / "cats" / "all").symlink_to(tmp_path / "imgs")
     _, y, labels = _folder(tmp_path / "imgs", 3, 8)
     assert labels == ["cat", "dog"] and np.bincount(y).tolist() == [3, 3]
 

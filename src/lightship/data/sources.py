@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import warnings
 import zipfile
 import zlib
@@ -144,8 +145,10 @@ def _files_below(folder: Path) -> list[Path]:
 
     found: list[Path] = []
     # The folders above it too: a link to the data root (`cat/all -> ..`) read every other
-    # class's images again as this one's
-    walked = {(s.st_dev, s.st_ino) for s in map(os.stat, Path(folder).resolve().parents)}
+    # class's images again as this one's. Above it as named (a class folder that is itself a
+    # link has the data root there) and as it lies on disk.
+    above = {*Path(os.path.abspath(folder)).parents, *Path(folder).resolve().parents}
+    walked = {(s.st_dev, s.st_ino) for s in map(os.stat, above)}
     for top, dirs, names in os.walk(folder, onerror=refused, followlinks=True):
         stat = os.stat(top)
         if (stat.st_dev, stat.st_ino) in walked:  # a link back up the tree
@@ -211,15 +214,27 @@ def _note_gray(colour: int) -> None:
 _SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "dev", "test", "testing"}
 
 
-def _words(name: str) -> set[str]:
-    """A folder name's words: `training_set` or `val2017` as {training, set}, {val}."""
-    return set(re.split(r"[^a-z]+", name.lower()))
+_SPLIT_FOLDER = re.compile(
+    rf"({'|'.join(sorted(_SPLIT_NAMES))})([ _-]?(set|split|data|images|imgs))?[ _-]?\d*",
+    re.IGNORECASE,
+)
 
 
 def _split_name(name: str) -> bool:
-    """Whether a folder's name is a split's: train, val, ..., also as `training_set`,
-    `test-images` or `val2017`."""
-    return bool(_words(name) & _SPLIT_NAMES)
+    """Whether a folder's whole name is a split's: train, val, ..., also as `training_set`,
+    `test-images` or `val2017` (not `not_valid` or `test_pass`, which are classes)."""
+    return _SPLIT_FOLDER.fullmatch(name) is not None
+
+
+def _class_folders_below(folder: Path) -> Path:
+    """`folder`, or the one folder it alone holds, down to one that holds images or several
+    folders (Kaggle's cats and dogs come as training_set/training_set/{cats,dogs})."""
+    while True:
+        entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        inside = [p for p in entries if p.is_dir()]
+        if len(inside) != 1 or any(p.is_file() for p in entries):
+            return folder
+        folder = inside[0]
 
 
 def _refuse_split_layout(root: Path, classes: list[str]) -> None:
@@ -233,12 +248,18 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     holding = [c for c in classes if inside[c]]
     if not holding:
         return
-    train = next((c for c in holding if _words(c) & {"train", "training"}), holding[0])
+    train = next((c for c in holding if c.lower().startswith("train")), holding[0])
+    found = _class_folders_below(root / train)
+    held = sorted(p.name for p in found.iterdir() if p.is_dir() and not p.name.startswith("."))
+    fix = (
+        f"point data.path at its folder of class folders: --set data.path={shlex.quote(str(found))}"
+        if len(held) > 1
+        else "point data.path at a folder holding one sub-folder per class"
+    )
     raise DataError(
         f"image folder {root}: its classes would be {', '.join(classes)}, which are the "
         f"splits of a data set ({train}/ holds {_some(inside[train], 3)}): lightship splits "
-        "the data itself (data.val_fraction, data.test_fraction), so point data.path at one "
-        f"folder of class folders, e.g. --set data.path={root / train}"
+        f"the data itself (data.val_fraction, data.test_fraction), so {fix}"
     )
 
 
@@ -270,10 +291,16 @@ def _image_files(
 
 
 def _folder(
-    root: Path, channels: int, size: int, digest: hashlib._Hash | None = None
+    root: Path,
+    channels: int,
+    size: int,
+    digest: hashlib._Hash | None = None,
+    recorded: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The folder's images, classes and their names; `digest` (a hashlib object) takes each
-    image file's path, class and the sha256 of its bytes, read once for both."""
+    image file's path, class and the sha256 of its bytes, read once for both. `recorded`: the
+    data a run trained on (`load_splits`), whose layout is not judged again: a run trained
+    before the refusal of split folders stays usable."""
     if root.is_file():
         fix = (
             "set data.source=npz for an .npz file"
@@ -286,7 +313,8 @@ def _folder(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
         )
     classes, files, skipped, loose = _image_files(root)
-    _refuse_split_layout(root, classes)
+    if not recorded:
+        _refuse_split_layout(root, classes)
     if loose and files:
         note_once(
             logging.WARNING,
@@ -588,7 +616,7 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
                 "will do) and run again"
             )
         if folder:
-            x, y, labels = _folder(path, spec.channels, spec.image_size, digest)
+            x, y, labels = _folder(path, spec.channels, spec.image_size, digest, recorded)
         else:
             x, y, labels = _npz(path)
             with path.open("rb") as fh:
