@@ -40,11 +40,11 @@ def test_a_checkpoint_without_optimizer_settings_resumes_without_a_keyerror(
     assert _check_resume_schedule(cfg, ckpt, RunDir(tmp_path / "run")) is True
 
 
-def test_a_training_diverged_after_its_best_checkpoint_says_so_and_is_not_resumed(
+def test_a_training_diverged_after_its_best_checkpoint_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Its loss went NaN in epoch 2: best.ckpt (epoch 1's) was kept with no word of it, and
-    `--resume` went on from last.ckpt's NaN weights, every step NaN."""
+    """Its loss went NaN in epoch 2: best.ckpt (epoch 1's) was kept with no word of it, and a
+    `--resume` with more epochs went on from last.ckpt's NaN weights, every step NaN."""
     run = tmp_path / "run"
     args = ["--run", str(run), "--config", str(CONFIGS / "tiny.yaml")]
     model = ["--set", "model.name=tests.failing_models:DivergesAfter"]
@@ -55,11 +55,7 @@ def test_a_training_diverged_after_its_best_checkpoint_says_so_and_is_not_resume
     assert best is not None and best["source_checkpoint"].startswith("checkpoints/epoch=00")
     assert (
         "warning: the training diverged after its best checkpoint (train_loss nan): best.ckpt "
-        f"is {best['source_checkpoint']}, and checkpoints/last.ckpt holds the diverged weights"
+        f"is {best['source_checkpoint']}, and checkpoints/last.ckpt holds the diverged weights, "
+        "so training on from it cannot help: to train further, train afresh with a lower "
+        "optim.lr (now "
     ) in err
-    with pytest.raises(RunError) as refused:
-        _resume_checkpoint(RunDir(run))
-    assert str(refused.value).startswith(
-        f"cannot resume: {run / 'checkpoints' / 'last.ckpt'} holds non-finite weights (its "
-        "training diverged): train afresh with a lower optim.lr (now "
-    )

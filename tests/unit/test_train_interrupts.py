@@ -571,6 +571,38 @@ def test_a_diverged_training_whose_put_back_fails_still_says_it_diverged(
     assert _contents(run) == before and run.config.read_text() == "old: config\n"
 
 
+@pytest.mark.usefixtures("signal_handlers")  # SIGINT ignored where CI starts it
+def test_a_stop_whose_put_back_fails_does_not_say_the_run_is_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C before the first checkpoint, and the old ones could not be moved back (a full
+    disk): the last line said the run "is as it was" with its checkpoints/ empty."""
+    fit = importlib.import_module("lightship.train.fit")
+    run, before = _old_run(tmp_path)
+    replace = os.replace
+
+    def full(src: Any, dst: Any) -> None:
+        if ".previous." in str(src):
+            raise OSError(28, "No space left on device", str(src))
+        replace(src, dst)
+
+    with (
+        pytest.MonkeyPatch.context() as m,
+        pytest.raises(KeyboardInterrupt),
+        fit._replacing_previous(run, keep=False),
+    ):
+        m.setattr(os, "replace", full)
+        raise KeyboardInterrupt
+    stash = next(run.root.glob(".previous.*"))
+    assert runs.interrupt_note() == (
+        f"no checkpoint was written yet, and the old ones wait in {stash.name}/ for the next "
+        f"training of {run.root} to put back first"
+    )
+    assert "could not put back" in capsys.readouterr().err
+    assert run.recover_set_aside() is not None  # and so it does
+    assert _contents(run) == before and run.config.read_text() == "old: config\n"
+
+
 def test_a_full_disk_after_the_epochs_says_to_resume_not_to_train_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -597,6 +629,19 @@ def test_a_full_disk_after_the_epochs_says_to_resume_not_to_train_again(
         "error: no space left on the device writing a file: make room; the training "
         f"finished; resume with {resume} to evaluate it and write best.ckpt"
     )
+    # ended by early stopping, which Lightning resumes for one more epoch: said
+    stopped = tmp_path / "stopped"
+    args = ["--run", str(stopped), "--config", TINY, "--set", "early_stopping.patience=0"]
+    args += ["--set", "early_stopping.min_delta=10"]
+    monkeypatch.setattr(sys, "argv", ["lightship", "train", *args])
+    monkeypatch.setattr(runs.RunDir, "train_command", lambda *a, **k: "`resume`")
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert last_line(capsys.readouterr().err).endswith(
+        "resume with `resume` to evaluate it and write best.ckpt (early stopping ended it: "
+        "the resume trains one more epoch first)"
+    )
+    monkeypatch.undo()
     monkeypatch.setattr(RunDir, "record", record)
     assert cli._invoke(["train", "--run", str(run), "--resume"]) == 0
     assert "recorded in manifest.json again" in capsys.readouterr().out

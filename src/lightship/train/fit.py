@@ -20,6 +20,7 @@ import pytorch_lightning as pl
 import torch
 import yaml
 from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
+from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -147,20 +148,6 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
         raise RunError(
             f"cannot resume: {run.last_ckpt} is not a lightship training checkpoint "
             f"(it lacks {', '.join(missing)}): delete it and train without --resume"
-        )
-    weights = ckpt.get("state_dict")
-    if isinstance(weights, dict) and not all(
-        bool(torch.isfinite(w).all())
-        for w in weights.values()
-        if isinstance(w, torch.Tensor) and w.is_floating_point()
-    ):
-        # a training that diverged after its best checkpoint: resumed, every step stays NaN
-        lr = (hparams.get("optim") or {}).get("lr") if isinstance(hparams, dict) else None
-        now = f"now {lr:g}; " if isinstance(lr, (int, float)) else ""
-        raise RunError(
-            f"cannot resume: {run.last_ckpt} holds non-finite weights (its training diverged): "
-            f"train afresh with a lower optim.lr ({now}--set optim.lr=...), as "
-            f"{run.train_command(afresh=True)} does with it"
         )
     return ckpt
 
@@ -636,13 +623,17 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
             with held_stop_signals():  # a second Ctrl-C (or SIGTERM) halfway lost them
                 if stash is not None and not run.last_ckpt.is_file():
                     restored = True
-                    _put_back(run, stash)
                     # a new run keeps its folder and config.yaml: nothing was there to put back
                     what = (
                         "no checkpoint was written yet: {fixed}train {run} again with {command}"
                         if new_run
                         else "{run} is as it was (no checkpoint was written yet)"
                     )
+                    if not _put_back(run, stash):
+                        what = (
+                            "no checkpoint was written yet, and the old ones wait in "
+                            f"{stash.name}/ for the next training of {{run}} to put back first"
+                        )
                 else:
                     what = "{fixed}resume with {command}"
                 command = run.train_command(env=env)
@@ -661,11 +652,11 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
             run.drop_set_aside(stash)
 
 
-def _put_back(run: RunDir, stash: Path) -> None:
+def _put_back(run: RunDir, stash: Path) -> bool:
     """`run.put_back(stash)` as a training fails: where that fails too (a file it cannot
     delete or move), a line says so and the stash stays for the next training's
     `recover_set_aside`, and the training's own error, not the put-back's, is the one raised
-    (an OSError here had replaced "training diverged")."""
+    (an OSError here had replaced "training diverged"). Whether they were put back."""
     try:
         run.put_back(stash)
     except OSError as exc:
@@ -675,6 +666,8 @@ def _put_back(run: RunDir, stash: Path) -> None:
             file=sys.stderr,
             flush=True,
         )
+        return False
+    return True
 
 
 def _out_of_time(trainer: pl.Trainer) -> bool:
@@ -751,14 +744,16 @@ def _check_finite(model: torch.nn.Module, x: np.ndarray, cfg: Config, trainer: p
 
 def _warn_diverged_after_best(run: RunDir, best: Path, cfg: Config, trainer: pl.Trainer) -> None:
     """A training whose loss went non-finite after its best checkpoint keeps that one, and
-    said nothing: its last.ckpt holds the non-finite weights, and a resume went on from them."""
+    said nothing: its last.ckpt holds the non-finite weights, and a resume with more epochs
+    went on from them, NaN at every step. (A resume is not refused: after a stop it is what
+    writes best.ckpt, and a model's own buffers may hold inf.)"""
     loss = trainer.callback_metrics.get("train_loss")
     said = f" (train_loss {float(loss):g})" if loss is not None else ""
     print(
         f"warning: the training diverged after its best checkpoint{said}: best.ckpt is "
-        f"{run.relative(best)}, and checkpoints/last.ckpt holds the diverged weights, which "
-        f"cannot be resumed: to train further, train afresh with a lower optim.lr (now "
-        f"{cfg.optim.lr:g}; --set optim.lr=...)",
+        f"{run.relative(best)}, and checkpoints/last.ckpt holds the diverged weights, so "
+        f"training on from it cannot help: to train further, train afresh with a lower "
+        f"optim.lr (now {cfg.optim.lr:g}; --set optim.lr=...)",
         file=sys.stderr,
         flush=True,
     )
@@ -971,10 +966,13 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if checked is not None:  # diverged after its best checkpoint, which is kept
         _warn_diverged_after_best(run, checked[0], cfg, trainer)
     # Stopped from here on (evaluating, copying best.ckpt), the epochs are done: resuming
-    # trains none again and writes best.ckpt
+    # trains none again and writes best.ckpt; but one that early stopping ended, Lightning
+    # resumes for one more epoch (its stop is not in the checkpoint), which the note said not
+    stopped = early is not None and early.stopping_reason != EarlyStoppingReason.NOT_STOPPED
     note_interrupt(
         f"the training finished; resume with {run.train_command(env=pythonpath)} to evaluate "
         "it and write best.ckpt"
+        + (" (early stopping ended it: the resume trains one more epoch first)" if stopped else "")
     )
 
     best = _own_best(run, checkpoint.best_model_path)
