@@ -353,6 +353,46 @@ def test_a_report_older_than_the_manifest_says_what_changed_and_how_to_serve(
     assert f"{report} is older than onnx-int8-static: serving its recommendation" in caplog.text
 
 
+def test_a_variant_the_report_left_out_is_not_taken_for_one_made_since(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report that left out a changed file (`not_measured`): serve warned the report was
+    older than it, or refused, with "re-run the report" as the fix, which changed nothing."""
+    run = make_run(tmp_path, {"onnx-fp32": {"bytes": 100}, "onnx-int8-static": {"bytes": 50}})
+    report = run / "report" / "report.json"
+    report.parent.mkdir()
+    why = "export/onnx-int8-static.onnx differs from its manifest entry (sha256): make it again"
+    left = {"not_measured": {"onnx-int8-static": why}}
+    rows = measured(run, **{"onnx-fp32": 100})
+    int8 = run / "export" / "onnx-int8-static.onnx"
+    os.utime(int8, (1e9, 1e9))  # changed before the report
+    report.write_text(json.dumps({"recommended": "onnx-fp32", "variants": rows, **left}))
+    assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
+    assert "older than" not in caplog.text
+    os.utime(run / "export" / "onnx-fp32.onnx", (1e9, 1e9))
+    report.write_text(
+        json.dumps(
+            {
+                "recommended": None,
+                "variants": [],
+                "not_measured": {"onnx-fp32": "changed", "onnx-int8-static": why},
+            }
+        )
+    )
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run))
+    assert str(err.value) == (
+        f"{report} recommends no variant, having left out onnx-fp32, onnx-int8-static: "
+        "onnx-fp32: changed"
+    )
+    # made again after the report: made since, as before
+    os.utime(int8, None)
+    report.write_text(json.dumps({"recommended": "onnx-fp32", "variants": rows, **left}))
+    os.utime(report, (1e9 - 10, 1e9 - 10))
+    assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
+    assert f"{report} is older than onnx-int8-static" in caplog.text
+
+
 def test_a_stale_report_s_fix_runs_where_it_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,8 +84,9 @@ class ServedModel:
 
 def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     """The report's recommendation, or onnx-fp32 when there is no report yet. RunError when it
-    recommends nothing, or a variant that the manifest's `artifacts` no longer list or list
-    made again since; a warning when it only predates other variants."""
+    recommends nothing (saying why, where it left variants out), or a variant that the
+    manifest's `artifacts` no longer list or list made again since; a warning when it only
+    predates other variants."""
     path = run.report_dir / "report.json"
     if not path.exists():  # a folder in its place is unreadable below, not no report
         if any(name.startswith("onnx-int8-") for name in artifacts):
@@ -103,6 +104,8 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         if "variants" not in report:  # `{}`: not "older than" every variant, as it was called
             raise ValueError("it lists no measured variants")
         measured = {(str(v["file"]), v["bytes"]) for v in report["variants"]}
+        left_out = report.get("not_measured")  # why each listed variant was not measured
+        left_out = left_out if isinstance(left_out, dict) else {}
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
             f"{path} is unreadable ({exc}): re-run {run.command('report')} "
@@ -124,11 +127,23 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         and (str(entry.get("file")), entry["bytes"]) not in measured
         and (run.root / str(entry.get("file"))).is_file()
     ]
+    # Left out by the report (a file changed since its stage wrote it): not made since, unless
+    # its file is newer than the report; re-running the report, as said, changed nothing
+    unmeasured = [
+        name
+        for name in unmeasured
+        if name not in left_out or _newer(run.root / str(artifacts[name].get("file")), path)
+    ]
     if not isinstance(recommended, str) or not recommended:
         if unmeasured:
             raise RunError(
                 f"{path} recommends no variant, but it is older than {', '.join(unmeasured)} "
                 f"(made or replaced since): {fix}"
+            )
+        if left := {k: v for k, v in left_out.items() if k in artifacts}:
+            name, why = next(iter(left.items()))
+            raise RunError(
+                f"{path} recommends no variant, having left out {', '.join(left)}: {name}: {why}"
             )
         if DEFAULT_VARIANT not in artifacts:
             if not run.can_make():
@@ -163,6 +178,14 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
             fix,
         )
     return recommended
+
+
+def _newer(path: Path, than: Path) -> bool:
+    """Whether `path` was written after `than` (either unreadable: taken as newer)."""
+    try:
+        return path.stat().st_mtime > than.stat().st_mtime
+    except OSError:
+        return True
 
 
 def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
