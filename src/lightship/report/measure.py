@@ -75,10 +75,13 @@ def machine_cpu_s() -> tuple[float, float] | None:
 def cpu_lines(stat: str, allowed: set[int]) -> list[str]:
     """The lines of /proc/stat (`stat`) that count the CPUs in `allowed`: its first, the kernel's
     sum of every CPU, where `allowed` takes in every CPU it lists (the figures, to the tick, of
-    before the affinity was read); else the `cpuN` line of each CPU in it."""
+    before the affinity was read) or names one it does not list; else the `cpuN` line of each
+    CPU in it."""
     lines = stat.splitlines()
     per_cpu = {int(m[1]): line for line in lines[1:] if (m := re.match(r"cpu(\d+)\s", line))}
-    if set(per_cpu) <= allowed:
+    # every CPU allowed, or some not listed: a container's /proc/stat (lxcfs) numbers its CPUs
+    # from 0 where the affinity names the host's, and a line of another CPU would be read
+    if set(per_cpu) <= allowed or not allowed <= set(per_cpu):
         return lines[:1]
     return [line for cpu, line in per_cpu.items() if cpu in allowed]
 
