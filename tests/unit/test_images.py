@@ -78,39 +78,6 @@ def test_without_a_limit_of_its_own_pillows_stands(
     assert refused.value.problem == "size"
 
 
-def jpeg(side: int, progressive: bool = False) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (side, side), (90, 120, 150)).save(buf, "JPEG", progressive=progressive)
-    return buf.getvalue()
-
-
-def test_a_baseline_jpeg_is_served_up_to_the_size_training_reads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A 45 MP phone photo got 413 from the server (40 MP) after training had read it (under
-    Pillow's 89 MP). A baseline JPEG decodes shrunk in a few MB: the server takes it up to
-    Pillow's limit, as training does; a progressive one holds every coefficient at full size
-    (89 MP: 269 MB), and keeps the server's limit, said with what to do."""
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", PILLOWS_LIMIT)  # 1,000 here; the server's 800
-    pixels, _ = images.decode(jpeg(30), (3, 8, 8), "x.jpg", max_pixels=800)
-    assert pixels.shape == (3, 8, 8) and abs(int(pixels[0, 0, 0]) - 90) <= 2
-    with pytest.raises(images.ImageError) as refused:
-        images.decode(jpeg(30, progressive=True), (3, 8, 8), "x.jpg", max_pixels=800)
-    assert str(refused.value) == (
-        "x.jpg: 30x30 pixels is too large for a progressive JPEG (limit 800; saved as a "
-        "baseline JPEG, up to 1,000)"
-    )
-    with pytest.raises(images.ImageError) as refused:
-        images.decode(jpeg(40), (3, 8, 8), "x.jpg", max_pixels=800)
-    assert str(refused.value) == "x.jpg: 40x40 pixels is too large (limit 1,000)"
-    # and training (Pillow's warning an error, no limit of its own) reads the same files
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        assert images.decode(jpeg(30), (3, 8, 8), "cat/x.jpg")[0].shape == (3, 8, 8)
-        with pytest.raises(images.ImageError, match="over Pillow's decompression-bomb limit"):
-            images.decode(jpeg(40), (3, 8, 8), "cat/x.jpg")
-
-
 def test_threads_decoding_at_once_leave_the_warning_filters_as_they_were() -> None:
     # the server decodes uploads in threads: each decode swaps the process's warning filters
     # (catch_warnings), and without taking turns one could leave Pillow's warning ignored

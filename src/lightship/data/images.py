@@ -167,34 +167,6 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
     return f"{int(pixels.group(1)):,} pixels is too large (limit {limit:,})"
 
 
-def _baseline_jpeg(im: Image.Image) -> bool:
-    """A JPEG of one scan (a camera's): shrunk as it decodes (`draft`), it takes a few MB
-    whatever size it declares (89 MP: 8 MB, 0.03 s). A progressive one holds every coefficient
-    at full size first: 89 MP took 269 MB."""
-    return im.format in ("JPEG", "MPO") and not im.info.get("progressive")
-
-
-def _pixel_limit(im: Image.Image, max_pixels: int) -> int:
-    """The pixels `im` may declare under the caller's `max_pixels` (the server's): a baseline
-    JPEG up to Pillow's own limit (89 MP), the one training reads it under, so that a photo
-    trained on is served (a 45 MP phone photo got 413); other images `max_pixels`, which is
-    what decoding them takes."""
-    if _baseline_jpeg(im) and Image.MAX_IMAGE_PIXELS:
-        return max(max_pixels, Image.MAX_IMAGE_PIXELS)
-    return max_pixels
-
-
-def _over_limit(im: Image.Image, max_pixels: int) -> str:
-    said = f"{im.width}x{im.height} pixels is too large"
-    limit = _pixel_limit(im, max_pixels)
-    if im.format in ("JPEG", "MPO") and limit == max_pixels and Image.MAX_IMAGE_PIXELS:
-        return (
-            f"{said} for a progressive JPEG (limit {limit:,}; saved as a baseline JPEG, up to "
-            f"{max(max_pixels, Image.MAX_IMAGE_PIXELS):,})"
-        )
-    return f"{said} (limit {limit:,})"
-
-
 _OPENING = threading.Lock()
 
 
@@ -242,8 +214,12 @@ def decode(
                 raise ImageError(
                     name, f"{im.format} images are not accepted: use PNG or JPEG", "format"
                 )
-            if max_pixels is not None and im.width * im.height > _pixel_limit(im, max_pixels):
-                raise ImageError(name, _over_limit(im, max_pixels), "size")
+            if max_pixels is not None and im.width * im.height > max_pixels:
+                raise ImageError(
+                    name,
+                    f"{im.width}x{im.height} pixels is too large (limit {max_pixels:,})",
+                    "size",
+                )
             colour = _is_colour(im)
             if im.format in ("JPEG", "MPO"):
                 # The JPEG decoder downscales by 2/4/8 at far less work (a 1000x1000 photo to
