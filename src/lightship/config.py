@@ -7,6 +7,8 @@ forbids unknown keys, so a typo fails loudly with the list of keys that are allo
 from __future__ import annotations
 
 import copy
+import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,6 +312,17 @@ class _Loader(yaml.SafeLoader):
 
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+
+
+def set_arg(key: str, value: str) -> str:
+    """`--set KEY=VALUE` for a message's fix, as a shell and then `--set`'s YAML read it back:
+    a value YAML reads otherwise (a path with ' #' or ': ' in it) in YAML's double quotes."""
+    try:
+        same = _load_yaml(value) == value
+    except yaml.YAMLError:
+        same = False
+    raw = value if same else json.dumps(value)
+    return f"--set {shlex.quote(f'{key}={raw}')}"
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> tuple[str, ...]:

@@ -457,3 +457,18 @@ def test_a_config_changed_by_assignment_is_checked_whole_before_training(
     with pytest.raises(ConfigError, match="model.mean has 1 values but data.channels is 3"):
         revalidated(wide)
     assert revalidated(load_config(None, ["seed=7"])).sources.overrides == (("seed",),)
+
+
+@pytest.mark.parametrize(
+    "path", ["/d/plain", "/d/my data", "/d/Pets #2", "/d/Cats: Dogs", "/d/it's"]
+)
+def test_a_set_arg_in_a_message_reads_back_as_its_value(path: str) -> None:
+    """A fix's `--set data.path=...`, pasted: ' #' began a YAML comment and ': ' a mapping."""
+    import shlex
+
+    from lightship.config import set_arg
+
+    flag, arg = shlex.split(set_arg("data.path", path))
+    assert flag == "--set"
+    cfg = load_config(CONFIGS / "tiny.yaml", ["data.source=folder", arg])
+    assert str(cfg.data.path) == path

@@ -398,6 +398,10 @@ def test_jpegs_named_jfif_or_jpe_are_images(tmp_path: Path) -> None:
         (("train", "val"), "train"),
         (("training_set", "test_set"), "training_set"),  # Kaggle's layout
         (("Val2017", "train2017"), "train2017"),
+        (("seg_train", "seg_test"), "seg_train"),  # Kaggle's Intel Image Classification
+        (("images_train", "images_val"), "images_train"),
+        (("train.v1", "test.v1"), "train.v1"),
+        (("train", "eval"), "train"),
     ],
 )
 def test_a_folder_already_split_into_train_and_val_is_refused(
@@ -417,7 +421,7 @@ def test_a_folder_already_split_into_train_and_val_is_refused(
         f"folders: --set data.path={tmp_path / 'imgs' / train}"
     )
     # a run trained on it before the refusal: its later stages read it as they did
-    assert _folder(tmp_path / "imgs", 3, 8, recorded=True)[2] == sorted(splits)
+    assert _folder(tmp_path / "imgs", 3, 8, check_layout=False)[2] == sorted(splits)
 
 
 def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
@@ -434,7 +438,7 @@ def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
     assert str(err.value).endswith(
         f"(training_set/ holds training_set): lightship splits the data itself "
         f"(data.val_fraction, data.test_fraction), so point data.path at its folder of class "
-        f"folders: --set data.path='{fixed}'"
+        f"folders: --set 'data.path={fixed}'"
     )
     assert _folder(fixed, 3, 8)[2] == ["cat", "dog"]  # as pasted
 
@@ -460,13 +464,15 @@ def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     for cls in ("bus", "train"):  # a vehicle's name, beside another holding folders
         (tmp_path / "b" / cls / "2024").mkdir(parents=True)
         Image.new("RGB", (8, 8)).save(tmp_path / "b" / cls / "2024" / "0.png")
-    for cls in ("valid", "not_valid", "test_pass", "test_fail"):  # split words in class names
-        (tmp_path / "c" / cls / "batch1").mkdir(parents=True)
-        Image.new("RGB", (8, 8)).save(tmp_path / "c" / cls / "batch1" / "0.png")
+    # split words in class names, one kind of split in each data set
+    for root, cls in [("c", "valid"), ("c", "not_valid"), ("d", "test_pass"), ("d", "test_fail")]:
+        (tmp_path / root / cls / "batch1").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / root / cls / "batch1" / "0.png")
     with caplog.at_level("WARNING", logger="lightship.data.sources"):
         assert _folder(tmp_path / "a", 3, 8)[2] == ["test", "train"]
         assert _folder(tmp_path / "b", 3, 8)[2] == ["bus", "train"]
-        assert _folder(tmp_path / "c", 3, 8)[2] == ["not_valid", "test_fail", "test_pass", "valid"]
+        assert _folder(tmp_path / "c", 3, 8)[2] == ["not_valid", "valid"]
+        assert _folder(tmp_path / "d", 3, 8)[2] == ["test_fail", "test_pass"]
     assert caplog.messages == []
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from lightship import cli
 from lightship.config import load_config
-from lightship.errors import RunError
+from lightship.errors import DataError, RunError
 from lightship.runs import RunDir
 from lightship.train.fit import _check_resume_schedule, _resume_checkpoint
 from tests.conftest import CONFIGS
@@ -59,3 +59,34 @@ def test_a_training_diverged_after_its_best_checkpoint_says_so(
         "so training on from it cannot help: to train further, train afresh with a lower "
         "optim.lr (now "
     ) in err
+
+
+def test_a_run_trained_on_a_folder_since_refused_as_split_still_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trained on root/{train,test}/<class>/ before such folders were refused: its resume was
+    refused, and the data.path the refusal gave, by the resume's own check."""
+    import numpy as np
+    from PIL import Image
+
+    from lightship.data import sources
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls, value in (("cat", 40), ("dog", 200)):
+            (tmp_path / "imgs" / split / cls).mkdir(parents=True)
+            for i in range(12):
+                pixels = np.clip(rng.normal(value, 5, (8, 8)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "imgs" / split / cls / f"{i}.png")
+    run = tmp_path / "run"
+    args = ["--run", str(run), "--config", str(CONFIGS / "tiny.yaml")]
+    data = ["--set", "data.source=folder", "--set", f"data.path={tmp_path / 'imgs'}"]
+    data += ["--set", "data.image_size=8", "--set", "trainer.max_epochs=1"]
+    with monkeypatch.context() as m:  # as an older lightship trained it
+        m.setattr(sources, "_refuse_split_layout", lambda root, classes: None)
+        assert cli._invoke(["train", *args, *data]) == 0
+    with pytest.raises(DataError, match="which are the splits of a data set"):
+        cli._invoke(["train", "--run", str(tmp_path / "new"), *args[2:], *data])
+    (run / "best.ckpt").unlink()  # a finished run's resume writes it again from its data
+    assert cli._invoke(["train", "--run", str(run), "--resume"]) == 0
+    assert (run / "best.ckpt").is_file()

@@ -639,7 +639,15 @@ def test_a_full_disk_after_the_epochs_says_to_resume_not_to_train_again(
         cli.main()
     assert last_line(capsys.readouterr().err).endswith(
         "resume with `resume` to evaluate it and write best.ckpt (early stopping ended it: "
-        "the resume trains one more epoch first)"
+        "the resume trains an epoch more first)"
+    )
+    # ended by early stopping in its last epoch: a resume trains none
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--set", "trainer.max_epochs=2"])
+    shutil.rmtree(stopped)
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert last_line(capsys.readouterr().err).endswith(
+        "resume with `resume` to evaluate it and write best.ckpt"
     )
     monkeypatch.undo()
     monkeypatch.setattr(RunDir, "record", record)

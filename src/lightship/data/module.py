@@ -61,9 +61,14 @@ def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
 
 
 class ImageDataModule(pl.LightningDataModule):
-    def __init__(self, cfg: DataConfig, pin_memory: bool = False) -> None:
+    def __init__(
+        self, cfg: DataConfig, pin_memory: bool = False, check_layout: bool = True
+    ) -> None:
+        """`check_layout`: refuse an image folder already split (False to resume a run
+        trained on one before that refusal)."""
         super().__init__()
         self.cfg = cfg
+        self.check_layout = check_layout
         self.spec = spec_from_config(cfg)
         self.pin_memory = cfg.pin_memory if cfg.pin_memory is not None else pin_memory
         self._splits: Splits | None = None
@@ -71,7 +76,7 @@ class ImageDataModule(pl.LightningDataModule):
     @property
     def splits(self) -> Splits:
         if self._splits is None:
-            self._splits = load_splits(self.spec)
+            self._splits = load_splits(self.spec, check_layout=self.check_layout)
             # recorded with the run: later stages check the data is still what it trained on
             self.spec = dataclasses.replace(self.spec, fingerprint=self._splits.fingerprint)
         return self._splits

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import re
-import shlex
 import warnings
 import zipfile
 import zlib
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from lightship.config import set_arg
 from lightship.data import images
 from lightship.errors import DataError
 
@@ -211,19 +211,20 @@ def _note_gray(colour: int) -> None:
         )
 
 
-_SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "dev", "test", "testing"}
+# The words that name a data set's splits, by kind
+_SPLIT_KINDS = {
+    "train": {"train", "training", "trainval"},
+    "val": {"val", "valid", "validation", "validate", "dev", "eval", "holdout"},
+    "test": {"test", "testing"},
+}
 
 
-_SPLIT_FOLDER = re.compile(
-    rf"({'|'.join(sorted(_SPLIT_NAMES))})([ _-]?(set|split|data|images|imgs))?[ _-]?\d*",
-    re.IGNORECASE,
-)
-
-
-def _split_name(name: str) -> bool:
-    """Whether a folder's whole name is a split's: train, val, ..., also as `training_set`,
-    `test-images` or `val2017` (not `not_valid` or `test_pass`, which are classes)."""
-    return _SPLIT_FOLDER.fullmatch(name) is not None
+def _split_kinds(name: str) -> set[str]:
+    """The kinds of split a folder's name names by its words: `training_set`, `seg_train`,
+    `train.v1` and `val2017` are splits' names; `not_valid` and `test_pass` too, and they are
+    one kind each, which `_refuse_split_layout` requires more than one of."""
+    words = set(re.split(r"[^a-z]+", name.lower()))
+    return {kind for kind, names in _SPLIT_KINDS.items() if words & names}
 
 
 def _class_folders_below(folder: Path) -> Path:
@@ -240,19 +241,21 @@ def _class_folders_below(folder: Path) -> Path:
 def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     """root/{train,val}/<class>/, the layout many downloaded data sets come in (Kaggle's
     training_set/test_set too): read as classes, it trained a train-versus-val classifier, and
-    exited 0. Every class a split's name and one holding class folders of its own: refused (a
-    warning was read past, and root/{train/<class>/, test/} went unwarned)."""
-    if len(classes) < 2 or not all(_split_name(c) for c in classes):
-        return
+    exited 0. Every class named as a split, of two kinds at least (train and test), and one
+    holding folders of its own: refused (a warning was read past, and root/{train/<class>/,
+    test/} went unwarned). Only as a run trains: one trained on it before stays usable."""
+    kinds = {c: _split_kinds(c) for c in classes}
+    if len(classes) < 2 or not all(kinds.values()) or len(set().union(*kinds.values())) < 2:
+        return  # classes valid/not_valid or test_pass/test_fail: one kind, a data set's classes
     inside = {c: sorted(p.name for p in (root / c).iterdir() if p.is_dir()) for c in classes}
     holding = [c for c in classes if inside[c]]
     if not holding:
         return
-    train = next((c for c in holding if c.lower().startswith("train")), holding[0])
+    train = next((c for c in holding if "train" in kinds[c]), holding[0])
     found = _class_folders_below(root / train)
     held = sorted(p.name for p in found.iterdir() if p.is_dir() and not p.name.startswith("."))
     fix = (
-        f"point data.path at its folder of class folders: --set data.path={shlex.quote(str(found))}"
+        f"point data.path at its folder of class folders: {set_arg('data.path', str(found))}"
         if len(held) > 1
         else "point data.path at a folder holding one sub-folder per class"
     )
@@ -295,12 +298,12 @@ def _folder(
     channels: int,
     size: int,
     digest: hashlib._Hash | None = None,
-    recorded: bool = False,
+    check_layout: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The folder's images, classes and their names; `digest` (a hashlib object) takes each
-    image file's path, class and the sha256 of its bytes, read once for both. `recorded`: the
-    data a run trained on (`load_splits`), whose layout is not judged again: a run trained
-    before the refusal of split folders stays usable."""
+    image file's path, class and the sha256 of its bytes, read once for both. `check_layout`:
+    refuse a folder already split (`_refuse_split_layout`); not the data a run trained on, so
+    that a run trained before that refusal stays usable."""
     if root.is_file():
         fix = (
             "set data.source=npz for an .npz file"
@@ -313,7 +316,7 @@ def _folder(
             f"image folder {root} does not exist: set data.path to a folder of <class>/*.png"
         )
     classes, files, skipped, loose = _image_files(root)
-    if not recorded:
+    if check_layout:
         _refuse_split_layout(root, classes)
     if loose and files:
         note_once(
@@ -592,13 +595,14 @@ def _note_unseen_classes(
         )
 
 
-def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
+def load_splits(spec: DataSpec, recorded: bool = False, check_layout: bool | None = None) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
-    its path is to be put back there. A spec with a fingerprint refuses data that changed:
-    Splits.fingerprint is 'N:sha256' of the data as it is on disk, N its images (each image
-    file's path, class and bytes; the .npz file; the built-in digits' arrays), not the pixels a
-    Pillow version decodes from them."""
+    its path is to be put back there. `check_layout`: refuse an image folder already split
+    into train/ and test/ (by default, where not `recorded`; a resumed training passes False).
+    A spec with a fingerprint refuses data that changed: Splits.fingerprint is 'N:sha256' of
+    the data as it is on disk, N its images (each image file's path, class and bytes; the .npz
+    file; the built-in digits' arrays), not the pixels a Pillow version decodes from them."""
     digest = hashlib.sha256()
     if spec.source == "digits":
         x, y, labels = _digits()
@@ -616,7 +620,8 @@ def load_splits(spec: DataSpec, recorded: bool = False) -> Splits:
                 "will do) and run again"
             )
         if folder:
-            x, y, labels = _folder(path, spec.channels, spec.image_size, digest, recorded)
+            layout = not recorded if check_layout is None else check_layout
+            x, y, labels = _folder(path, spec.channels, spec.image_size, digest, layout)
         else:
             x, y, labels = _npz(path)
             with path.open("rb") as fh:

@@ -396,7 +396,7 @@ def _data_module(spec: DataSpec, run: RunDir) -> ImageDataModule:
         trained = None
     if trained is not None:
         data = data.model_copy(update={k: getattr(trained, k) for k in LOADER_KEYS})
-    return ImageDataModule(data)
+    return ImageDataModule(data, check_layout=False)  # the run's data, as it trained on it
 
 
 def fine_tune(

@@ -830,7 +830,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     use_cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-    dm = ImageDataModule(cfg.data, pin_memory=use_cuda)
+    dm = ImageDataModule(cfg.data, pin_memory=use_cuda, check_layout=resumed is None)
     splits = dm.splits  # data errors surface here, before anything is written
     mean, std = cfg.model.mean, cfg.model.std
     if mean is None or std is None:
@@ -969,10 +969,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # trains none again and writes best.ckpt; but one that early stopping ended, Lightning
     # resumes for one more epoch (its stop is not in the checkpoint), which the note said not
     stopped = early is not None and early.stopping_reason != EarlyStoppingReason.NOT_STOPPED
+    stopped = stopped and trainer.current_epoch < t.max_epochs  # before its last epoch
     note_interrupt(
         f"the training finished; resume with {run.train_command(env=pythonpath)} to evaluate "
         "it and write best.ckpt"
-        + (" (early stopping ended it: the resume trains one more epoch first)" if stopped else "")
+        + (" (early stopping ended it: the resume trains an epoch more first)" if stopped else "")
     )
 
     best = _own_best(run, checkpoint.best_model_path)
