@@ -357,25 +357,29 @@ def test_a_variant_the_report_left_out_is_not_taken_for_one_made_since(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A report that left out a changed file (`not_measured`): serve warned the report was
-    older than it, or refused, with "re-run the report" as the fix, which changed nothing."""
+    older than it, or refused, with "re-run the report" as the fix, which changed nothing.
+    Told by the manifest entry it was left out as (not by mtimes, which `cp -r` reorders)."""
     run = make_run(tmp_path, {"onnx-fp32": {"bytes": 100}, "onnx-int8-static": {"bytes": 50}})
     report = run / "report" / "report.json"
     report.parent.mkdir()
+    artifacts = RunDir(run).manifest()["artifacts"]
     why = "export/onnx-int8-static.onnx differs from its manifest entry (sha256): make it again"
-    left = {"not_measured": {"onnx-int8-static": why}}
+    left = {
+        "not_measured": {"onnx-int8-static": why},
+        "not_measured_sha256": {"onnx-int8-static": artifacts["onnx-int8-static"]["sha256"]},
+    }
     rows = measured(run, **{"onnx-fp32": 100})
-    int8 = run / "export" / "onnx-int8-static.onnx"
-    os.utime(int8, (1e9, 1e9))  # changed before the report
     report.write_text(json.dumps({"recommended": "onnx-fp32", "variants": rows, **left}))
     assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
     assert "older than" not in caplog.text
-    os.utime(run / "export" / "onnx-fp32.onnx", (1e9, 1e9))
+    both = {name: entry["sha256"] for name, entry in artifacts.items()}
     report.write_text(
         json.dumps(
             {
                 "recommended": None,
                 "variants": [],
                 "not_measured": {"onnx-fp32": "changed", "onnx-int8-static": why},
+                "not_measured_sha256": both,
             }
         )
     )
@@ -385,10 +389,11 @@ def test_a_variant_the_report_left_out_is_not_taken_for_one_made_since(
         f"{report} recommends no variant, having left out onnx-fp32, onnx-int8-static: "
         "onnx-fp32: changed"
     )
-    # made again after the report: made since, as before
-    os.utime(int8, None)
+    # made again after the report (a new entry): made since, as before
     report.write_text(json.dumps({"recommended": "onnx-fp32", "variants": rows, **left}))
-    os.utime(report, (1e9 - 10, 1e9 - 10))
+    manifest = json.loads((run / "manifest.json").read_text())  # not `record`: it drops
+    manifest["artifacts"]["onnx-int8-static"].update(sha256="0" * 64, bytes=51)  # the report
+    (run / "manifest.json").write_text(json.dumps(manifest))
     assert choose(ServeSettings(run=run)).variant == "onnx-fp32"
     assert f"{report} is older than onnx-int8-static" in caplog.text
 

@@ -106,6 +106,8 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         measured = {(str(v["file"]), v["bytes"]) for v in report["variants"]}
         left_out = report.get("not_measured")  # why each listed variant was not measured
         left_out = left_out if isinstance(left_out, dict) else {}
+        left_as = report.get("not_measured_sha256")  # the manifest entries left out as
+        left_as = left_as if isinstance(left_as, dict) else {}
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
             f"{path} is unreadable ({exc}): re-run {run.command('report')} "
@@ -127,23 +129,26 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         and (str(entry.get("file")), entry["bytes"]) not in measured
         and (run.root / str(entry.get("file"))).is_file()
     ]
-    # Left out by the report (a file changed since its stage wrote it): not made since, unless
-    # its file is newer than the report; re-running the report, as said, changed nothing
-    unmeasured = [
-        name
-        for name in unmeasured
-        if name not in left_out or _newer(run.root / str(artifacts[name].get("file")), path)
-    ]
+    # Left out by the report (its file changed since its stage wrote it), as the manifest
+    # entry it still is: not made since, and re-running the report, as said, changed nothing.
+    # (By the entry's sha256, not by mtimes, which `cp -r` reorders.)
+    left_out = {
+        name: why
+        for name, why in left_out.items()
+        if name in artifacts and left_as.get(name) == artifacts[name].get("sha256")
+    }
+    unmeasured = [name for name in unmeasured if name not in left_out]
     if not isinstance(recommended, str) or not recommended:
         if unmeasured:
             raise RunError(
                 f"{path} recommends no variant, but it is older than {', '.join(unmeasured)} "
                 f"(made or replaced since): {fix}"
             )
-        if left := {k: v for k, v in left_out.items() if k in artifacts}:
-            name, why = next(iter(left.items()))
+        if left_out:
+            name, why = next(iter(left_out.items()))
             raise RunError(
-                f"{path} recommends no variant, having left out {', '.join(left)}: {name}: {why}"
+                f"{path} recommends no variant, having left out {', '.join(left_out)}: "
+                f"{name}: {why}"
             )
         if DEFAULT_VARIANT not in artifacts:
             if not run.can_make():
@@ -178,14 +183,6 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
             fix,
         )
     return recommended
-
-
-def _newer(path: Path, than: Path) -> bool:
-    """Whether `path` was written after `than` (either unreadable: taken as newer)."""
-    try:
-        return path.stat().st_mtime > than.stat().st_mtime
-    except OSError:
-        return True
 
 
 def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
