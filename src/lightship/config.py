@@ -7,7 +7,6 @@ forbids unknown keys, so a typo fails loudly with the list of keys that are allo
 from __future__ import annotations
 
 import copy
-import json
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -321,7 +320,12 @@ def set_arg(key: str, value: str) -> str:
         same = _load_yaml(value) == value
     except yaml.YAMLError:
         same = False
-    raw = value if same else json.dumps(value)
+    # YAML's own double-quoted form: JSON's escapes split a character past U+FFFF in two
+    raw = (
+        value
+        if same
+        else yaml.safe_dump(value, default_style='"', allow_unicode=True, width=1 << 30).strip()
+    )
     return f"--set {shlex.quote(f'{key}={raw}')}"
 
 

@@ -1009,6 +1009,13 @@ class RunDir:
         entry = self.manifest()["artifacts"].get(key)
         return dict(entry) if entry is not None else None
 
+    def file_sha256(self, key: str) -> str | None:
+        """The sha256 of the file the manifest lists for `key` as it is now (not as recorded);
+        None where it lists none, or that is not a file."""
+        file = (self.artifact(key) or {}).get("file")
+        path = self.root / str(file)
+        return sha256_file(path) if file and path.is_file() else None
+
     def data_spec(self) -> dict[str, Any]:
         """The data set and split training used (the checkpoint entry's `data_spec`), checked
         as the config checks its `data` section: the data module trusts it."""

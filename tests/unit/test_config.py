@@ -460,7 +460,7 @@ def test_a_config_changed_by_assignment_is_checked_whole_before_training(
 
 
 @pytest.mark.parametrize(
-    "path", ["/d/plain", "/d/my data", "/d/Pets #2", "/d/Cats: Dogs", "/d/it's"]
+    "path", ["/d/plain", "/d/my data", "/d/Pets #2", "/d/Cats: Dogs", "/d/it's", "/d/😀 #x"]
 )
 def test_a_set_arg_in_a_message_reads_back_as_its_value(path: str) -> None:
     """A fix's `--set data.path=...`, pasted: ' #' began a YAML comment and ': ' a mapping."""

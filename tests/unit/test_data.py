@@ -402,6 +402,8 @@ def test_jpegs_named_jfif_or_jpe_are_images(tmp_path: Path) -> None:
         (("images_train", "images_val"), "images_train"),
         (("train.v1", "test.v1"), "train.v1"),
         (("train", "eval"), "train"),
+        (("TrainingSet", "TestSet"), "TrainingSet"),
+        (("trainset", "testset"), "trainset"),
     ],
 )
 def test_a_folder_already_split_into_train_and_val_is_refused(
@@ -441,6 +443,15 @@ def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
         f"folders: --set 'data.path={fixed}'"
     )
     assert _folder(fixed, 3, 8)[2] == ["cat", "dog"]  # as pasted
+    # Intel's Image Classification: seg_train/seg_train/<class>, seg_test/..., and the
+    # unlabelled images to predict in seg_pred/seg_pred/
+    intel = tmp_path / "intel"
+    for split in ("seg_train", "seg_test"):
+        make_folder(intel / split / split, per_class=2)
+    (intel / "seg_pred" / "seg_pred").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(intel / "seg_pred" / "seg_pred" / "0.jpg")
+    with pytest.raises(DataError, match="data.path=.*seg_train/seg_train$"):
+        _folder(intel, 3, 8)
 
 
 def test_a_split_folder_beside_one_of_loose_images_is_refused(tmp_path: Path) -> None:

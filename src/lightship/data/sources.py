@@ -211,20 +211,26 @@ def _note_gray(colour: int) -> None:
         )
 
 
-# The words that name a data set's splits, by kind
+# The words that name a data set's splits, by kind (the unlabelled images to predict, Intel's
+# seg_pred, are a test split's kind)
 _SPLIT_KINDS = {
     "train": {"train", "training", "trainval"},
     "val": {"val", "valid", "validation", "validate", "dev", "eval", "holdout"},
-    "test": {"test", "testing"},
+    "test": {"test", "testing", "pred", "predict", "prediction", "unlabeled", "unlabelled"},
 }
+# A word of a split's name with one of these glued on: trainset, testdata, TrainImages
+_SPLIT_SUFFIX = re.compile(r"(set|data|images|imgs|split)$")
 
 
 def _split_kinds(name: str) -> set[str]:
-    """The kinds of split a folder's name names by its words: `training_set`, `seg_train`,
-    `train.v1` and `val2017` are splits' names; `not_valid` and `test_pass` too, and they are
-    one kind each, which `_refuse_split_layout` requires more than one of."""
-    words = set(re.split(r"[^a-z]+", name.lower()))
-    return {kind for kind, names in _SPLIT_KINDS.items() if words & names}
+    """The kinds of split a folder's name names by its words (split at non-letters and at
+    camelCase, `set` or `data` glued on taken off): `training_set`, `TrainingSet`, `trainset`,
+    `seg_train`, `train.v1` and `val2017` are splits' names; `not_valid` and `test_pass` too,
+    one kind each, where `_refuse_split_layout` requires two kinds."""
+    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", name)
+    words = [w.lower() for w in words]
+    words += [_SPLIT_SUFFIX.sub("", w) for w in words]
+    return {kind for kind, names in _SPLIT_KINDS.items() if names.intersection(words)}
 
 
 def _class_folders_below(folder: Path) -> Path:

@@ -263,10 +263,9 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "timing_warning": _noise_warning(run, rows, timings),
         "variants": rows,
         "not_measured": left_out,  # listed in the manifest, left out: why and the fix
-        # the manifest entries they were left out as: `serve` tells one made since by its own
-        "not_measured_sha256": {
-            name: run.manifest()["artifacts"].get(name, {}).get("sha256") for name in left_out
-        },
+        # the sha256 of each one's file as it was left out (null: gone): `serve` tells a file
+        # made again since (restored, or made anew, even to the same bytes) by its own
+        "not_measured_files": {name: run.file_sha256(name) for name in left_out},
     }
     report_json, report_md, pareto_png = outputs
     # Committed together (`atomic_paths`): the old set or the new one, never a new report.json

@@ -106,7 +106,7 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         measured = {(str(v["file"]), v["bytes"]) for v in report["variants"]}
         left_out = report.get("not_measured")  # why each listed variant was not measured
         left_out = left_out if isinstance(left_out, dict) else {}
-        left_as = report.get("not_measured_sha256")  # the manifest entries left out as
+        left_as = report.get("not_measured_files")  # their files' sha256 as left out
         left_as = left_as if isinstance(left_as, dict) else {}
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
         raise RunError(
@@ -129,13 +129,14 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         and (str(entry.get("file")), entry["bytes"]) not in measured
         and (run.root / str(entry.get("file"))).is_file()
     ]
-    # Left out by the report (its file changed since its stage wrote it), as the manifest
-    # entry it still is: not made since, and re-running the report, as said, changed nothing.
-    # (By the entry's sha256, not by mtimes, which `cp -r` reorders.)
+    # Left out by the report (its file gone, changed, or unloadable), and its file as it was
+    # then: not made since, and re-running the report, as said, changes nothing. Its file made
+    # again (restored, or remade, even to the same bytes) is made since. By the file's sha256,
+    # not by mtimes, which `cp -r` reorders; a report without them (older) names none.
     left_out = {
         name: why
         for name, why in left_out.items()
-        if name in artifacts and left_as.get(name) == artifacts[name].get("sha256")
+        if name in artifacts and name in left_as and left_as[name] == run.file_sha256(name)
     }
     unmeasured = [name for name in unmeasured if name not in left_out]
     if not isinstance(recommended, str) or not recommended:
