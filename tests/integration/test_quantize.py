@@ -928,3 +928,5 @@ def test_a_failing_model_that_replaces_a_passing_one_says_how_to_get_it_back(
         f"): quantize again as it was made to get it back: {_command(rd, 'quantize', ['static'], flags)}"
     )
     assert "--methods static --calibration-method percentile --fallback-budget 0" in warning
+    # a stricter --gate, not a worse model, is why it fails here: said
+    assert "; the gate was 0.99, now 1.01): quantize again" in warning

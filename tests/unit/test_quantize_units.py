@@ -946,3 +946,54 @@ def test_qat_loads_its_data_as_the_run_trained(tiny_run: Path, tmp_path: Path) -
     assert (dm.cfg.batch_size, dm.cfg.image_size) == (128, 16)  # tiny.yaml's
     (run / "config.yaml").unlink()
     assert qat._data_module(spec, RunDir(run)).cfg.batch_size == 64  # the default, without it
+
+
+class _DropPath(torch.nn.Module):
+    """timm's drop path: random in training mode; `gated` skips it under torch.export."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.linear, self.gated = torch.nn.Linear(4, 3), gated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.dropout(self.linear(x), 0.1, self.training)  # dropout: fine
+        if not self.training or (self.gated and torch.compiler.is_exporting()):
+            return x
+        return x * x.new_empty(x.shape[0], 1).bernoulli_(0.9) / 0.9
+
+
+def test_qat_refuses_a_model_that_draws_random_numbers_with_what_to_do() -> None:
+    """Its drop path was captured in training mode and stayed in the int8 model: QAT failed
+    on "disagrees with torch: argmax agreement 187/269", which named no cause."""
+    from lightship.quantize import qat
+    from lightship.quantize.core import MethodFailed
+
+    def captured(model: torch.nn.Module) -> torch.fx.GraphModule:
+        batch = torch.export.Dim("batch")
+        ep = torch.export.export(model.train(), (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+        return ep.graph_module
+
+    with pytest.raises(MethodFailed) as err:
+        qat._refuse_random_ops(captured(_DropPath(gated=False)), "mine")
+    assert str(err.value) == (
+        "QAT failed (model 'mine' draws random numbers in training mode (aten.bernoulli_.float: "
+        "stochastic depth or drop path, most likely), which the QAT model would keep: have it "
+        "skip them while torch.compiler.is_exporting() is true); quantize this model with "
+        "`--methods static,dynamic` instead"
+    )
+    qat._refuse_random_ops(captured(_DropPath(gated=True)), "mine")  # as told: taken
+
+
+def test_orts_word_on_each_1d_weight_quantized_per_tensor_is_not_passed_on() -> None:
+    """A LayerNorm's scale under per-channel static int8: ORT warned "Axis 1 is out-of-range
+    for weight ... with rank 1" (5 lines for a small ViT) in its own format, and quantizes it
+    per tensor, as it should."""
+    from lightship.quantize import ptq
+
+    def passes(message: str) -> bool:
+        record = logging.LogRecord("root", logging.WARNING, __file__, 1, message, None, None)
+        return ptq._OnceEach().filter(record)
+
+    assert not passes("Axis 1 is out-of-range for weight 'net.blocks.0.n1.weight' with rank 1")
+    assert passes("Axis 1 is out-of-range for weight 'w' with rank 0")  # only the 1-D case
+    assert passes("some other warning")

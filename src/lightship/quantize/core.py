@@ -844,12 +844,16 @@ class Quantizer:
                 if isinstance(flags, list) and all(isinstance(f, str) for f in flags)
                 else "quantize again with the settings that made it to get it back"
             )
+            was, now = (old.get("gate") or {}).get("min_ratio"), entry["gate"]["min_ratio"]
+            # the same accuracy under a stricter --gate read as a worse model: say the gate
+            moved = isinstance(was, (int, float)) and was != now
             log.warning(
                 "%s fails the gate (test accuracy %.4f) where the model it replaces passed "
-                "(%.4f): %s",
+                "(%.4f%s): %s",
                 name,
                 entry["accuracy"],
                 old.get("accuracy", float("nan")),
+                f"; the gate was {was:g}, now {now:g}" if moved else "",
                 again,
             )
         self.run.record(name, entry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import sys
 import tempfile
 import threading
@@ -62,12 +63,18 @@ class ImageReader(CalibrationDataReader):
         return next(self._it, None)
 
 
+# ORT's per-channel quantizer on a 1-D weight, which it quantizes per tensor instead
+_ONE_D_WEIGHT = re.compile(r"Axis -?\d+ is out-of-range for weight '.*' with rank 1")
+
+
 class _OnceEach(logging.Filter):
     """ORT's quantizers warn through the root logger, the same line on every quantization of a
     model (static int8 quantizes up to `fallback_budget` + 1 times): each line passes once in
     a process. ORT's "Please consider (to run) pre-processing" passes never: it comes before
     and after each quantization of a model whose pre-processing failed, which `preprocess`
-    has said once, with the reason."""
+    has said once, with the reason. Nor does "Axis 1 is out-of-range for weight ... with rank
+    1", per-channel quantization's word on each 1-D weight (a LayerNorm's scale, 5 lines for a
+    small ViT), which it then quantizes per tensor, as it should: nothing to act on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,6 +83,8 @@ class _OnceEach(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "pre-processing before quantization" in message or message in self.seen:
+            return False
+        if _ONE_D_WEIGHT.fullmatch(message):
             return False
         self.seen.add(message)
         return True
