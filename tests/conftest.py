@@ -138,6 +138,16 @@ def _forkserver_ends_with_the_session() -> Iterator[None]:
     _FORKSERVER.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_note_from_another_test() -> Iterator[None]:
+    """What a stage said to do after a stop (`runs.note_interrupt`) is the process's, as one
+    CLI command runs one stage: a test's stages left theirs for the next test's CLI line."""
+    from lightship import runs
+
+    runs._interrupt_note.clear()
+    yield
+
+
 # Servers a test starts (`tests.integration.test_serve.Server`): one a failed assertion left
 # running (before its test's `stop()`) went on serving after the session, holding its port.
 SPAWNED: list[subprocess.Popen[bytes]] = []
