@@ -948,40 +948,72 @@ def test_qat_loads_its_data_as_the_run_trained(tiny_run: Path, tmp_path: Path) -
     assert qat._data_module(spec, RunDir(run)).cfg.batch_size == 64  # the default, without it
 
 
-class _DropPath(torch.nn.Module):
-    """timm's drop path: random in training mode; `gated` skips it under torch.export."""
+class _Random(torch.nn.Module):
+    """A linear layer, then `how` in training mode: a way to draw random numbers (or not)."""
 
-    def __init__(self, gated: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.linear, self.gated = torch.nn.Linear(4, 3), gated
+        self.linear, self.how = torch.nn.Linear(4, 4), how
+        self.layer = {
+            "dropout2d": torch.nn.Dropout2d(0.1),
+            "alpha": torch.nn.AlphaDropout(0.1),
+            "rrelu": torch.nn.RReLU(),
+            "dropout": torch.nn.Dropout(0.1),
+        }.get(how, torch.nn.Identity())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.dropout(self.linear(x), 0.1, self.training)  # dropout: fine
-        if not self.training or (self.gated and torch.compiler.is_exporting()):
-            return x
-        return x * x.new_empty(x.shape[0], 1).bernoulli_(0.9) / 0.9
+        x = self.layer(self.linear(x))
+        if self.how in ("drop path", "gated drop path"):
+            if self.how == "drop path" or not torch.compiler.is_exporting():
+                x = x * x.new_empty(x.shape[0], 1).bernoulli_(0.9) / 0.9  # timm's drop path
+        elif self.how.startswith("attention"):
+            q = x.view(x.shape[0], 1, 2, 2)
+            p = 0.1 if self.how == "attention dropout" else 0.0
+            x = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p).flatten(1)
+        elif self.how == "noise under no_grad":
+            with torch.no_grad():
+                noise = torch.randn_like(x)
+            x = x + noise
+        return x
 
 
-def test_qat_refuses_a_model_that_draws_random_numbers_with_what_to_do() -> None:
+@pytest.mark.parametrize(
+    ("how", "drawn"),
+    [
+        ("drop path", "aten.bernoulli_.float"),
+        ("dropout2d", "aten.feature_dropout.default"),
+        ("alpha", "aten.alpha_dropout.default"),
+        ("rrelu", "aten.rrelu.default"),
+        ("attention dropout", "aten.scaled_dot_product_attention.default"),
+        ("noise under no_grad", "aten.randn_like.default"),  # in a submodule's graph
+        ("dropout", None),  # nn.Dropout: turned off for the QAT model
+        ("gated drop path", None),  # as the refusal says to
+        ("attention", None),
+    ],
+)
+def test_qat_refuses_a_model_that_draws_random_numbers_with_what_to_do(
+    how: str, drawn: str | None
+) -> None:
     """Its drop path was captured in training mode and stayed in the int8 model: QAT failed
-    on "disagrees with torch: argmax agreement 187/269", which named no cause."""
+    on "disagrees with torch: argmax agreement 187/269", which named no cause. So did any
+    dropout but nn.Dropout's, which `move_exported_model_to_eval` leaves on."""
     from lightship.quantize import qat
     from lightship.quantize.core import MethodFailed
 
-    def captured(model: torch.nn.Module) -> torch.fx.GraphModule:
-        batch = torch.export.Dim("batch")
-        ep = torch.export.export(model.train(), (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
-        return ep.graph_module
-
+    batch = torch.export.Dim("batch")
+    model = _Random(how).train()
+    gm = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    if drawn is None:
+        qat._refuse_random_ops(gm.graph_module, "mine")
+        return
     with pytest.raises(MethodFailed) as err:
-        qat._refuse_random_ops(captured(_DropPath(gated=False)), "mine")
+        qat._refuse_random_ops(gm.graph_module, "mine")
     assert str(err.value) == (
-        "QAT failed (model 'mine' draws random numbers in training mode (aten.bernoulli_.float: "
-        "stochastic depth or drop path, most likely), which the QAT model would keep: have it "
-        "skip them while torch.compiler.is_exporting() is true); quantize this model with "
-        "`--methods static,dynamic` instead"
+        f"QAT failed (model 'mine' draws random numbers in training mode ({drawn}: stochastic "
+        "depth, drop path or a dropout other than nn.Dropout, most likely), which the QAT "
+        "model would keep: have it skip them while torch.compiler.is_exporting() is true); "
+        "quantize this model with `--methods static,dynamic` instead"
     )
-    qat._refuse_random_ops(captured(_DropPath(gated=True)), "mine")  # as told: taken
 
 
 def test_orts_word_on_each_1d_weight_quantized_per_tensor_is_not_passed_on() -> None:

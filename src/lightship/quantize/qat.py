@@ -340,31 +340,57 @@ def _one_line(exc: BaseException) -> str:
     return first_line(exc) or type(exc).__name__
 
 
-# Ops that draw random numbers: captured in training mode, they stay in the int8 model (only
-# dropout is turned off by `move_exported_model_to_eval`)
+# Ops that draw random numbers: captured in training mode, they stay in the int8 model
+# (`move_exported_model_to_eval` turns off aten.dropout alone)
 _RANDOM_OPS = re.compile(
-    r"aten\.(bernoulli|rand|randn|randint|randperm|normal|uniform|multinomial)"
+    r"aten\.(_?(bernoulli|rand|randn|randint|randperm|normal|uniform|multinomial|random"
+    r"|exponential|cauchy|geometric|log_normal|poisson|binomial|standard_gamma|sample_dirichlet"
+    r"|philox)|native_dropout|_fused_dropout)"
 )
+# Random where their argument says so (its position, its name): a dropout other than
+# nn.Dropout's (Dropout2d, AlphaDropout) by its rate, RReLU by its training flag, attention by
+# its dropout_p
+_RANDOM_IF = {
+    re.compile(r"aten\.(feature_dropout|alpha_dropout|feature_alpha_dropout)\."): (1, "p"),
+    re.compile(r"aten\.rrelu\."): (3, "training"),
+    re.compile(r"aten\.scaled_dot_product_attention\."): (4, "dropout_p"),
+}
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether `node` draws random numbers as it was captured (in training mode)."""
+    target = str(node.target)
+    if _RANDOM_OPS.match(target):
+        return True
+    for op, (at, key) in _RANDOM_IF.items():
+        if op.match(target):
+            value = node.kwargs.get(key, node.args[at] if len(node.args) > at else 0)
+            return bool(value) if isinstance(value, (bool, int, float)) else True
+    return False
 
 
 def _refuse_random_ops(gm: torch.fx.GraphModule, name: str) -> None:
-    """A model whose training-mode forward draws random numbers other than dropout's (timm's
-    drop path: `bernoulli_`) is captured with them, and its int8 model answered at random:
-    refused before the fine-tuning, where its parity check had said only that the QAT model
-    disagreed with torch (187 of 269 images)."""
+    """A model whose training-mode forward draws random numbers other than nn.Dropout's
+    (timm's drop path: `bernoulli_`; Dropout2d; attention's dropout_p) is captured with them,
+    and its int8 model answered at random: refused before the fine-tuning, where its parity
+    check had said only that the QAT model disagreed with torch (187 of 269 images). Every
+    graph in it: a `torch.no_grad()` block is a submodule's."""
     drawn = sorted(
         {
             str(n.target)
-            for n in gm.graph.nodes
-            if n.op == "call_function" and _RANDOM_OPS.match(str(n.target))
+            for module in gm.modules()
+            if isinstance(module, torch.fx.GraphModule)
+            for n in module.graph.nodes
+            if n.op == "call_function" and _draws(n)
         }
     )
     if drawn:
         raise MethodFailed(
             "qat",
             f"model '{name}' draws random numbers in training mode ({', '.join(drawn)}: "
-            "stochastic depth or drop path, most likely), which the QAT model would keep: "
-            "have it skip them while torch.compiler.is_exporting() is true",
+            "stochastic depth, drop path or a dropout other than nn.Dropout, most likely), "
+            "which the QAT model would keep: have it skip them while "
+            "torch.compiler.is_exporting() is true",
             ADVICE,
         )
 
