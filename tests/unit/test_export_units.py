@@ -193,3 +193,16 @@ def test_parity_without_the_runs_data_is_on_random_images_and_says_what_follows(
         "its new place will do) and run again. Quantize and report measure accuracy on that "
         "split, and refuse until the data is back"
     ]
+
+
+def test_parity_on_the_test_split_holds_no_more_than_it(tmp_path: Path) -> None:
+    """The split is a view of every image loaded: kept as it is, export held the whole data
+    set in memory while it checked parity on 15 % of it."""
+    from lightship.export.core import parity_inputs
+
+    loaded = SimpleNamespace(
+        data_spec={"source": "digits", "image_size": 8, "channels": 1},
+        input_spec={"shape": ["batch", 1, 8, 8]},
+    )
+    x, on_test_split = parity_inputs(loaded)  # type: ignore[arg-type]
+    assert on_test_split and x.base is None and len(x) == 269
