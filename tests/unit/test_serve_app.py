@@ -342,7 +342,8 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
 ) -> None:
     """64 PNGs of 116 KB declaring 40 MP each held a decode slot for 10 s, every other upload
     waiting, and ended in 504. The budget reads the headers; a JPEG counts as its decoder
-    shrinks it for the model's input (400x400 for 2x2: by 8 a side, 2,500 pixels)."""
+    shrinks it for the model's input (400x400 for 2x2: by 8 a side, 2,500 pixels), but a
+    progressive one at its full size, which its decoder works through whatever the shrink."""
     monkeypatch.setattr(v1, "MAX_REQUEST_PIXELS", 3000, raising=False)
     decoded: list[str] = []
 
@@ -354,8 +355,10 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
     app, _ = make_app(tmp_path)
     photo = png(Image.new("RGB", (400, 400), (250, 250, 250)), "JPEG")
     small, large = png(np.full((20, 20), 250, np.uint8)), png(np.full((40, 40), 250, np.uint8))
+    buf = io.BytesIO()
+    Image.new("RGB", (400, 400), (250, 250, 250)).save(buf, "JPEG", progressive=True)
 
-    async def main() -> tuple[httpx.Response, httpx.Response]:
+    async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with serving(app) as client:
             within = await client.post(
                 "/v1/predict/image",
@@ -365,9 +368,13 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
                 "/v1/predict/image",
                 files=[("files", ("a.png", large)), ("files", ("b.png", large))],
             )
-            return within, over
+            progressive = await client.post(
+                "/v1/predict/image",
+                files=[("files", (f"q{i}.jpg", buf.getvalue(), "image/jpeg")) for i in range(2)],
+            )
+            return within, over, progressive
 
-    within, over = run(main())
+    within, over, progressive = run(main())
     assert within.status_code == 200, within.text
     assert [p["label"] for p in within.json()["predictions"]] == ["bright", "bright"]
     assert over.status_code == 413
@@ -376,6 +383,9 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
         "fewer or smaller images (each is resized to 2x2), or spread them over several requests"
     )
     assert decoded == ["p.jpg", "s.png"]
+    # a progressive JPEG counts at its full size (its decoder holds every coefficient so)
+    assert progressive.status_code == 413, progressive.text
+    assert "the 2 images hold 320,000 pixels to decode" in progressive.json()["error"]
 
 
 def test_uploads_reach_the_model_as_the_image_folder_trains_on_them(tmp_path: Path) -> None:
