@@ -230,7 +230,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 # the threads the throughput batch ran on, and the one-thread lanes it was
                 # split over (1: one session): below `split_rows`, the batch-1 session's
                 "batch_threads": threads_at(c.predictor, s.batch, threads),
-                "batch_lanes": c.predictor.lanes if split_at(c.predictor, s.batch) else 1,
+                "batch_lanes": c.predictor.lanes if c.predictor.splits(s.batch) else 1,
                 "nodes_fp32": [n["node"] for n in c.entry.get("nodes_fp32_by_fallback", [])],
             }
         )
@@ -280,22 +280,12 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     return result
 
 
-def split_at(predictor: Predictor, rows: int) -> bool:
-    """Whether `predictor` runs a batch of `rows` as one slice per lane (`OrtPredictor._run`)."""
-    return predictor.lanes > 1 and rows >= predictor.split_rows
-
-
 def threads_at(predictor: Predictor, rows: int, threads: int) -> int:
-    """The threads `predictor` runs a batch of `rows` on, routed as `OrtPredictor._run` routes
-    it: one per lane from `split_rows` up; below it, the session ONNX Runtime keeps for short
-    batches (one thread where that answered one image sooner at load); torch, `threads`.
-    The report says each batch's own: int8 digits split from 8 rows, so at --batch 4 its img/s
-    was measured on one thread beside ONNX fp32's two lanes, where report.md said two."""
-    if split_at(predictor, rows):
-        return predictor.lanes
-    if isinstance(predictor, OrtPredictor):
-        return predictor.short_batch_threads
-    return threads
+    """The threads `predictor` runs a batch of `rows` on: ONNX Runtime's as it routes the
+    batch (`OrtPredictor.threads_at`); torch, `threads`. The report says each batch's own:
+    int8 digits split from 8 rows, so at --batch 4 its img/s was measured on one thread beside
+    ONNX fp32's two lanes, where report.md said two."""
+    return predictor.threads_at(rows) if isinstance(predictor, OrtPredictor) else threads
 
 
 def _share(value: float | None) -> float | None:

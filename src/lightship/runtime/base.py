@@ -316,6 +316,11 @@ class Predictor(ABC):
         c, h, w = self.input_spec["shape"][1:]
         return int(c), int(h), int(w)
 
+    def splits(self, rows: int) -> bool:
+        """Whether a batch of `rows` runs as one slice per lane (`OrtPredictor`), which the
+        report says of each batch it measures."""
+        return self.lanes > 1 and rows >= self.split_rows
+
     def check(self, x: np.ndarray) -> np.ndarray:
         """Validate and convert to contiguous uint8 NCHW; float pixels (0..255) are rounded,
         and refused when they look scaled to 0..1."""

@@ -527,11 +527,16 @@ class OrtPredictor(Predictor):
         """Intra-op threads of the session that runs batches too short to split."""
         return int(self.session.get_session_options().intra_op_num_threads)
 
+    def threads_at(self, rows: int) -> int:
+        """The threads a batch of `rows` runs on, as `_run` routes it: one per lane where it
+        is split, else the short-batch session's."""
+        return self.lanes if self.splits(rows) else self.short_batch_threads
+
     def _run(self, x: np.ndarray) -> np.ndarray:
         if self.input_dtype is not np.uint8:
             x = x.astype(self.input_dtype)
         lane, pool = self._lane, self._pool
-        if lane is None or pool is None or len(x) < self.split_rows:
+        if lane is None or pool is None or not self.splits(len(x)):
             return self._infer(self.session, x)
         first, *rest = np.array_split(x, self.lanes)
         others = [pool.submit(self._infer, lane, part) for part in rest]
