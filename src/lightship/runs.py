@@ -109,7 +109,8 @@ def interrupt_note() -> str | None:
 
 def interrupt_message() -> str:
     """The CLI's last line after Ctrl-C."""
-    return f"interrupted: {_interrupt_note[0]}" if _interrupt_note else "interrupted"
+    note = interrupt_note()
+    return f"interrupted: {note}" if note else "interrupted"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

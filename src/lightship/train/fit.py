@@ -733,13 +733,22 @@ def _check_finite(model: torch.nn.Module, x: np.ndarray, cfg: Config, trainer: p
         finite = bool(torch.isfinite(model(torch.from_numpy(x))).all()) if len(x) else True
     if finite:
         return
-    loss = trainer.callback_metrics.get("train_loss")
-    said = f" (train_loss {float(loss):g})" if loss is not None else ""
     raise Diverged(
-        f"training diverged{said}: its best checkpoint gives non-finite logits, so it is not "
-        f"made best.ckpt (what the run had is kept): train again with a lower optim.lr (now "
-        f"{cfg.optim.lr:g}; --set optim.lr=...)"
+        f"training diverged{_last_loss(trainer)}: its best checkpoint gives non-finite logits, "
+        f"so it is not made best.ckpt (what the run had is kept): train again with "
+        f"{_lower_lr(cfg)}"
     )
+
+
+def _last_loss(trainer: pl.Trainer) -> str:
+    """' (train_loss nan)', the loss a diverged training ended on, for its message."""
+    loss = trainer.callback_metrics.get("train_loss")
+    return f" (train_loss {float(loss):g})" if loss is not None else ""
+
+
+def _lower_lr(cfg: Config) -> str:
+    """What a diverged training is to be trained again with."""
+    return f"a lower optim.lr (now {cfg.optim.lr:g}; --set optim.lr=...)"
 
 
 def _warn_diverged_after_best(run: RunDir, best: Path, cfg: Config, trainer: pl.Trainer) -> None:
@@ -747,13 +756,11 @@ def _warn_diverged_after_best(run: RunDir, best: Path, cfg: Config, trainer: pl.
     said nothing: its last.ckpt holds the non-finite weights, and a resume with more epochs
     went on from them, NaN at every step. (A resume is not refused: after a stop it is what
     writes best.ckpt, and a model's own buffers may hold inf.)"""
-    loss = trainer.callback_metrics.get("train_loss")
-    said = f" (train_loss {float(loss):g})" if loss is not None else ""
     print(
-        f"warning: the training diverged after its best checkpoint{said}: best.ckpt is "
-        f"{run.relative(best)}, and checkpoints/last.ckpt holds the diverged weights, so "
-        f"training on from it cannot help: to train further, train afresh with a lower "
-        f"optim.lr (now {cfg.optim.lr:g}; --set optim.lr=...)",
+        f"warning: the training diverged after its best checkpoint{_last_loss(trainer)}: "
+        f"best.ckpt is {run.relative(best)}, and checkpoints/last.ckpt holds the diverged "
+        f"weights, so training on from it cannot help: to train further, train afresh with "
+        f"{_lower_lr(cfg)}",
         file=sys.stderr,
         flush=True,
     )
