@@ -472,6 +472,10 @@ def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     for cls in ("train", "test"):
         (tmp_path / "a" / cls).mkdir(parents=True)
         Image.new("RGB", (8, 8)).save(tmp_path / "a" / cls / "0.png")
+    for cls in ("train", "test"):  # Jupyter's checkpoints of a notebook opened in one
+        (tmp_path / "e" / cls).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "e" / cls / "0.png")
+    (tmp_path / "e" / "train" / ".ipynb_checkpoints").mkdir()
     for cls in ("bus", "train"):  # a vehicle's name, beside another holding folders
         (tmp_path / "b" / cls / "2024").mkdir(parents=True)
         Image.new("RGB", (8, 8)).save(tmp_path / "b" / cls / "2024" / "0.png")
@@ -484,6 +488,7 @@ def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
         assert _folder(tmp_path / "b", 3, 8)[2] == ["bus", "train"]
         assert _folder(tmp_path / "c", 3, 8)[2] == ["not_valid", "valid"]
         assert _folder(tmp_path / "d", 3, 8)[2] == ["test_fail", "test_pass"]
+        assert _folder(tmp_path / "e", 3, 8)[2] == ["test", "train"]
     assert caplog.messages == []
 
 

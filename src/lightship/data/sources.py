@@ -253,7 +253,10 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     kinds = {c: _split_kinds(c) for c in classes}
     if len(classes) < 2 or not all(kinds.values()) or len(set().union(*kinds.values())) < 2:
         return  # classes valid/not_valid or test_pass/test_fail: one kind, a data set's classes
-    inside = {c: sorted(p.name for p in (root / c).iterdir() if p.is_dir()) for c in classes}
+    inside = {  # a hidden folder (Jupyter's .ipynb_checkpoints) holds no class: not read
+        c: sorted(p.name for p in (root / c).iterdir() if p.is_dir() and p.name[:1] != ".")
+        for c in classes
+    }
     holding = [c for c in classes if inside[c]]
     if not holding:
         return
