@@ -7,6 +7,7 @@ limit stands for it here, as in test_data, without the slow huge files.
 from __future__ import annotations
 
 import io
+import struct
 import sys
 import threading
 import warnings
@@ -98,3 +99,60 @@ def test_threads_decoding_at_once_leave_the_warning_filters_as_they_were() -> No
             assert warnings.filters == before
     finally:
         sys.setswitchinterval(interval)
+
+
+def jpeg(width: int, height: int, **options: object) -> bytes:
+    buf = io.BytesIO()
+    Image.linear_gradient("L").resize((width, height)).convert("RGB").save(buf, "JPEG", **options)
+    return buf.getvalue()
+
+
+def one_component_first_scan(data: bytes) -> bytes:
+    """A sequential JPEG whose first scan holds one of its three components (its later scans the
+    others, were they written): its decoder holds every coefficient, as a progressive one's."""
+    at = data.index(b"\xff\xda")
+    length = struct.unpack_from(">H", data, at + 2)[0]
+    scan = data[at : at + 2 + length]
+    one = b"\xff\xda" + struct.pack(">H", 8) + b"\x01" + scan[5:7] + scan[-3:]
+    return data[:at] + one + data[at + len(scan) :]
+
+
+def test_which_jpegs_decode_shrunk_a_row_at_a_time_is_read_from_their_markers() -> None:
+    gray = io.BytesIO()
+    Image.new("L", (64, 48)).save(gray, "JPEG")
+    assert images.jpeg_streams(jpeg(64, 48))  # baseline, one scan of Y, Cb and Cr
+    assert images.jpeg_streams(gray.getvalue())
+    assert images.jpeg_streams(b"\xff\xd8\xff" + jpeg(64, 48)[2:])  # a fill byte
+    assert not images.jpeg_streams(jpeg(64, 48, progressive=True))
+    assert not images.jpeg_streams(one_component_first_scan(jpeg(64, 48)))
+    assert not images.jpeg_streams(png(8))
+    for cut in (b"", b"\xff\xd8", jpeg(64, 48)[:100], b"\xff\xd8" + b"\xff" * 64):
+        assert not images.jpeg_streams(cut)
+
+
+def test_a_jpeg_decoded_a_row_at_a_time_is_taken_up_to_pillows_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's 40 MP refused a 45 MP phone photo that training reads (to Pillow's 89 MP):
+    one decoded shrunk a row at a time costs no more than a small one. A JPEG whose decoder
+    holds every coefficient at full size keeps the server's limit."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40_000)  # warns past 200x200
+    photo = jpeg(240, 160)
+    pixels, _ = images.decode(photo, (3, 8, 8), "photo.jpg", max_pixels=20_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        trained, _ = images.decode(photo, (3, 8, 8), "photo.jpg")  # as the image folder reads
+    assert (pixels == trained).all() and pixels.std() > 10
+    for name, data, pixels_said in [
+        ("big.jpg", jpeg(240, 200), "240x200"),  # past Pillow's limit too
+        ("p.jpg", jpeg(240, 160, progressive=True), "240x160"),
+        ("scans.jpg", one_component_first_scan(photo), "240x160"),
+    ]:
+        with pytest.raises(images.ImageError) as refused:
+            images.decode(data, (3, 8, 8), name, max_pixels=20_000)
+        limit = "40,000" if name == "big.jpg" else "20,000"
+        assert str(refused.value) == f"{name}: {pixels_said} pixels is too large (limit {limit})"
+    # a request's budget counts it shrunk, as it decodes: 240x160 to 8x8, by 8 a side
+    assert images.pixels_to_decode(photo, (3, 8, 8)) == 30 * 20
+    for held in (jpeg(240, 160, progressive=True), one_component_first_scan(photo)):
+        assert images.pixels_to_decode(held, (3, 8, 8)) == 240 * 160

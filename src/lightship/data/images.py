@@ -170,18 +170,61 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
 _OPENING = threading.Lock()
 
 
+# JPEG markers: start of frame of a sequential Huffman JPEG (baseline, extended); the other
+# start-of-frame markers (progressive, lossless, arithmetic); start of scan; end of image;
+# markers without a length (TEM, RSTn)
+_SOF_SEQUENTIAL = (0xC0, 0xC1)
+_SOF_OTHER = (0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)
+_SOS, _EOI = 0xDA, 0xD9
+_NO_LENGTH = (0x01, *range(0xD0, 0xD8))
+
+
+def jpeg_streams(source: bytes) -> bool:
+    """Whether libjpeg decodes the JPEG `source` a row of blocks at a time, shrunk as drafted
+    as it goes: a sequential frame whose first scan holds every component (libjpeg's
+    `has_multiple_scans` false). Any other it holds whole as coefficients before a row comes
+    out: progressive (40 MP, 122 MB), or a scan a component (179 bytes declaring 2.5 GP: 720
+    MB). Read from the markers before the first scan; False for anything not read so."""
+    if source[:2] != b"\xff\xd8":
+        return False
+    at, components = 2, 0
+    while at + 4 <= len(source):
+        if source[at] != 0xFF:
+            return False
+        marker = source[at + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            at += 1
+            continue
+        if marker in _NO_LENGTH:
+            at += 2
+            continue
+        (length,) = struct.unpack_from(">H", source, at + 2)
+        segment = source[at + 4 : at + 2 + length]
+        if length < 2 or len(segment) != length - 2 or marker == _EOI:
+            return False
+        if marker in _SOF_OTHER or (marker in _SOF_SEQUENTIAL and components):
+            return False  # libjpeg refuses a second frame header; not judged here
+        if marker in _SOF_SEQUENTIAL and len(segment) >= 6:
+            components = segment[5]
+        if marker == _SOS:
+            return components > 0 and segment[:1] == bytes([components])
+        at += 2 + length
+    return False
+
+
 def pixels_to_decode(source: bytes, chw: tuple[int, int, int]) -> int:
     """The pixels `decode` would decode of the PNG/JPEG `source`, read from its header only (a
     small file can declare a huge canvas); 0 for a file that does not open, which `decode`
-    refuses with the reason. A progressive JPEG counts at the size it declares: its decoder
-    holds and works through every coefficient at full size whatever it is shrunk to (40 MP:
-    122 MB, 0.12 s), so 64 of them fit a request's budget counted shrunk."""
+    refuses with the reason. A JPEG counts shrunk only where its decoder streams it
+    (`jpeg_streams`): else it holds and works through every coefficient at full size
+    whatever the shrink (a progressive 40 MP: 122 MB, 0.12 s), and 64 of them fit a
+    request's budget counted shrunk."""
     try:
         with _OPENING, warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(source))
         with im:
-            if im.format in ("JPEG", "MPO") and not im.info.get("progressive"):
+            if im.format in ("JPEG", "MPO") and jpeg_streams(source):
                 # shrunk as it decodes, as `decode` asks it to
                 side = max(chw[1], chw[2])
                 im.draft({1: "L", 3: "RGB"}.get(chw[0], "RGB"), (side, side))
@@ -217,11 +260,14 @@ def decode(
                 raise ImageError(
                     name, f"{im.format} images are not accepted: use PNG or JPEG", "format"
                 )
-            if max_pixels is not None and im.width * im.height > max_pixels:
+            limit = max_pixels
+            if limit is not None and isinstance(source, bytes) and jpeg_streams(source):
+                # decoded shrunk a row at a time (a 48 MP photo: 0.09 s, no memory to speak
+                # of): up to Pillow's limit, as the image folder reads it for training
+                limit = max(limit, Image.MAX_IMAGE_PIXELS or 0)
+            if limit is not None and im.width * im.height > limit:
                 raise ImageError(
-                    name,
-                    f"{im.width}x{im.height} pixels is too large (limit {max_pixels:,})",
-                    "size",
+                    name, f"{im.width}x{im.height} pixels is too large (limit {limit:,})", "size"
                 )
             colour = _is_colour(im)
             if im.format in ("JPEG", "MPO"):

@@ -16,12 +16,13 @@ from lightship.serve.batcher import TooManyRows
 from lightship.serve.v2 import ProtocolError, holds_bool, json_error
 
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
-# huge canvas: a decompression bomb). Far above any classifier's input.
+# huge canvas: a decompression bomb). Far above any classifier's input. A JPEG its decoder
+# shrinks a row at a time goes up to Pillow's limit, as training reads it (images.decode).
 MAX_IMAGE_PIXELS = 40_000_000
-# The pixels one request's uploads may take to decode together (a JPEG counts as its decoder
-# shrinks it: a 12 MP photo, 0.19 MP; a progressive one in full). 64 PNGs of 116 KB declaring
-# 40 MP each held a decode slot for 10 s, every other upload waiting, and ended in 504; this is
-# ~0.8 s of decoding.
+# The pixels one request's uploads may take to decode together (such a JPEG counts as its
+# decoder shrinks it: a 12 MP photo, 0.19 MP; a progressive one in full). 64 PNGs of 116 KB
+# declaring 40 MP each held a decode slot for 10 s, every other upload waiting, and ended in
+# 504; this is ~0.8 s of decoding.
 MAX_REQUEST_PIXELS = 100_000_000
 
 
