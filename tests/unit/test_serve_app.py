@@ -1053,7 +1053,35 @@ def test_client_leaving_mid_body_is_counted_499_not_an_error(
     text = run(main())
     assert sent[0]["status"] == 499
     assert metric(text, 'lightship_requests_total{route="/v1/predict",status="499"}') == 1
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("path", ["/v1/predict", "/v1/predict/image"])
+def test_a_client_leaving_mid_body_over_http_is_counted_gone(tmp_path: Path, path: str) -> None:
+    """499, and a `disconnected` rejection: the 499 alone had no reason, so the rejections
+    summed short of the requests given up."""
+    app, _ = make_app(tmp_path)
+    headers, body = [], b'{"instances": [' + b" " * 4000
+    if "image" in path:
+        headers = ["content-type: multipart/form-data; boundary=b"]
+        part = b'--b\r\ncontent-disposition: form-data; name="files"; filename="a.png"\r\n\r\n'
+        body = part + png(X[0, 0]) * 100
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            _, writer = await connect()
+            writer.write(post(path, body, *headers)[:-3900])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+            await until_rejected(client, "disconnected")
+            await asyncio.sleep(0.05)
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert metric(text, f'lightship_requests_total{{route="{path}",status="499"}}') == 1
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
 
 
 def test_failed_warm_up_is_never_ready(tmp_path: Path) -> None:
@@ -3190,13 +3218,14 @@ def test_a_long_body_pipelined_behind_a_waiting_request_is_read_whole(
 
 
 def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: Path) -> None:
-    """Requests to the ASGI app pipelined behind a client that left are dropped, as uvicorn
+    """Requests to the ASGI app pipelined behind a client that left are not run, as uvicorn
     drops them: started at once for nobody, hundreds from one write ran the app in one turn of
-    the loop (250 KB of GET /metrics held a probe for 4.8 s) and were counted 200."""
+    the loop (250 KB of GET /metrics held a probe for 4.8 s) and were counted 200. Dropped
+    without a count, they were in no metric at all: each counts 499, `disconnected`."""
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
-    probes = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n" * 200
+    probes = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n" * 100
 
     async def main() -> str:
         async with raw_http(app) as (connect, _, client):
@@ -3214,8 +3243,12 @@ def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: 
             return (await client.get("/metrics")).text
 
     text = run(main())
-    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
-    assert 'route="/v2/health/ready"' not in text  # none run, none counted
+    # each one a request given up, counted where it was sent; none run (in no time)
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 101
+    ready = 'route="/v2/health/ready",'
+    assert metric(text, f'lightship_requests_total{{{ready}status="499"}}') == 100
+    assert f'{ready}status="200"' not in text
+    assert metric(text, f'lightship_request_duration_seconds_sum{{{ready}status_class="4xx"}}') == 0
 
 
 @pytest.mark.parametrize("third", ["whole", "body arriving"])

@@ -92,3 +92,23 @@ def test_a_body_refused_by_its_content_length_is_counted_under_its_route(tmp_pat
     text = run(main())
     for route in [*routes.values(), "/v2/health/ready"]:
         assert metric(text, f'lightship_requests_total{{route="{route}",status="413"}}') == 1, route
+
+
+def test_request_latency_tells_refusals_from_answers(tmp_path: Path) -> None:
+    """429s and 400s take ~0.1 ms, answers milliseconds: in one series, an overload read as a
+    faster server. The latency histogram is labelled by status class."""
+    app, _ = make_app(tmp_path, max_wait_ms=0)
+
+    async def main() -> str:
+        async with serving(app) as client:
+            for _ in range(2):
+                assert (
+                    await client.post(INFER, json=v2_json(np.zeros((1, 1, 2, 2), np.uint8)))
+                ).is_success
+            assert (await client.post(INFER, content=b"{")).status_code == 400
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    series = 'lightship_request_duration_seconds_count{route="/v2/models/{model_name}/infer",'
+    assert metric(text, series + 'status_class="2xx"}') == 2
+    assert metric(text, series + 'status_class="4xx"}') == 1

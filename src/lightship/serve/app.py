@@ -781,6 +781,7 @@ class TensorRoutes:
         self.body_limit = body_limit
         self.timeout_s = timeout_s
         self.compress_min_bytes = compress_min_bytes  # 0: never
+        self.route_of: Callable[[Scope], str | None] = lambda scope: None
 
     def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         return read_head(headers, self.body_limit, self.timeout_s)
@@ -835,6 +836,13 @@ class TensorRoutes:
     def count(self, name: str, status: int, seconds: float) -> None:
         """The request's metrics, labelled with the template of its route."""
         self.metrics.request(self.PATHS[name], status, seconds)
+
+    def count_gone(self, scope: Scope) -> None:
+        """An ASGI request read and never started, its client gone (pipelined behind
+        another): 499 and `disconnected`, without running the app, under its route's template
+        (`route_of`, set by `create_app`)."""
+        self.metrics.rejected("disconnected")
+        self.metrics.request(self.route_of(scope) or "unmatched", CLIENT_CLOSED, 0.0)
 
 
 class HotRoutes:
@@ -945,6 +953,8 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             if route.matches(scope)[0] is not Match.NONE:  # PARTIAL: its 405
                 return getattr(route, "path", None)
         return None
+
+    tensor_routes.route_of = route_of
 
     if settings.origins:
         # Inside the metrics (a preflight is counted as any request), outside the body limit
@@ -1274,6 +1284,7 @@ def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
 
     def client_disconnect(exc: Any) -> Response:
         # Nobody reads this answer; it exists for the metrics (status 499, like nginx).
+        service.metrics.rejected("disconnected")
         return _error(CLIENT_CLOSED, "client disconnected before sending the whole body")
 
     return {

@@ -78,8 +78,10 @@ class Metrics:
         GCCollector(registry=r)
         self.request_seconds = Histogram(
             "lightship_request_duration_seconds",
-            "HTTP request latency, from its head read to its answer sent (body upload included)",
-            ["route"],
+            "HTTP request latency, from its head read to its answer sent (body upload included), "
+            "by route and status class (2xx, 4xx, 5xx: a 429 takes ~0.1 ms, and in one series "
+            "with the answers an overload made it read faster)",
+            ["route", "status_class"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -151,7 +153,7 @@ class Metrics:
         if children is None:  # labels() takes a lock and builds a tuple: cache the children
             children = (
                 self.requests.labels(route, str(status)),
-                self.request_seconds.labels(route),
+                self.request_seconds.labels(route, f"{status // 100}xx"),
             )
             self._children[key] = children
         children[0].inc()

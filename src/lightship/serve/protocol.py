@@ -377,7 +377,7 @@ class _TensorCycle:
             if not (self._over or self.disconnected):
                 self._routes.body_arrived(self._head)
         if self.disconnected:
-            if self.more_body or not self._left:  # cut short: a 499 with no reason, as uvicorn's
+            if self.more_body or not self._left:  # cut short: a 499, `disconnected`, as uvicorn's
                 raise ClientDisconnect()  # way in counts it
             # whole, and waiting to be parsed (pipelined behind another) when its client left
             self._routes.metrics.rejected("disconnected")
@@ -1015,16 +1015,17 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             HttpToolsProtocol.connection_lost(self, exc)
             # Tensor requests pipelined and never started, their client gone: started now, to
             # be counted 499 (at once, without compute), as a request started before its
-            # client left is. Not an ASGI one, dropped as uvicorn drops it: run, it would run
-            # the app (a GET /metrics) for nobody, thousands at once from one client's write.
-            # Nor those left when the server closed (an answer with Connection: close): their
-            # client did not leave.
+            # client left is. An ASGI one is not run (a GET /metrics for nobody, thousands at
+            # once from one client's write), only counted so. Nor those left when the server
+            # closed (an answer with Connection: close): their client did not leave.
             pipeline = self.pipeline
             while pipeline:
                 queued, app = pipeline.pop()
                 if type(queued) is _TensorCycle and left:
                     queued.lost()
                     self._start_asgi_task(queued, app)
+                elif left and routes is not None:
+                    routes.count_gone(queued.scope)  # type: ignore[arg-type]
 
         def send_400_response(self, msg: str) -> None:
             message = f"malformed HTTP request: {msg.rstrip('.')}"
