@@ -284,6 +284,36 @@ def test_v2_json_and_binary_give_exact_logits_and_echo_the_id(tmp_path: Path, vi
     run(main())
 
 
+def test_a_raw_tensor_body_is_tritons_raw_binary_request(tmp_path: Path, via: str) -> None:
+    """Inference-Header-Content-Length: 0 (Triton's binary data extension, which /v2 names):
+    no JSON header, the body is the input's tensor; answered 400 "is 0 but the body has 8
+    bytes" before."""
+    app, _ = make_app(tmp_path)
+    raw = {"inference-header-content-length": "0", "content-type": "application/octet-stream"}
+
+    async def main() -> None:
+        async with serving(app, via=via) as client:
+            r = await client.post(INFER, content=X.tobytes(), headers=raw)
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"] == "application/octet-stream"
+            n = int(r.headers["inference-header-content-length"])
+            at, got = n, {}
+            for out in json.loads(r.content[:n])["outputs"]:  # every output, binary
+                size = out["parameters"]["binary_data_size"]
+                got[out["name"]] = np.frombuffer(r.content[at : at + size], np.float32)
+                at += size
+            assert at == len(r.content) and list(got) == ["logits", "probabilities"]
+            np.testing.assert_array_equal(got["logits"].reshape(2, 2), expected_logits(X))
+            odd = await client.post(INFER, content=X.tobytes()[:-1], headers=raw)
+            assert odd.status_code == 400
+            assert odd.json()["error"].startswith(
+                "Inference-Header-Content-Length is 0, so the body is the input tensor, UINT8 "
+                "[N, 1, 2, 2]: 4 bytes an image, and the body has 7"
+            )
+
+    run(main())
+
+
 def test_v1_predict_labels_scores_and_top_k(tmp_path: Path, via: str) -> None:
     app, _ = make_app(tmp_path)
 

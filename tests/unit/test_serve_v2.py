@@ -255,6 +255,18 @@ def test_bad_requests_say_what_is_wrong(body: bytes, length: str | None, message
     assert info.value.status == 400
 
 
+def test_a_raw_tensor_body_is_the_input_with_every_output_binary() -> None:
+    req = v2.decode_request(X.tobytes(), "0", "input", chw=(1, 2, 2), max_rows=2)
+    np.testing.assert_array_equal(req.x, X)
+    assert [(o.name, o.binary) for o in req.outputs] == [("logits", True), ("probabilities", True)]
+    assert req.id is None and req.timeout_s is None
+    with pytest.raises(TooManyRows):
+        v2.decode_request(X.tobytes() * 2, "0", "input", chw=(1, 2, 2), max_rows=2)
+    for body in (b"", X.tobytes()[:-1]):
+        with pytest.raises(ProtocolError, match="is 0, so the body is the input tensor"):
+            v2.decode_request(body, "0", "input", chw=(1, 2, 2))
+
+
 def test_json_data_at_the_limits_of_its_datatype_is_taken_as_sent() -> None:
     cases = [
         ([2**63 - 1, -(2**63), 0, 1], "INT64", np.int64),

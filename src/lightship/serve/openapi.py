@@ -119,7 +119,8 @@ def body(schema: dict[str, Any], binary: bool = False) -> dict[str, Any]:
         content["application/octet-stream"] = {
             "schema": {"type": "string", "format": "binary"},
             "description": "binary tensor extension: a JSON header of "
-            f"{v2.HEADER_LENGTH} bytes, then the raw tensors",
+            f"{v2.HEADER_LENGTH} bytes, then the raw tensors ({v2.HEADER_LENGTH} 0: no "
+            "header, the body is the input tensor, UINT8 [N, C, H, W])",
         }
     return {"requestBody": {"required": True, "content": content}}
 
@@ -359,7 +360,8 @@ def raw_paths(
             "in": "header",
             "required": False,
             "description": "binary tensor extension: bytes of JSON before the binary tensors "
-            "(required with an application/octet-stream body)",
+            "(required with an application/octet-stream body; 0: the body is the input tensor, "
+            "UINT8 [N, C, H, W], and every output comes back binary)",
             "schema": {"type": "integer", "minimum": 0},
         },
         {

@@ -260,8 +260,9 @@ def _no_inputs(doc: dict[str, Any], input_name: str) -> str:
 
 def json_length(body: bytes, header_length: str | None) -> int:
     """The bytes of JSON a request begins with: all of `body`, or as many as its
-    Inference-Header-Content-Length says (binary tensors follow); ProtocolError if that is no
-    count of bytes within the body."""
+    Inference-Header-Content-Length says (binary tensors follow; 0: none, the body is the
+    input's tensor, `raw_request`); ProtocolError if that is no count of bytes within the
+    body."""
     if header_length is None:
         return len(body)
     if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
@@ -270,7 +271,7 @@ def json_length(body: bytes, header_length: str | None) -> int:
         json_end = int(header_length)
     except ValueError:  # more digits than Python converts (4,300): more than any body
         json_end = -1
-    if not 0 < json_end <= len(body):
+    if not 0 <= json_end <= len(body):
         said = header_length if len(header_length) <= 20 else header_length[:19] + "..."
         raise ProtocolError(f"{HEADER_LENGTH} is {said} but the body has {len(body)} bytes")
     return json_end
@@ -288,6 +289,8 @@ def decode_request(
     a batch over `max_rows` of images of the model's `chw` is refused (`TooManyRows`) before
     its JSON data becomes an array."""
     json_end = json_length(body, header_length)
+    if json_end == 0:
+        return raw_request(body, outputs, max_rows, chw)
     view = memoryview(body)
     doc = _parse_json(view[:json_end], header_length)
     request_id = doc.get("id")
@@ -361,6 +364,32 @@ def decode_request(
         # 0 is no deadline of the request's own, as Triton reads it (tritonclient sends it)
         timeout_s = timeout / 1e6 if timeout else None
     return InferRequest(request_id, x, wanted, timeout_s)
+
+
+def raw_request(
+    body: bytes,
+    outputs: tuple[str, ...] = OUTPUTS,
+    max_rows: int | None = None,
+    chw: tuple[int, ...] | None = None,
+) -> InferRequest:
+    """Triton's raw binary request (its binary data extension: Inference-Header-Content-Length
+    0, for a model of one input): the body is that input's tensor, of the datatype the model's
+    metadata gives (UINT8), its rows read from its size; every output comes back binary."""
+    if chw is None:  # a caller that knows no input shape (the benchmark's no-model ceiling)
+        raise ProtocolError(f"{HEADER_LENGTH} 0 (the body a raw tensor) is not taken here")
+    row = math.prod(chw)
+    if not body or len(body) % row:
+        shape = ", ".join(map(str, chw))
+        raise ProtocolError(
+            f"{HEADER_LENGTH} is 0, so the body is the input tensor, UINT8 [N, {shape}]: "
+            f"{row} bytes an image, and the body has {len(body)}; to send JSON, give the "
+            "JSON's length in that header or leave it out"
+        )
+    rows = len(body) // row
+    if max_rows is not None and rows > max_rows:
+        raise TooManyRows.of(rows, max_rows)
+    x = np.frombuffer(body, np.uint8).reshape(rows, *chw)
+    return InferRequest(None, x, [RequestedOutput(name, True) for name in outputs], None)
 
 
 def _requested(
