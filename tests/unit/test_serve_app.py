@@ -948,7 +948,8 @@ def test_ready_and_inference_only_after_the_warm_up_batch(tmp_path: Path) -> Non
             gate.open.set()
             await service(app).settled.wait()
             assert (await client.get("/v2/health/ready")).json() == {"ready": True}
-            assert (await client.get("/v2/models/hand/ready")).status_code == 200
+            model_ready = await client.get("/v2/models/hand/versions/1/ready")
+            assert model_ready.json() == {"name": "hand", "ready": True}  # the protocol's form
             r = await client.post(INFER, json=v2_json(X))
             assert r.status_code == 200
             np.testing.assert_array_equal(logits_of(r), expected_logits(X))

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import functools
 import gc
+import json
 import logging
 import math
 import platform
@@ -1069,10 +1070,13 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             return _error(503, broken)
         return Response(b'{"live":true}', media_type="application/json")
 
-    def ready_response() -> Response:
+    # the model's answer names it, as the protocol's model ready response does
+    model_ready = json.dumps({"name": service.name, "ready": True}).encode()
+
+    def ready_response(ready: bytes = b'{"ready":true}') -> Response:
         broken = service.broken
         if service.ready and not broken:
-            return Response(b'{"ready":true}', media_type="application/json")
+            return Response(ready, media_type="application/json")
         return _error(503, broken or "not ready", {"retry-after": "1"})
 
     @app.get("/v2/health/ready", tags=["v2"], responses=openapi.errors(503))
@@ -1154,7 +1158,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     @app.get("/v2/models/{model_name}/ready", tags=["v2"], responses=openapi.errors(404, 503))
     async def v2_model_ready(model_name: str = name_param) -> Response:
         service.check_model(model_name)
-        return ready_response()
+        return ready_response(model_ready)
 
     @app.get(
         "/v2/models/{model_name}/versions/{version}/ready",
@@ -1165,7 +1169,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         model_name: str = name_param, version: str = version_param
     ) -> Response:
         service.check_model(model_name, version)
-        return ready_response()
+        return ready_response(model_ready)
 
     # -- simple JSON and images ------------------------------------------------------------
     decode_slots = asyncio.Semaphore(DECODE_SLOTS)
