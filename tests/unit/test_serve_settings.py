@@ -632,6 +632,22 @@ def test_a_variable_serve_does_not_read_leaves_the_default_and_says_so(
     assert f"--{field} is used" in said or "is not read" in said
 
 
+@pytest.mark.parametrize("port", ["8241.0", "8_241", "+8241"])
+def test_a_port_is_digits_as_the_healthcheck_reads_it(
+    monkeypatch: pytest.MonkeyPatch, port: str
+) -> None:
+    """pydantic read 8241.0 as 8241; the image's HEALTHCHECK put it in a URL as written, and
+    called a serving container unhealthy for good."""
+    monkeypatch.setenv("LIGHTSHIP_PORT", port)
+    with pytest.raises(ConfigError) as err:
+        _settings()
+    assert str(err.value) == (
+        f"invalid serve settings (LIGHTSHIP_PORT={port}: port must be a whole number 0..65535)"
+    )
+    monkeypatch.setenv("LIGHTSHIP_PORT", " 8241 ")
+    assert _settings().port == 8241
+
+
 def test_a_port_written_as_a_url_by_hand_is_a_bad_value() -> None:
     """Only beside the LIGHTSHIP_SERVICE_HOST it names is tcp://IP:PORT a Service's link: one
     written by hand was replaced by 8000, warned as Kubernetes' link."""

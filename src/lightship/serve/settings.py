@@ -143,6 +143,15 @@ class ServeSettings(BaseSettings):
         # LIGHTSHIP_RUN=~/x in an env file, as --run=~/x: no shell expands it
         return home_expanded(value) if isinstance(value, (str, Path)) else value
 
+    @field_validator("port", mode="before")
+    @classmethod
+    def _port(cls, value: object) -> object:
+        """Digits only: pydantic reads `8241.0` and `8_241` as 8241, which the image's
+        HEALTHCHECK (deploy/healthcheck.py) put in a URL, and called the server unhealthy."""
+        if isinstance(value, str) and not value.strip().isdigit():
+            raise ValueError("port must be a whole number 0..65535")
+        return value
+
     @field_validator("log_level", "device", "isa_check", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
