@@ -543,6 +543,12 @@ def test_a_body_still_arriving_at_sigterm_is_answered_503_before_the_drain_ends(
     assert sent < len(body)  # answered while the body was still arriving
     assert server.proc.wait(30) == 0, server.output()
     assert "Cancel" not in server.output()  # nothing left for uvicorn to cut off
+    # the drain said, with its limit: a grace period shorter than it ends in SIGKILL
+    assert re.search(
+        r"stopping: not ready, no new connections; answering the \d+ queued rows "
+        r"and the requests under way, for [67] s at most",
+        server.output(),
+    )
 
 
 # `serve` from Python, with a SIGTERM to itself at its "serving '...'" log line: after the

@@ -16,6 +16,7 @@ import platform
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -416,6 +417,26 @@ def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded
     # a progressive JPEG counts at its full size (its decoder holds every coefficient so)
     assert progressive.status_code == 413, progressive.text
     assert "the 2 images hold 320,000 pixels to decode" in progressive.json()["error"]
+
+
+def test_uploads_over_a_megabyte_need_no_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only root with no writable /tmp: Starlette spooled an upload over 1 MB to disk,
+    and the request got a 500, "a bug"."""
+    app, _ = make_app(tmp_path)
+    noise = np.random.default_rng(0).integers(0, 256, (640, 640, 3), dtype=np.uint8)
+    photo = png(noise)
+    assert len(photo) > 1024 * 1024
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "nowhere"))
+
+    async def main() -> httpx.Response:
+        async with serving(app) as client:
+            return await client.post("/v1/predict/image", files=[("files", ("n.png", photo))])
+
+    r = run(main())
+    assert r.status_code == 200, r.text
+    assert [p["file"] for p in r.json()["predictions"]] == ["n.png"]
 
 
 def test_uploads_reach_the_model_as_the_image_folder_trains_on_them(tmp_path: Path) -> None:

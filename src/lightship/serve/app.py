@@ -1431,6 +1431,12 @@ class _ImageForm(MultiPartParser):
     image after `limit`, and a file in any other field (skipped, the client's image would be
     lost unsaid; counted, it would take an image's place under the limit)."""
 
+    # Files kept in memory, never spooled to disk past Starlette's 1 MB: each is read back
+    # whole (`images`) and the body is within --max-body-bytes, so the disk bought nothing,
+    # and with no writable temporary directory (a read-only root) an upload over 1 MB was a
+    # 500, "a bug".
+    spool_max_size = sys.maxsize
+
     def __init__(self, headers: Headers, stream: AsyncGenerator[bytes, None], limit: int) -> None:
         super().__init__(headers, stream, max_files=math.inf)
         self.limit = limit
@@ -1809,6 +1815,14 @@ class _Server(uvicorn.Server):
         self._wake()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if not self.service.failed:  # a drain, said with its limit (a grace period shorter
+            # than it ends in SIGKILL, the requests still under way cut off)
+            log.info(
+                "stopping: not ready, no new connections; answering the %d queued rows and "
+                "the requests under way, for %d s at most",
+                self.service.batcher.queued_rows,
+                self.config.timeout_graceful_shutdown or 0,
+            )
         for server in self.servers:  # stop accepting first
             server.close()
         await asyncio.sleep(self.ACCEPTED_GRACE_S)
