@@ -117,17 +117,47 @@ def one_component_first_scan(data: bytes) -> bytes:
     return data[:at] + one + data[at + len(scan) :]
 
 
+def hidden_behind_junk(hidden: bytes, shown: bytes) -> bytes:
+    """`hidden`'s frame and scans behind FF 00, which libjpeg and Pillow pass over as junk and
+    a parser taking every FF xx for a marker with a length skips, then `shown`'s: each reads
+    the other's picture."""
+    inner = hidden[2:]
+    return b"\xff\xd8\xff\x00" + struct.pack(">H", len(inner) + 2) + inner + shown[2:]
+
+
 def test_which_jpegs_decode_shrunk_a_row_at_a_time_is_read_from_their_markers() -> None:
     gray = io.BytesIO()
     Image.new("L", (64, 48)).save(gray, "JPEG")
-    assert images.jpeg_streams(jpeg(64, 48))  # baseline, one scan of Y, Cb and Cr
-    assert images.jpeg_streams(gray.getvalue())
-    assert images.jpeg_streams(b"\xff\xd8\xff" + jpeg(64, 48)[2:])  # a fill byte
-    assert not images.jpeg_streams(jpeg(64, 48, progressive=True))
-    assert not images.jpeg_streams(one_component_first_scan(jpeg(64, 48)))
-    assert not images.jpeg_streams(png(8))
+    assert images.jpeg_frame(jpeg(64, 48)) == (64, 48)  # baseline, one scan of Y, Cb and Cr
+    assert images.jpeg_frame(gray.getvalue()) == (64, 48)
+    assert images.jpeg_frame(b"\xff\xd8\xff" + jpeg(64, 48)[2:]) == (64, 48)  # a fill byte
+    for held in (
+        jpeg(64, 48, progressive=True),
+        one_component_first_scan(jpeg(64, 48)),
+        png(8),
+        hidden_behind_junk(jpeg(96, 96, progressive=True), jpeg(64, 48)),
+    ):
+        assert images.jpeg_frame(held) is None
     for cut in (b"", b"\xff\xd8", jpeg(64, 48)[:100], b"\xff\xd8" + b"\xff" * 64):
-        assert not images.jpeg_streams(cut)
+        assert images.jpeg_frame(cut) is None
+
+
+def test_a_frame_hidden_from_the_marker_reader_is_not_taken_as_streaming() -> None:
+    """A progressive frame behind FF 00, a baseline one after it: what the decoder reads is
+    the progressive one (1.4 KB declaring 89 MP held 736 MB as it decoded)."""
+    data = hidden_behind_junk(jpeg(96, 96, progressive=True), jpeg(64, 48))
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.size == (96, 96) and im.info.get("progressive")  # what Pillow reads
+        assert not images.jpeg_streams(data, im)
+    assert images.pixels_to_decode(data, (3, 8, 8)) == 96 * 96
+    with pytest.raises(images.ImageError, match="96x96 pixels is too large"):
+        images.decode(data, (3, 8, 8), "x.jpg", max_pixels=5000)
+    # a scan a component hidden so, the same size as the frame shown: sequential to Pillow
+    data = hidden_behind_junk(one_component_first_scan(jpeg(64, 48)), jpeg(64, 48))
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.size == (64, 48) and not im.info.get("progressive")
+        assert not images.jpeg_streams(data, im)
+    assert images.pixels_to_decode(data, (3, 8, 8)) == 64 * 48
 
 
 def test_a_jpeg_decoded_a_row_at_a_time_is_taken_up_to_pillows_limit(

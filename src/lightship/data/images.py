@@ -170,46 +170,56 @@ def _too_large(exc: Exception, max_pixels: int | None) -> str:
 _OPENING = threading.Lock()
 
 
-# JPEG markers: start of frame of a sequential Huffman JPEG (baseline, extended); the other
-# start-of-frame markers (progressive, lossless, arithmetic); start of scan; end of image;
-# markers without a length (TEM, RSTn)
+# JPEG markers a sequential Huffman JPEG holds before its first scan: APPn, COM, DQT, DHT,
+# DRI and the frame header (SOF0 baseline, SOF1 extended); then its start of scan (SOS)
 _SOF_SEQUENTIAL = (0xC0, 0xC1)
-_SOF_OTHER = (0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)
-_SOS, _EOI = 0xDA, 0xD9
-_NO_LENGTH = (0x01, *range(0xD0, 0xD8))
+_BEFORE_SCAN = frozenset((*range(0xE0, 0xF0), 0xFE, 0xDB, 0xC4, 0xDD, *_SOF_SEQUENTIAL))
+_SOS = 0xDA
 
 
-def jpeg_streams(source: bytes) -> bool:
-    """Whether libjpeg decodes the JPEG `source` a row of blocks at a time, shrunk as drafted
-    as it goes: a sequential frame whose first scan holds every component (libjpeg's
-    `has_multiple_scans` false). Any other it holds whole as coefficients before a row comes
-    out: progressive (40 MP, 122 MB), or a scan a component (179 bytes declaring 2.5 GP: 720
-    MB). Read from the markers before the first scan; False for anything not read so."""
+def jpeg_frame(source: bytes) -> tuple[int, int] | None:
+    """(width, height) of the JPEG `source` if libjpeg decodes it a row of blocks at a time,
+    shrunk as drafted as it goes: a sequential frame whose first scan holds every component
+    (libjpeg's `has_multiple_scans` false); else None. Any other it holds whole as coefficients
+    before a row comes out: progressive (40 MP, 122 MB), or a scan a component (179 bytes
+    declaring 2.5 GP: 720 MB). Read from the markers before the first scan, and only the ones
+    such a file holds: libjpeg passes over bytes it does not take for a marker (FF 00), where a
+    frame read here as any marker with a length hid another (1.4 KB declaring 89 MP: 736 MB)."""
     if source[:2] != b"\xff\xd8":
-        return False
-    at, components = 2, 0
+        return None
+    at, frame = 2, None
     while at + 4 <= len(source):
         if source[at] != 0xFF:
-            return False
+            return None
         marker = source[at + 1]
         if marker == 0xFF:  # fill byte before a marker
             at += 1
             continue
-        if marker in _NO_LENGTH:
-            at += 2
-            continue
+        if marker not in _BEFORE_SCAN and marker != _SOS:
+            return None
         (length,) = struct.unpack_from(">H", source, at + 2)
         segment = source[at + 4 : at + 2 + length]
-        if length < 2 or len(segment) != length - 2 or marker == _EOI:
-            return False
-        if marker in _SOF_OTHER or (marker in _SOF_SEQUENTIAL and components):
-            return False  # libjpeg refuses a second frame header; not judged here
-        if marker in _SOF_SEQUENTIAL and len(segment) >= 6:
-            components = segment[5]
+        if length < 2 or len(segment) != length - 2:
+            return None
+        if marker in _SOF_SEQUENTIAL:
+            if frame is not None or len(segment) < 6 or len(segment) < 6 + 3 * segment[5]:
+                return None  # a second frame header (libjpeg refuses it), or one cut short
+            height, width = struct.unpack_from(">HH", segment, 1)
+            frame = (width, height, segment[5])
         if marker == _SOS:
-            return components > 0 and segment[:1] == bytes([components])
+            if frame is None or not frame[2] or segment[:1] != bytes([frame[2]]):
+                return None
+            return frame[0], frame[1]
         at += 2 + length
-    return False
+    return None
+
+
+def jpeg_streams(source: bytes, im: Image.Image) -> bool:
+    """Whether `im`, opened from the JPEG `source`, decodes shrunk a row at a time
+    (`jpeg_frame`): the frame read here is the one Pillow opened, and not progressive."""
+    if im.format not in ("JPEG", "MPO") or im.info.get("progressive"):
+        return False
+    return jpeg_frame(source) == im.size
 
 
 def pixels_to_decode(source: bytes, chw: tuple[int, int, int]) -> int:
@@ -224,7 +234,7 @@ def pixels_to_decode(source: bytes, chw: tuple[int, int, int]) -> int:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(source))
         with im:
-            if im.format in ("JPEG", "MPO") and jpeg_streams(source):
+            if jpeg_streams(source, im):
                 # shrunk as it decodes, as `decode` asks it to
                 side = max(chw[1], chw[2])
                 im.draft({1: "L", 3: "RGB"}.get(chw[0], "RGB"), (side, side))
@@ -261,7 +271,7 @@ def decode(
                     name, f"{im.format} images are not accepted: use PNG or JPEG", "format"
                 )
             limit = max_pixels
-            if limit is not None and isinstance(source, bytes) and jpeg_streams(source):
+            if limit is not None and isinstance(source, bytes) and jpeg_streams(source, im):
                 # decoded shrunk a row at a time (a 48 MP photo: 0.09 s, no memory to speak
                 # of): up to Pillow's limit, as the image folder reads it for training
                 limit = max(limit, Image.MAX_IMAGE_PIXELS or 0)
