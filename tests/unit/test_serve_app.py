@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import gzip
 import io
 import json
@@ -313,6 +314,82 @@ def test_a_raw_tensor_body_is_tritons_raw_binary_request(tmp_path: Path, via: st
             )
 
     run(main())
+
+
+def test_compressed_bodies_that_inflate_large_are_inflated_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    """Inflated as they arrived, 100 gzip bodies of 16 KB each held 16 MiB apiece while they
+    waited for the one parse slot: 5 GB from 1.6 MB sent. A body that inflates large is
+    inflated in that slot, and parsed there."""
+    real = serve_app._decode_content
+    inflating, most = 0, 0
+
+    def counted(body: bytes, encoding: str, limit: int) -> bytes:
+        nonlocal inflating, most
+        if limit < serve_app.LARGE_BODY_BYTES:  # the first look, bounded: not counted
+            return real(body, encoding, limit)
+        inflating += 1
+        most = max(most, inflating)
+        try:
+            time.sleep(0.05)
+            return real(body, encoding, limit)
+        finally:
+            inflating -= 1
+
+    monkeypatch.setattr(serve_app, "_decode_content", counted)
+    app, _ = make_app(tmp_path)
+    large = json.dumps({"instances": X.tolist()}).encode() + b" " * serve_app.LARGE_BODY_BYTES
+    small = json.dumps(v2_json(X)).encode()
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app, via=via) as client:
+            zipped = {"Content-Encoding": "gzip"}
+            sent = [
+                client.post("/v1/predict", content=gzip.compress(large), headers=zipped)
+                for _ in range(4)
+            ]
+            sent.append(client.post(INFER, content=gzip.compress(small), headers=zipped))
+            return list(await asyncio.gather(*sent))
+
+    answers = run(main())
+    assert [r.status_code for r in answers] == [200] * 5, [r.text for r in answers]
+    assert [p["label"] for p in answers[0].json()["predictions"]] == ["dark", "bright"]
+    np.testing.assert_array_equal(logits_of(answers[-1]), expected_logits(X))
+    assert most == 1
+
+
+def test_a_large_body_refused_after_parsing_leaves_nothing_it_parsed(
+    tmp_path: Path, via: str
+) -> None:
+    """Its error's traceback held the parse's frames, and the document in them, in a
+    reference cycle only the collector's rare full pass broke: 32 16-MiB bodies of the wrong
+    shape, one after another, held 3 GB."""
+    app, _ = make_app(tmp_path)
+    flat = json.dumps({"instances": [0] * 300_000}).encode()  # parsed, then the wrong shape
+    assert len(flat) > serve_app.LARGE_BODY_BYTES
+
+    def parsed_lists() -> int:
+        return sum(type(o) is list and len(o) >= 300_000 for o in gc.get_objects())
+
+    async def main() -> list[int]:
+        async with serving(app, via=via) as client:
+            statuses = [(await client.post("/v1/predict", content=flat)).status_code]
+            for _ in range(2):
+                zipped = gzip.compress(flat)  # inflated in its parse slot, then parsed
+                r = await client.post(
+                    "/v1/predict", content=zipped, headers={"content-encoding": "gzip"}
+                )
+                statuses.append(r.status_code)
+            return statuses
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert run(main()) == [400] * 3
+        assert parsed_lists() == 0
+    finally:
+        gc.enable()
 
 
 def test_v1_predict_labels_scores_and_top_k(tmp_path: Path, via: str) -> None:

@@ -29,7 +29,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from email.utils import formatdate
 from types import FrameType
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import uvicorn
@@ -71,6 +71,7 @@ from lightship.serve.settings import ServeSettings
 from lightship.serve.v2 import ProtocolError, error_body
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 TIMEOUT_HEADER_BYTES = TIMEOUT_HEADER.encode()
@@ -357,6 +358,25 @@ async def acquire_unless_gone(
         raise ClientGone()
     if not acquired:
         raise TimeoutError
+
+
+def _bare(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, an error a request is answered with raised without its traceback, or the
+    error it was raised from (a JSON decode error's holds the same frames)."""
+    try:
+        return fn(*args)
+    except (ProtocolError, TooManyRows, BodyTooLarge, InputError, DeadlineExceeded) as exc:
+        exc.__context__ = None
+        raise exc.with_traceback(None) from None
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread. An error raised there held, in its traceback, the frames
+    that raised it and what they had parsed (a 16 MiB JSON body of the wrong shape: 128 MB),
+    in a reference cycle through the awaited future that only the garbage collector's rare
+    full pass breaks: 32 such bodies one after another held 3 GB. Raised bare, it holds none;
+    an unforeseen one (a 500, logged) keeps its traceback."""
+    return await run_in_threadpool(_bare, fn, *args)
 
 
 def asgi_watch(receive: Receive, after_s: float | None = None) -> Watch:
@@ -805,9 +825,8 @@ class TensorRoutes:
     async def answer(
         self, name: str, params: dict[str, str], head: Head, body: bytes, watch: Watch
     ) -> tuple[bytes, dict[str, str]]:
-        """The 200 answer's body and headers; raises what `error` answers otherwise."""
-        if head.encoding is not None:  # rare; a small gzip body may inflate to the limit
-            body = await run_in_threadpool(_decode_content, body, head.encoding, self.body_limit)
+        """The 200 answer's body and headers; raises what `error` answers otherwise. A
+        compressed body is inflated by the handler, as it parses it (`parse_body`)."""
         hot = HotRequest(head, params, body, watch)
         content, headers = await self.handlers[name.removesuffix("_version")](hot)
         accept = head.accept
@@ -990,14 +1009,9 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     # (`openapi.raw_paths`) with the served model's names.
     max_rows, chw = settings.max_batch_rows, service.chw  # rows refused before decoding
     parse_slots = asyncio.Semaphore(PARSE_SLOTS)
+    body_limit = settings.max_body_bytes
 
-    async def parse_large(
-        hot: HotRequest, json_bytes: int, parse: Callable[..., Any], *args: Any
-    ) -> Any:
-        """`parse(*args)` in a worker thread; with `json_bytes` of JSON to parse or more than
-        LARGE_BODY_BYTES, in one of PARSE_SLOTS."""
-        if json_bytes < LARGE_BODY_BYTES:
-            return await run_in_threadpool(parse, *args)
+    async def parse_slot(hot: HotRequest) -> None:
         try:
             await acquire_unless_gone(
                 parse_slots, service.timeout_s(hot.head), hot.watch, service.metrics
@@ -1008,29 +1022,58 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 "deadline passed waiting to parse the JSON body: the server is busy parsing "
                 "other large ones; retry, or send binary tensors to /v2/models/{name}/infer"
             ) from None
+
+    def inflated(hot: HotRequest, limit: int) -> bytes:
+        encoding = hot.head.encoding
+        return hot.body if encoding is None else _decode_content(hot.body, encoding, limit)
+
+    async def parse_body(
+        hot: HotRequest, parse: Callable[[bytes], T], json_bytes: Callable[[bytes], int]
+    ) -> T:
+        """`parse(body)`: at once for a small body; in a worker thread for one of
+        LARGE_BODY_BYTES or more, in one of PARSE_SLOTS where `json_bytes(body)` of JSON are
+        that large. A compressed body is inflated first, in the slot where it inflates that
+        large: inflated outside it, 100 gzip bodies of 16 KB each held 16 MiB as they waited
+        for the slot, and took the server to 5 GB."""
+        body = hot.body
+        if hot.head.encoding is not None:  # rare: tritonclient's compression
+            first = min(LARGE_BODY_BYTES - 1, body_limit)
+            try:
+                body = await in_thread(inflated, hot, first)
+            except BodyTooLarge:  # inflates large: again, in a slot, and parsed there
+                if first == body_limit:
+                    raise
+                await parse_slot(hot)
+                try:
+                    return await in_thread(lambda: parse(inflated(hot, body_limit)))
+                finally:
+                    parse_slots.release()
+        if len(body) < LARGE_BODY_BYTES:  # no thread, no coroutine for a small body
+            return parse(body)
+        if json_bytes(body) < LARGE_BODY_BYTES:  # V2's binary tensors are read with no parse
+            return await in_thread(parse, body)
+        await parse_slot(hot)
         try:
-            return await run_in_threadpool(parse, *args)
+            return await in_thread(parse, body)
         finally:
             parse_slots.release()
 
     async def v2_infer(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
         service.check_model(hot.params["model_name"], hot.params.get("version"))
-        args = (hot.body, hot.head.header_length, service.input_name, v2.OUTPUTS, max_rows, chw)
-        big = len(hot.body) >= LARGE_BODY_BYTES  # parsed in a thread; no coroutine when small
-        decode = v2.decode_request
-        if big:  # V2 only: binary tensors after the JSON header are read with no parse
-            json_bytes = v2.json_length(hot.body, hot.head.header_length)
-            req = await parse_large(hot, json_bytes, decode, *args)
-        else:
-            req = decode(*args)
+        length = hot.head.header_length
+
+        def decode(body: bytes) -> v2.InferRequest:
+            return v2.decode_request(body, length, service.input_name, v2.OUTPUTS, max_rows, chw)
+
+        req = await parse_body(hot, decode, lambda body: v2.json_length(body, length))
         logits = await service.predict(req.x, service.timeout_s(hot.head, req.timeout_s), hot.watch)
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
-        args = (hot.body, chw, settings.top_k, max_rows)
-        big = len(hot.body) >= LARGE_BODY_BYTES
-        decode = v1.decode_instances
-        x, top_k = await parse_large(hot, len(hot.body), decode, *args) if big else decode(*args)
+        def decode(body: bytes) -> tuple[np.ndarray, int]:
+            return v1.decode_instances(body, chw, settings.top_k, max_rows)
+
+        x, top_k = await parse_body(hot, decode, len)
         logits = await service.predict(x, service.timeout_s(hot.head), hot.watch)
         content = v1.encode_predictions(logits, service.labels, top_k, service.name)
         return content, {"content-type": "application/json"}
@@ -1209,9 +1252,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         # each request's within a budget of pixels, so that it holds its slot briefly (one
         # image is within it: over v1.MAX_IMAGE_PIXELS it is refused as it opens).
         if len(contents) > 1:
-            await run_in_threadpool(
-                v1.check_decode_budget, [data for data, _ in contents], service.chw
-            )
+            await in_thread(v1.check_decode_budget, [data for data, _ in contents], service.chw)
         # the upload was read whole: a client that closed is seen now, not at its deadline
         watch = asgi_watch(request.receive, after_s=0)
         try:
@@ -1225,7 +1266,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 "others; retry, or send tensors to /v1/predict"
             ) from None
         try:
-            x = await run_in_threadpool(decode_all)
+            x = await in_thread(decode_all)
         except DeadlineExceeded:
             service.metrics.rejected("deadline")
             raise
