@@ -2816,6 +2816,27 @@ def test_a_malformed_chunked_body_is_answered_400_at_once(
     assert served == [f"{counted} 1.0"], served  # the /metrics scrapes count after they answer
 
 
+@pytest.mark.parametrize("path", [INFER, "/v1/predict/image"])
+def test_a_chunked_body_over_the_limit_is_answered_413_closing(tmp_path: Path, path: str) -> None:
+    """Kept alive, the rest of the body was read to be thrown away: 100 MiB taken after the
+    413 of a 16 MiB limit."""
+    app, _ = make_app(tmp_path, max_body_bytes=4096)
+    head = f"POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
+    if "image" in path:
+        head += "content-type: multipart/form-data; boundary=b\r\n"
+
+    async def main() -> tuple[int, dict[str, str]]:
+        async with raw_http(app) as (connect, _, _client):
+            reader, writer = await connect()
+            writer.write(head.encode() + b"\r\n" + b"1388\r\n" + b" " * 5000 + b"\r\n")
+            status, headers, _ = await asyncio.wait_for(read_answer(reader), 5)
+            writer.close()
+            return status, headers
+
+    status, headers = run(main())
+    assert (status, headers.get("connection")) == (413, "close")
+
+
 def test_a_chunked_body_that_breaks_off_after_its_answer_gets_no_second_answer(
     tmp_path: Path,
 ) -> None:
@@ -3422,6 +3443,33 @@ def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(
     infer = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status='
     assert metric(text, f'{infer}"200"}}') == 3  # the gate's and the first two
     assert f'{infer}"499"}}' not in text
+
+
+@pytest.mark.parametrize("expect", ["", "expect: 100-continue\r\n"])
+def test_a_connection_answered_before_its_body_ended_closes_when_idle(
+    tmp_path: Path, expect: str
+) -> None:
+    """A 404 sent before the body came: the body's reads stopped the keep-alive timer its
+    answer armed, and the connection stayed open for good; 185 of them took every file
+    descriptor, and the server accepted no one."""
+    app, _ = make_app(tmp_path)
+    head = f"POST /nope HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n{expect}\r\n"
+
+    async def main() -> tuple[int, bytes, float]:
+        async with raw_http(app, timeout_keep_alive=1) as (connect, _, _client):
+            reader, writer = await connect()
+            writer.write(head.encode())
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            start = time.monotonic()
+            await asyncio.sleep(0.2)
+            writer.write(b"hello")  # the body, then nothing
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return status, rest, time.monotonic() - start
+
+    status, rest, idle = run(main())
+    assert status == 404
+    assert rest == b"" and idle < 2.5  # closed at the keep-alive's second, not never
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

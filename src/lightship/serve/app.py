@@ -1324,8 +1324,9 @@ def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
         return {"retry-after": "1"}
 
     def too_large(exc: Any) -> Response:
+        # closing: the rest of a body still arriving would be read only to be thrown away
         service.metrics.rejected("body_too_large")
-        return _error(413, str(exc))
+        return _error(413, str(exc), {"connection": "close"})
 
     def client_disconnect(exc: Any) -> Response:
         # Nobody reads this answer; it exists for the metrics (status 499, like nginx).

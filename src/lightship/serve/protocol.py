@@ -961,6 +961,20 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if cycle is not None:  # uvicorn leaves it set where the answer came first:
                     cycle.more_body = False  # a later head's 408 read as this body's error
             self._in_head = True
+            if (
+                cycle is not None
+                and cycle.response_complete
+                and not self.pipeline
+                and self.timeout_keep_alive_task is None
+                and not self._out.is_closing()
+            ):
+                # answered before its body ended (a 404, a 413), the connection is idle now:
+                # its keep-alive timer, armed as the answer went and stopped by the body's
+                # reads, runs again. Unarmed, 185 such connections left open took every file
+                # descriptor, and the server accepted no one.
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
         def eof_received(self) -> None:
             """The client's FIN, taken as its leaving (uvicorn's protocol returns None: the
