@@ -1844,6 +1844,23 @@ def test_a_request_head_over_64_kib_is_refused_with_431_as_it_arrives() -> None:
     }
 
 
+@pytest.mark.parametrize("where", ["url", "header"])
+def test_a_head_over_64_kib_in_one_read_is_refused_with_431(where: str) -> None:
+    """Counted only across reads, a 70 KB URL in one read reached uvicorn's URL parser,
+    which raised: a 500, "a bug", and a traceback in the log for each."""
+    from lightship.serve.protocol import MAX_HEAD_BYTES
+
+    long = "a" * (MAX_HEAD_BYTES + 10)
+    line = f"GET /v2/health/ready?{long} HTTP/1.1\r\nhost: t\r\n"
+    if where == "header":
+        line = f"GET /x HTTP/1.1\r\nhost: t\r\nx-big: {long}\r\n"
+    transport, bodies, closed = _feed([f"{line}\r\n".encode()])
+    assert bodies == [] and closed
+    head, _, body = transport.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert json.loads(body)["error"].startswith("request URL and headers over")
+
+
 def test_heads_under_the_limit_and_bodies_of_any_size_are_not_counted_as_head() -> None:
     from lightship.serve.protocol import MAX_HEAD_BYTES
 

@@ -770,6 +770,16 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            # a head that came in one read is counted here (`data_received` counts one that
+            # spans reads): a 70 KB URL was a 500, "a bug", from uvicorn's URL parser
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            if size > MAX_HEAD_BYTES:
+                self._refuse(
+                    "head_too_large",
+                    b"431 Request Header Fields Too Large",
+                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
+                )
+                raise _Refused
             self._before = self.cycle
             if self._head_timer is not None:
                 self._head_timer.cancel()
