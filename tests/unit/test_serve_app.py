@@ -16,6 +16,7 @@ import logging
 import platform
 import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -3460,6 +3461,47 @@ def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(
     infer = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status='
     assert metric(text, f'{infer}"200"}}') == 3  # the gate's and the first two
     assert f'{infer}"499"}}' not in text
+
+
+def test_a_client_that_reads_none_of_its_answers_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its answers waited for it without end: the connection, and every answer queued on it,
+    held for good (50 such: 720 MB)."""
+    from lightship.serve import protocol
+
+    monkeypatch.setattr(protocol, "WRITE_TIMEOUT_S", 0.5)
+    app, _ = make_app(tmp_path)
+    get = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nhost: t\r\n\r\n"  # 1.5 MB
+
+    async def main() -> tuple[int, int, float, str]:
+        async with raw_http(app) as (_, counting, client):
+            before = len(counting.connections)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            url = str(client.base_url).removeprefix("http://").rstrip("/")
+            host, port = url.split(":")
+            sock.connect((host, int(port)))
+            _, writer = await asyncio.open_connection(sock=sock)
+            writer.write(get * 20)  # and never read
+            start = time.monotonic()
+            while len(counting.connections) <= before and time.monotonic() - start < 5:
+                await asyncio.sleep(0.01)
+            opened = len(counting.connections)
+            while len(counting.connections) > before and time.monotonic() - start < 10:
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - start
+            writer.close()
+            return (
+                opened - before,
+                len(counting.connections) - before,
+                took,
+                (await client.get("/metrics")).text,
+            )
+
+    opened, left, took, text = run(main())
+    assert (opened, left) == (1, 0) and took < 5, took
+    assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 1
 
 
 @pytest.mark.parametrize("expect", ["", "expect: 100-continue\r\n"])

@@ -47,6 +47,8 @@ REJECTION_REASONS = (
     "head_too_large",
     "head_timeout",
     "pipeline_full",
+    # a client that read none of its answers for a while (`protocol.WRITE_TIMEOUT_S`): dropped
+    "write_timeout",
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scope key: the status the HTTP protocol answered a request with while its app still ran (a

@@ -74,6 +74,11 @@ READ_AHEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 128
 # Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
 STOP_BODY = "lightship.stop_body"
+# How long an answer may wait for its client to read what was written before it (the socket's
+# buffers full): past it the connection is dropped (`write_timeout`). Waited for without end,
+# a client that never read held its connection and the answers queued on it (50 connections
+# pipelining 128 requests each: 720 MB), as nginx's send_timeout (60 s) prevents.
+WRITE_TIMEOUT_S = 30.0
 
 
 def body_stop_after_s(drain_s: float) -> float:
@@ -512,6 +517,15 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if self.socket_paused:
                 self.socket_paused = False
                 self._transport.resume_reading()
+
+        async def drain(self) -> None:
+            """Until the client has read enough of what was written, WRITE_TIMEOUT_S at most:
+            then the connection is dropped (what writes after finds it closing)."""
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await super().drain()
+            except TimeoutError:
+                self._protocol.stalled()
 
     class LightshipProtocol(HttpToolsProtocol):
         flow: _HeldFlow
@@ -997,6 +1011,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if not self._out.closed_here:
                 self._mark_left()
             HttpToolsProtocol.eof_received(self)
+
+        def stalled(self) -> None:
+            """Its client read none of its answers for WRITE_TIMEOUT_S: dropped."""
+            if not self._out.is_closing():
+                if routes is not None:
+                    routes.metrics.rejected("write_timeout")
+                self._out.abort()
 
         def _mark_left(self) -> None:
             """uvicorn's request cycles under way (the one running, the last one read), their
