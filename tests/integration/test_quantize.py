@@ -210,6 +210,10 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
         assert v["accuracy"] == recorded[v["name"]]["accuracy"], v["name"]
     eager = r["variants"][0]
     assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
+    n = r["test_images"]
+    assert eager["answers_changed"] == 0
+    for v in r["variants"]:  # a net change in right answers is at most the answers changed
+        assert abs(round(v["delta_vs_fp32"] * n)) <= v["answers_changed"] <= n, v["name"]
     fp32 = r["variants"][2]
     assert fp32["speedup_vs_onnx_fp32"] == pytest.approx(1.0)
     for v in r["variants"]:  # each ratio: median of the within-round ratios of the throughputs

@@ -241,8 +241,10 @@ def test_report_md_says_why_qat_is_far_from_fp32_in_sqnr() -> None:
     # QAT fine-tunes the weights: its SQNR against fp32's logits read as a broken model
     r = report_dict()
     r["variants"][1]["sqnr_db"] = -3.2
+    r["variants"][1]["answers_changed"] = 3  # and a report made before it counted them: –
     md = render.markdown(r)
-    assert "| onnx-int8-qat | 166 kB | 0.9900 | +0.00 pt | -3.2 | 80% |" in md
+    assert "| onnx-int8-qat | 166 kB | 0.9900 | +0.00 pt | 3/269 | -3.2 | 80% |" in md
+    assert "| +0.00 pt | – | 49.1 |" in md
     assert (
         "\n\nSQNR dB: how close a variant's logits are to eager fp32's on the test images "
         "(signal over difference; higher is closer). onnx-int8-qat is fine-tuned "

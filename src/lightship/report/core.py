@@ -206,6 +206,9 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "bytes": c.path.stat().st_size,
                 "accuracy": acc,
                 "delta_vs_fp32": acc - ref_acc,
+                # answers unlike eager fp32's: a net +1 image can hide 3 changed (entropy
+                # calibration's int8 digits: 11 dB SQNR, +0.37 pt, recommended)
+                "answers_changed": int(np.sum(out.argmax(1) != ref.argmax(1))),
                 "sqnr_db": sqnr_db(ref, out) if c.name != "eager" else None,
                 "max_abs_diff": float(np.abs(out - ref).max()),
                 "int8_share": (c.entry.get("int8_ops") or {}).get("share", 0.0),

@@ -130,6 +130,14 @@ def _split_line(variants: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _changed(variant: dict[str, Any], images: int | None) -> str:
+    """Test answers unlike eager fp32's, of the test images; – in a report made before."""
+    changed = variant.get("answers_changed")
+    if changed is None:
+        return "–"
+    return f"{changed}/{images}" if images else str(changed)
+
+
 def _sqnr_note(variants: list[dict[str, Any]]) -> list[str]:
     """Below the table where it lists QAT, whose SQNR reads as a broken model: fine-tuned, its
     logits differ from fp32's by design."""
@@ -182,10 +190,11 @@ def markdown(r: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| variant | size | accuracy | Δ vs fp32 | SQNR dB | int8 ops | p50 ms | p90 ms "
-        f"| p99 ms | img/s @{r.get('batch', 'batch')} | × eager | × ONNX fp32 | gate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | size | accuracy | Δ vs fp32 | answers changed | SQNR dB | int8 ops | p50 ms "
+        f"| p90 ms | p99 ms | img/s @{r.get('batch', 'batch')} | × eager | × ONNX fp32 | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    images = r.get("test_images")
     for v in r["variants"]:
         name = f"**{v['name']}** ★" if v["recommended"] else v["name"]
         sqnr = _sqnr(v["sqnr_db"])
@@ -193,7 +202,8 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {_fmt_bytes(v['bytes'])}{_SIZE_OF.get(v['name'], '')} | "
             f"{v['accuracy']:.4f} | "
-            f"{100 * v['delta_vs_fp32']:+.2f} pt | {sqnr} | {v['int8_share']:.0%} | "
+            f"{100 * v['delta_vs_fp32']:+.2f} pt | {_changed(v, images)} | {sqnr} | "
+            f"{v['int8_share']:.0%} | "
             f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
             f"{v['throughput_per_s']:.0f} | {speedup(v, 'eager')} | {speedup(v, 'onnx_fp32')} | "
             f"{'pass' if v['gate_passed'] else 'FAIL'}"
