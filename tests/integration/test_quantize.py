@@ -138,16 +138,38 @@ def test_static_int8_flattens_channels_last_so_onnxruntime_transposes_once(
     assert ops.count("Transpose") == 1 and ops.index("Transpose") < ops.index("QLinearConv")
 
 
-def test_calibration_method_changes_the_scales(exported_run: Path, tmp_path: Path) -> None:
-    digests = {}
+def test_calibration_method_changes_the_scales(
+    exported_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lightship.quantize import core
+
+    # every model counts as far from fp32: a clipping calibration's is warned of
+    monkeypatch.setattr(core, "LOW_SQNR_DB", 1000.0)
+    digests, warned = {}, {}
     for method in ("minmax", "entropy", "percentile"):
         run = tmp_path / method
         shutil.copytree(exported_run, run)
         s = QuantizeSettings(calibration_samples=64, calibration_method=method)
-        (v,) = quantize(RunDir(run), "static", settings=s)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=core.__name__):
+            (v,) = quantize(RunDir(run), "static", settings=s)
         digests[method] = v.entry["calibration"]["scales_sha256"]
         assert v.entry["calibration"]["samples"] == 64
+        chosen = v.entry["scheme_check"]["chosen"]
+        warned[method] = [m for m in caplog.messages if "SQNR from fp32's" in m]
+        if method != "minmax":
+            assert warned[method] == [
+                f"static int8 with {method} calibration: its logits are "
+                f"{chosen['sqnr_db']:.1f} dB SQNR from fp32's on the test images, "
+                f"{round((1 - chosen['argmax_agreement']) * 269)} of 269 answers changed; "
+                f"{method} calibration clips activations, and the accuracy gate may let such a "
+                "model through: compare --calibration-method minmax (the default, no clipping)"
+            ]
     assert len(set(digests.values())) == 3, digests
+    assert warned["minmax"] == []  # what the warning points to, not warned of
 
 
 def test_failed_gate_keeps_the_worst_nodes_in_fp32(
