@@ -495,8 +495,11 @@ def main() -> None:
     except (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
         # an output (or input) path the user can fix; other OSErrors keep their traceback
         name = exc.filename2 if exc.filename2 is not None else exc.filename
+        # whose permissions: a container's user is seldom the files' owner
+        who = f" to uid {os.getuid()}" if isinstance(exc, PermissionError) else ""
         print(
-            f"error: cannot write/read {name}: {exc.strerror}: check the path and its permissions",
+            f"error: cannot write/read {name}: {exc.strerror}{who}: check the path and its "
+            "permissions",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -211,8 +211,10 @@ def test_unwritable_paths_are_one_line(
         cli.main()
     assert stop.value.code == 1
     name = exc.filename2 or exc.filename
+    who = f" to uid {os.getuid()}" if isinstance(exc, PermissionError) else ""
     assert capsys.readouterr().err == (
-        f"error: cannot write/read {name}: {exc.strerror}: check the path and its permissions\n"
+        f"error: cannot write/read {name}: {exc.strerror}{who}: check the path and its "
+        "permissions\n"
     )
 
 
