@@ -2017,6 +2017,7 @@ def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path, via: str) -> N
     assert errors["cut short"] == (400, "body is gzip data cut short: send the whole stream")
     assert errors["deflate, bytes after"] == (400, "body has 4 bytes after its deflate data")
     assert errors["bomb"] == (413, "decompressed body over the limit of 4096 bytes")
+    assert "connection" not in answers["bomb"].headers  # read whole: the connection stays
     assert metric(text, 'lightship_rejections_total{reason="body_too_large"}') == 1
 
 
@@ -3529,6 +3530,32 @@ def test_a_connection_answered_before_its_body_ended_closes_when_idle(
     status, rest, idle = run(main())
     assert status == 404
     assert rest == b"" and idle < 2.5  # closed at the keep-alive's second, not never
+
+
+def test_a_request_read_with_the_late_body_before_it_runs_past_the_keep_alive(
+    tmp_path: Path,
+) -> None:
+    """The timer the late body armed again was still armed for the request read in the same
+    segment: it closed the connection under it at the keep-alive's second."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+
+    async def main() -> tuple[int, int]:
+        async with raw_http(app, timeout_keep_alive=1) as (connect, _, client):
+            reader, writer = await connect()
+            writer.write(b"POST /nope HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\n")
+            first, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            held = await hold_inference(client, gate)  # the model busy past the keep-alive
+            writer.write(b"hello" + post(INFER, json.dumps(v2_json(X)).encode()))
+            await asyncio.sleep(1.6)
+            gate.open.set()
+            await held
+            second, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            writer.close()
+            return first, second
+
+    assert run(main()) == (404, 200)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

@@ -112,6 +112,11 @@ class BodyTooLarge(Exception):
         return cls(f"request body over the limit of {limit} bytes (--max-body-bytes): {fix}")
 
 
+class InflatedTooLarge(BodyTooLarge):
+    """A compressed body, read whole, that inflates past the limit: nothing more to read, so
+    its 413 keeps the connection."""
+
+
 class BodyTimeout(Exception):
     """The deadline passed while the body was still arriving: 408 when it was the server's
     own timeout (the client stalled), 504 when it was the client's shorter one."""
@@ -670,7 +675,7 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
         out.append(piece)
         size += len(piece)
         if size > limit or d.unconsumed_tail:
-            raise BodyTooLarge(f"decompressed body over the limit of {limit} bytes")
+            raise InflatedTooLarge(f"decompressed body over the limit of {limit} bytes")
         if not d.eof:
             raise ProtocolError(f"body is {encoding} data cut short: send the whole stream")
         rest = d.unused_data
@@ -1326,7 +1331,8 @@ def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
     def too_large(exc: Any) -> Response:
         # closing: the rest of a body still arriving would be read only to be thrown away
         service.metrics.rejected("body_too_large")
-        return _error(413, str(exc), {"connection": "close"})
+        closing = None if isinstance(exc, InflatedTooLarge) else {"connection": "close"}
+        return _error(413, str(exc), closing)
 
     def client_disconnect(exc: Any) -> Response:
         # Nobody reads this answer; it exists for the metrics (status 499, like nginx).

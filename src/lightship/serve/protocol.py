@@ -632,6 +632,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             # not counted there (`data_received`): timed all the same, as any other
             if self._in_head and not self._head_bytes:
                 self._head_bytes = 1
+            # a request begun: the connection is not idle, whatever armed its keep-alive timer
+            # in the same read (a body that came after its answer, `on_message_complete`)
+            self._unset_keepalive_if_required()
             HttpToolsProtocol.on_message_begin(self)
 
         def _close(self) -> None:
