@@ -1119,7 +1119,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         return Response(b'{"live":true}', media_type="application/json")
 
     # the model's answer names it, as the protocol's model ready response does
-    model_ready = json.dumps({"name": service.name, "ready": True}).encode()
+    model_ready = json.dumps({"name": service.name, "ready": True}, separators=(",", ":")).encode()
 
     def ready_response(ready: bytes = b'{"ready":true}') -> Response:
         broken = service.broken
