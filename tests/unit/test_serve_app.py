@@ -2856,6 +2856,32 @@ def test_a_chunked_body_over_the_limit_is_answered_413_closing(tmp_path: Path, p
     assert (status, headers.get("connection")) == (413, "close")
 
 
+@pytest.mark.parametrize("origin", [False, True], ids=["protocol", "asgi"])
+def test_a_body_over_the_limit_read_whole_keeps_the_connection(
+    tmp_path: Path, origin: bool
+) -> None:
+    """Its last chunk came with it: closing lost the request pipelined behind it, read and
+    never answered."""
+    app, _ = make_app(tmp_path, max_body_bytes=4096, cors_origins="*")
+    extra = "origin: http://a.example\r\n" if origin else ""  # through ASGI (CORS)
+    head = f"POST {INFER} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n{extra}\r\n"
+    body = b"1388\r\n" + b" " * 5000 + b"\r\n0\r\n\r\n"
+    probe = b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\n\r\n"
+
+    async def main() -> list[tuple[int, str | None]]:
+        async with raw_http(app) as (connect, _, _client):
+            reader, writer = await connect()
+            writer.write(head.encode() + body + probe)
+            answers = []
+            for _ in range(2):
+                status, headers, _ = await asyncio.wait_for(read_answer(reader), 5)
+                answers.append((status, headers.get("connection")))
+            writer.close()
+            return answers
+
+    assert run(main()) == [(413, None), (200, None)]
+
+
 def test_a_chunked_body_that_breaks_off_after_its_answer_gets_no_second_answer(
     tmp_path: Path,
 ) -> None:
@@ -3502,6 +3528,41 @@ def test_a_client_that_reads_none_of_its_answers_is_dropped(
 
     opened, left, took, text = run(main())
     assert (opened, left) == (1, 0) and took < 5, took
+    assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 1
+
+
+def test_a_client_not_reading_at_sigterm_is_dropped_before_the_drain_ends(
+    tmp_path: Path,
+) -> None:
+    """Its answer waited out the drain, and uvicorn then cancelled it, with a traceback in the
+    log: it is dropped where a body still arriving is answered 503 (`body_stop_after_s`)."""
+    app, _ = make_app(tmp_path)
+    get = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nhost: t\r\n\r\n"  # 1.5 MB
+
+    async def main() -> tuple[float, str]:
+        async with raw_http(app, timeout_graceful_shutdown=7) as (_, counting, client):
+            before = set(counting.connections)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
+            sock.connect((host, int(port)))
+            _, writer = await asyncio.open_connection(sock=sock)
+            writer.write(get * 20)  # and never read
+            while not (mine := set(counting.connections) - before):
+                await asyncio.sleep(0.01)
+            (connection,) = mine
+            while not connection.flow.write_paused:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            connection.shutdown()  # SIGTERM, for this connection: 7 s of drain
+            while connection in counting.connections and time.monotonic() - start < 10:
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - start
+            writer.close()
+            return took, (await client.get("/metrics")).text
+
+    took, text = run(main())
+    assert 0.5 < took < 2.5, took  # at body_stop_after_s(7) = 1 s, not WRITE_TIMEOUT_S
     assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 1
 
 

@@ -100,8 +100,16 @@ GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class BodyTooLarge(Exception):
+    """A body over the limit. `whole`: read to its end (a compressed one inflating past the
+    limit, a last chunk in the read that passed it), so its 413 keeps the connection; one still
+    arriving closes it, the rest read only to be thrown away."""
+
+    def __init__(self, message: str, whole: bool = False) -> None:
+        super().__init__(message)
+        self.whole = whole
+
     @classmethod
-    def of(cls, limit: int, path: str = "") -> BodyTooLarge:
+    def of(cls, limit: int, path: str = "", whole: bool = False) -> BodyTooLarge:
         """A body past `limit` bytes, sent to `path` (counted in the rejections where
         answered): the error says what to send instead."""
         fix = (
@@ -109,12 +117,7 @@ class BodyTooLarge(Exception):
             if path == IMAGE_ROUTE
             else "send fewer rows per request"
         )
-        return cls(f"request body over the limit of {limit} bytes (--max-body-bytes): {fix}")
-
-
-class InflatedTooLarge(BodyTooLarge):
-    """A compressed body, read whole, that inflates past the limit: nothing more to read, so
-    its 413 keeps the connection."""
+        return cls(f"request body over the limit of {limit} bytes (--max-body-bytes): {fix}", whole)
 
 
 class BodyTimeout(Exception):
@@ -642,7 +645,7 @@ class BodyLimit:
             body_done = not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise BodyTooLarge.of(self.limit, scope["path"])
+                raise BodyTooLarge.of(self.limit, scope["path"], whole=body_done)
             if body_done:
                 body_arrived(head)
             return message
@@ -675,7 +678,7 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
         out.append(piece)
         size += len(piece)
         if size > limit or d.unconsumed_tail:
-            raise InflatedTooLarge(f"decompressed body over the limit of {limit} bytes")
+            raise BodyTooLarge(f"decompressed body over the limit of {limit} bytes", whole=True)
         if not d.eof:
             raise ProtocolError(f"body is {encoding} data cut short: send the whole stream")
         rest = d.unused_data
@@ -815,8 +818,8 @@ class TensorRoutes:
     def too_large_by_length(self) -> Response:
         return too_large_by_length(self.body_limit, self.metrics)
 
-    def too_large(self) -> BodyTooLarge:
-        return BodyTooLarge.of(self.body_limit)
+    def too_large(self, whole: bool = False) -> BodyTooLarge:
+        return BodyTooLarge.of(self.body_limit, whole=whole)
 
     def body_timeout(self, head: Head, seen: int) -> BodyTimeout:
         return body_timeout(head, seen, self.metrics)
@@ -1331,7 +1334,7 @@ def _error_answers(service: Service) -> dict[type[Exception], ErrorAnswer]:
     def too_large(exc: Any) -> Response:
         # closing: the rest of a body still arriving would be read only to be thrown away
         service.metrics.rejected("body_too_large")
-        closing = None if isinstance(exc, InflatedTooLarge) else {"connection": "close"}
+        closing = None if exc.whole else {"connection": "close"}
         return _error(413, str(exc), closing)
 
     def client_disconnect(exc: Any) -> Response:

@@ -388,7 +388,7 @@ class _TensorCycle:
             self._routes.metrics.rejected("disconnected")
             raise ClientGone()
         if self._over:
-            raise self._routes.too_large()
+            raise self._routes.too_large(whole=not self.more_body)
         # handed over, not kept: the answered cycle stays the connection's until its next
         # request, and a pooled client's idle connection held its last body (up to the body
         # limit) for the keep-alive's seconds
@@ -521,11 +521,15 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         async def drain(self) -> None:
             """Until the client has read enough of what was written, WRITE_TIMEOUT_S at most:
             then the connection is dropped (what writes after finds it closing)."""
+            protocol = self._protocol
+            limit = WRITE_TIMEOUT_S
+            if (at := protocol._stop_bodies_at) is not None:  # the server is stopping
+                limit = min(limit, max(at - protocol.loop.time(), 0.0))
             try:
-                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                async with asyncio.timeout(limit):
                     await super().drain()
             except TimeoutError:
-                self._protocol.stalled()
+                protocol.stalled()
 
     class LightshipProtocol(HttpToolsProtocol):
         flow: _HeldFlow
@@ -675,6 +679,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             drain_s = self.config.timeout_graceful_shutdown  # None: uvicorn waits for good
             if drain_s is not None:  # bodies arriving are answered before the drain ends
                 self._stop_bodies_at = self.loop.time() + body_stop_after_s(drain_s)
+                if self.flow.write_paused:  # an answer its client does not read: dropped
+                    # then, not cancelled by the drain's end with a traceback in the log
+                    self.loop.call_at(self._stop_bodies_at, self._stalled_if_paused)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 cycle.keep_alive = False
@@ -1014,6 +1021,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if not self._out.closed_here:
                 self._mark_left()
             HttpToolsProtocol.eof_received(self)
+
+        def _stalled_if_paused(self) -> None:
+            if self.flow.write_paused:
+                self.stalled()
 
         def stalled(self) -> None:
             """Its client read none of its answers for WRITE_TIMEOUT_S: dropped."""
