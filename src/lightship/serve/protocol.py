@@ -523,7 +523,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             then the connection is dropped (what writes after finds it closing)."""
             protocol = self._protocol
             limit = WRITE_TIMEOUT_S
-            if (at := protocol._stop_bodies_at) is not None:  # the server is stopping
+            if (at := protocol._writes_end_at) is not None:  # the server is stopping
                 limit = min(limit, max(at - protocol.loop.time(), 0.0))
             try:
                 async with asyncio.timeout(limit):
@@ -560,6 +560,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
+        # When (loop time) an answer still waiting for its client to read it is dropped, the
+        # server stopping: a second before uvicorn's drain would cancel it, with a traceback
+        _writes_end_at: float | None = None
         # Read while the parser is held back (`_HeldFlow`), parsed when it is let go
         # (`_feed_held`, scheduled as `_feeding`)
         _held: bytearray | None = None
@@ -679,9 +682,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             drain_s = self.config.timeout_graceful_shutdown  # None: uvicorn waits for good
             if drain_s is not None:  # bodies arriving are answered before the drain ends
                 self._stop_bodies_at = self.loop.time() + body_stop_after_s(drain_s)
-                if self.flow.write_paused:  # an answer its client does not read: dropped
-                    # then, not cancelled by the drain's end with a traceback in the log
-                    self.loop.call_at(self._stop_bodies_at, self._stalled_if_paused)
+                self._writes_end_at = self.loop.time() + max(drain_s - 1.0, 0.0)
+                self.loop.call_at(self._writes_end_at, self._stalled_if_unsent)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 cycle.keep_alive = False
@@ -1022,7 +1024,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self._mark_left()
             HttpToolsProtocol.eof_received(self)
 
-        def _stalled_if_paused(self) -> None:
+        def _stalled_if_unsent(self) -> None:
+            """The drain about to end, an answer still waits for its client to read it (one
+            reading slowly had until now): dropped."""
             if self.flow.write_paused:
                 self.stalled()
 
