@@ -799,6 +799,7 @@ class TensorRoutes:
         body_limit: int,
         timeout_s: float,
         compress_min_bytes: int,
+        route_of: Callable[[Scope], str | None],
         cors: bool = False,
     ) -> None:
         self.handlers = handlers
@@ -810,7 +811,8 @@ class TensorRoutes:
         self.body_limit = body_limit
         self.timeout_s = timeout_s
         self.compress_min_bytes = compress_min_bytes  # 0: never
-        self.route_of: Callable[[Scope], str | None] = lambda scope: None
+        # the route template of a request answered before routing (`count_gone`)
+        self.route_of = route_of
 
     def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         return read_head(headers, self.body_limit, self.timeout_s)
@@ -868,7 +870,7 @@ class TensorRoutes:
     def count_gone(self, scope: Scope) -> None:
         """An ASGI request read and never started, its client gone (pipelined behind
         another): 499 and `disconnected`, without running the app, under its route's template
-        (`route_of`, set by `create_app`)."""
+        (`route_of`)."""
         self.metrics.rejected("disconnected")
         self.metrics.request(self.route_of(scope) or "unmatched", CLIENT_CLOSED, 0.0)
 
@@ -953,24 +955,6 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     app.state.service = service
     answers = _error_answers(service)
     hot_handlers: dict[str, HotHandler] = {}  # filled below
-    tensor_routes = TensorRoutes(
-        hot_handlers,
-        answers,
-        service.metrics,
-        body_limit=settings.max_body_bytes,
-        timeout_s=settings.timeout_ms / 1000,
-        compress_min_bytes=settings.compress_min_bytes,
-        cors=bool(settings.origins),
-    )
-    app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
-    app.add_middleware(HotRoutes, routes=tensor_routes)
-    app.add_middleware(
-        BodyLimit,
-        limit=settings.max_body_bytes,
-        metrics=service.metrics,
-        timeout_s=settings.timeout_ms / 1000,
-    )
-    raw_routes: dict[Any, str] = {}  # filled below, read per request
 
     def route_of(scope: Scope) -> str | None:
         """The route template of a request answered before routing (a 413 from its
@@ -982,7 +966,25 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 return getattr(route, "path", None)
         return None
 
-    tensor_routes.route_of = route_of
+    tensor_routes = TensorRoutes(
+        hot_handlers,
+        answers,
+        service.metrics,
+        body_limit=settings.max_body_bytes,
+        timeout_s=settings.timeout_ms / 1000,
+        compress_min_bytes=settings.compress_min_bytes,
+        route_of=route_of,
+        cors=bool(settings.origins),
+    )
+    app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
+    app.add_middleware(HotRoutes, routes=tensor_routes)
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        metrics=service.metrics,
+        timeout_s=settings.timeout_ms / 1000,
+    )
+    raw_routes: dict[Any, str] = {}  # filled below, read per request
 
     if settings.origins:
         # Inside the metrics (a preflight is counted as any request), outside the body limit

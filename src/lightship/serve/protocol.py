@@ -788,11 +788,14 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 return
             over = self._in_head and self._head_bytes > MAX_HEAD_BYTES
             if over and not self.transport.is_closing():
-                self._refuse(
-                    "head_too_large",
-                    b"431 Request Header Fields Too Large",
-                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
-                )
+                self._refuse_head_too_large()
+
+        def _refuse_head_too_large(self) -> None:
+            self._refuse(
+                "head_too_large",
+                b"431 Request Header Fields Too Large",
+                f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
+            )
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
@@ -800,11 +803,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             # spans reads): a 70 KB URL was a 500, "a bug", from uvicorn's URL parser
             size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
             if size > MAX_HEAD_BYTES:
-                self._refuse(
-                    "head_too_large",
-                    b"431 Request Header Fields Too Large",
-                    f"request URL and headers over {MAX_HEAD_BYTES} bytes: send them shorter",
-                )
+                self._refuse_head_too_large()
                 raise _Refused
             self._before = self.cycle
             if self._head_timer is not None:
@@ -1031,7 +1030,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.stalled()
 
         def stalled(self) -> None:
-            """Its client read none of its answers for WRITE_TIMEOUT_S: dropped."""
+            """Its client read none of its answers for WRITE_TIMEOUT_S (or, the server
+            stopping, has one unread as the drain nears its end): dropped, `write_timeout`."""
             if not self._out.is_closing():
                 if routes is not None:
                     routes.metrics.rejected("write_timeout")
