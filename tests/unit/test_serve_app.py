@@ -1925,6 +1925,50 @@ def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_d
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_upload_whose_client_left_stops_decoding_at_the_next_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """Eight large photos take seconds to decode: a client that leaves during the first is
+    seen leaving, and the rest are not decoded for no one (they all were)."""
+    import lightship.serve.app as app_module
+
+    app, _ = make_app(tmp_path)
+    decoded: list[str] = []
+    started = threading.Event()
+    real_decode = app_module.v1.decode_image
+
+    def slow_decode(data: bytes, chw: tuple[int, int, int], name: str = "image") -> np.ndarray:
+        decoded.append(name)
+        started.set()
+        time.sleep(0.2)  # a large photo takes longer
+        return real_decode(data, chw, name)
+
+    monkeypatch.setattr(app_module.v1, "decode_image", slow_decode)
+    image = png(np.full((2, 2), 77, np.uint8))
+    upload = httpx.Request(
+        "POST", "http://t/", files=[("files", (f"{i}.png", image)) for i in range(8)]
+    )
+    kind = f"content-type: {upload.headers['content-type']}"
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            _, writer = await connect()
+            writer.write(post("/v1/predict/image", upload.read(), kind))
+            await asyncio.to_thread(started.wait, 10)
+            writer.close()  # the client leaves while its first photo decodes
+            await until_rejected(client, "disconnected")
+            await asyncio.sleep(0.5)  # two more photos' time
+            return (await client.get("/metrics")).text
+
+    text = run(main(), loop)
+    assert len(decoded) <= 2, decoded  # the one decoding as it left, perhaps the next
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    route = 'route="/v1/predict/image",status='
+    assert metric(text, f'lightship_requests_total{{{route}"499"}}') == 1
+    assert f'{route}"200"' not in text
+
+
 def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
