@@ -711,3 +711,28 @@ def test_a_report_with_nothing_to_serve_says_export_first(tmp_path: Path) -> Non
     assert str(err.value).endswith(
         f"has none to serve yet: run `make export RUN={run}`, then `make report RUN={run}`"
     )
+
+
+def test_an_invalid_variable_a_flag_overrides_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flag wins, so the variable was never read: without a word, the server stopped on it
+    the day the flag was dropped."""
+    from lightship.serve.command import _settings
+    from lightship.serve.settings import shadowed_invalid
+
+    for name in list(os.environ):
+        if name.upper().startswith("LIGHTSHIP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("LIGHTSHIP_TOP_K", "notanint")
+    monkeypatch.setenv("LIGHTSHIP_MAX_BATCH_ROWS", "32")  # valid: nothing to say
+    monkeypatch.setenv("LIGHTSHIP_MAX_QUEUE_ROWS", "8")  # alone valid; its conflict is beside
+    assert _settings(top_k=1, max_batch_rows=4, max_queue_rows=64).top_k == 1
+    (said,) = shadowed_invalid({"top_k": 1, "max_batch_rows": 4, "max_queue_rows": 64})
+    assert said.startswith("LIGHTSHIP_TOP_K='notanint' is not a valid value (Input should be a")
+    assert said.endswith(
+        "--top-k is used instead, and the server would stop on it without that flag"
+    )
+    assert shadowed_invalid({"max_batch_rows": 4, "max_queue_rows": 64}) == []
+    monkeypatch.setenv("LIGHTSHIP_TOP_K", "")  # empty counts as unset, warned of elsewhere
+    assert shadowed_invalid({"top_k": 1}) == []

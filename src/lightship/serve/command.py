@@ -222,6 +222,10 @@ def serve(
     for handler in logging.getLogger().handlers:  # a server's lines say when (uvicorn's too)
         handler.setFormatter(LogFormatter())
     _warn_unknown_variables([k for k, v in given.items() if v is not None])
+    from lightship.serve.settings import shadowed_invalid
+
+    for warning in shadowed_invalid({k: v for k, v in given.items() if v is not None}):
+        logging.getLogger("lightship.serve").warning(warning)
     # Every counter and histogram also exported a `_created` timestamp series, doubling the
     # families a scrape stores (prometheus_client's default; Prometheus reads none of them).
     # Process-wide, so here, where the process is the server's.

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -335,3 +335,32 @@ def unknown_variables(environ: Mapping[str, str], flags: Collection[str] = ()) -
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
             warnings.append(f"{name} is not a serve setting and is ignored{hint}")
     return warnings
+
+
+def shadowed_invalid(flags: Mapping[str, Any]) -> list[str]:
+    """A warning for each setting given as a flag (`flags`: field to value) whose `LIGHTSHIP_*`
+    variable holds a value the setting cannot take. The flag wins, so nothing read it, and the
+    server stopped on it only once the flag was dropped (a container's command edited, its env
+    kept): `LIGHTSHIP_TOP_K=notanint` beside `--top-k 1` went unsaid."""
+    from pydantic import ValidationError
+
+    shadowed = {
+        field
+        for field in flags
+        if os.environ.get(ENV_PREFIX + field.upper(), "").strip()
+        and ENV_PREFIX + field.upper() not in unread_variables(os.environ)
+    }
+    if not shadowed:
+        return []
+    try:
+        with unread_hidden():
+            ServeSettings(**{k: v for k, v in flags.items() if k not in shadowed})
+    except ValidationError as exc:
+        return [
+            f"{ENV_PREFIX}{field.upper()}={os.environ[ENV_PREFIX + field.upper()]!r} is not a "
+            f"valid value ({str(error['msg']).removeprefix('Value error, ')}); {flag(field)} is "
+            "used instead, and the server would stop on it without that flag"
+            for error in exc.errors()
+            if error["loc"] and (field := str(error["loc"][0])) in shadowed
+        ]
+    return []
