@@ -35,7 +35,8 @@ GLIBC_MINOR = {SERVE_LOCK: 36, GPU_LOCK: 39}
 HEADER = """\
 # {what}
 # Written by deploy/lock.py from `pip install --dry-run --ignore-installed '.[serve]'`
-# (Python {python}); do not edit by hand. Every pin has wheels for linux/amd64 and linux/arm64.
+# (resolved on Python {python}); do not edit by hand. Every pin has wheels for Python {target}
+# on linux/amd64 and linux/arm64.
 """
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
 
@@ -79,9 +80,10 @@ def read_pins(path: Path) -> dict[str, str]:
     return pins
 
 
-def write_pins(path: Path, pins: dict[str, str], what: str, python: str) -> None:
+def write_pins(path: Path, pins: dict[str, str], what: str, python: str, target: str) -> None:
+    """`target`: the Python of the image (the GPU image's is not the one resolving)."""
     body = "".join(f"{name}=={pins[name]}\n" for name in sorted(pins))
-    path.write_text(HEADER.format(what=what, python=python) + body)
+    path.write_text(HEADER.format(what=what, python=python, target=target) + body)
 
 
 def wheel_platforms(arch: str, glibc_minor: int) -> list[str]:
@@ -114,10 +116,11 @@ def main() -> int:
         if forbidden in pins:
             raise SystemExit(f"`.[serve]` pulls {forbidden}: the serving image must not")
     python = ".".join(map(str, sys.version_info[:2]))
-    write_pins(SERVE_LOCK, pins, "Pins of the CPU serving image (Dockerfile).", python)
+    write_pins(SERVE_LOCK, pins, "Pins of the CPU serving image (Dockerfile).", python, python)
     gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
     gpu["onnxruntime-gpu"] = ort_gpu
-    write_pins(GPU_LOCK, gpu, "Pins of the GPU serving image (Dockerfile.gpu).", python)
+    what = "Pins of the GPU serving image (Dockerfile.gpu)."
+    write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
     for path, py in ((SERVE_LOCK, python), (GPU_LOCK, GPU_PYTHON)):
         for arch in ARCHES:
             check_wheels(path, arch, py)
