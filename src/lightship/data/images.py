@@ -276,8 +276,18 @@ def decode(
                 # of): up to Pillow's limit, as the image folder reads it for training
                 limit = max(limit, Image.MAX_IMAGE_PIXELS or 0)
             if limit is not None and im.width * im.height > limit:
+                pillows = Image.MAX_IMAGE_PIXELS or 0
+                # a progressive JPEG (or one scan per component) past the server's limit: a
+                # baseline one of the same size would be taken
+                baseline = (
+                    f"; a baseline JPEG may have up to {pillows:,}, save it so"
+                    if im.format in ("JPEG", "MPO") and limit < im.width * im.height <= pillows
+                    else ""
+                )
                 raise ImageError(
-                    name, f"{im.width}x{im.height} pixels is too large (limit {limit:,})", "size"
+                    name,
+                    f"{im.width}x{im.height} pixels is too large (limit {limit:,}{baseline})",
+                    "size",
                 )
             colour = _is_colour(im)
             if im.format in ("JPEG", "MPO"):
