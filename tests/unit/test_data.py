@@ -92,6 +92,49 @@ def test_image_folder(tmp_path: Path) -> None:
     assert all_x[all_y == 0].mean() < 60 and all_x[all_y == 1].mean() > 190
 
 
+@pytest.mark.parametrize("source", ["folder", "digits"])
+def test_the_test_split_alone_is_the_whole_loads_and_decodes_only_its_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """Export and report read the test split alone: an image folder's other images were
+    decoded for nothing, at each stage. Its fingerprint still covers every file."""
+    make_folder(tmp_path / "imgs", per_class=10)
+    path = str(tmp_path / "imgs") if source == "folder" else None
+    spec = DataSpec(source=source, path=path, image_size=8, channels=3, test_fraction=0.2)
+    whole = load_splits(spec)
+    decoded: list[str] = []
+    real_decode = sources.images.decode
+
+    def counted(data: bytes, chw: tuple[int, int, int], name: str, *a: object) -> object:
+        decoded.append(name)
+        return real_decode(data, chw, name, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sources.images, "decode", counted)
+    alone = load_splits(spec, only=("test",))
+    np.testing.assert_array_equal(alone.test_x, whole.test_x)
+    np.testing.assert_array_equal(alone.test_y, whole.test_y)
+    assert alone.fingerprint == whole.fingerprint and alone.labels == whole.labels
+    for x, y in ((alone.train_x, alone.train_y), (alone.val_x, alone.val_y)):
+        assert x.shape == (0, 3, 8, 8) and y.shape == (0,)
+    if source == "folder":
+        assert len(decoded) == len(whole.test_y) == 4  # of 20
+        # a training image changed since: still refused, though not decoded
+        recorded = DataSpec(**{**spec.to_dict(), "fingerprint": whole.fingerprint})
+        load_splits(recorded, recorded=True, only=("test",))
+        test_images = {tuple(x.ravel()) for x in whole.test_x}
+        for f in sorted((tmp_path / "imgs" / "cat").glob("*.png")):
+            pixels, _ = real_decode(f.read_bytes(), (3, 8, 8), f.name)
+            if tuple(pixels.ravel()) not in test_images:  # one of the training split
+                Image.new("RGB", (12, 10), (1, 2, 3)).save(f)
+                break
+        with pytest.raises(DataError, match="changed since this run trained on it"):
+            load_splits(recorded, recorded=True, only=("test",))
+    both = load_splits(spec, only=("val", "test"))
+    np.testing.assert_array_equal(both.val_x, whole.val_x)
+    np.testing.assert_array_equal(both.test_x, whole.test_x)
+    assert len(both.train_x) == 0
+
+
 def test_missing_and_empty_folder_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=f"{tmp_path / 'absent'} does not exist"):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "absent")))

@@ -10,6 +10,7 @@ import re
 import warnings
 import zipfile
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ _STATS_CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class Splits:
+    """Each split's uint8 NCHW images and labels; a split not asked of `load_splits` (`only`)
+    is empty, images and labels."""
+
     train_x: np.ndarray
     train_y: np.ndarray
     val_x: np.ndarray
@@ -302,17 +306,13 @@ def _image_files(
     return classes, files, skipped, loose
 
 
-def _folder(
-    root: Path,
-    channels: int,
-    size: int,
-    digest: hashlib._Hash | None = None,
-    check_layout: bool = True,
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """The folder's images, classes and their names; `digest` (a hashlib object) takes each
-    image file's path, class and the sha256 of its bytes, read once for both. `check_layout`:
-    refuse a folder already split (`_refuse_split_layout`); not the data a run trained on, so
-    that a run trained before that refusal stays usable."""
+def _folder_files(
+    root: Path, check_layout: bool = True
+) -> tuple[list[tuple[Path, int]], np.ndarray, list[str]]:
+    """The folder's (image file, class index) pairs, their labels and the class names, from the
+    folder's listing alone. `check_layout`: refuse a folder already split
+    (`_refuse_split_layout`); not the data a run trained on, so that a run trained before that
+    refusal stays usable."""
     if root.is_file():
         fix = (
             "set data.source=npz for an .npz file"
@@ -354,33 +354,68 @@ def _folder(
         )
     y = np.array([label for _, label in files], dtype=np.int64)
     _check_classes("folder", str(root), y, classes)  # before the slow part: decoding
-    x = np.empty((len(files), channels, size, size), dtype=np.uint8)
+    return files, y, classes
+
+
+def _decode_folder(
+    root: Path,
+    files: list[tuple[Path, int]],
+    classes: list[str],
+    channels: int,
+    size: int,
+    rows: np.ndarray,
+    digest: hashlib._Hash | None = None,
+) -> np.ndarray:
+    """The images of `files` at `rows` (sorted indices), decoded in that order. `digest` (a
+    hashlib object) takes every image file's path, class and the sha256 of its bytes, those
+    not decoded too: the fingerprint is of the whole data set."""
+    x = np.empty((len(rows), channels, size, size), dtype=np.uint8)
+    wanted = np.zeros(len(files), dtype=bool)
+    wanted[rows] = True
     unreadable: list[images.ImageError] = []
     colour = 0
+    i = 0
     with warnings.catch_warnings():
         # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        for i, (f, idx) in enumerate(files):
+        for (f, idx), decode in zip(files, wanted, strict=True):
             name = str(f.relative_to(root))
             data = f.read_bytes()
             if digest is not None:  # the name's bytes as on disk, UTF-8 or not
                 digest.update(os.fsencode(f"{name}\0{classes[idx]}\0"))
                 digest.update(hashlib.sha256(data).digest())
+            if not decode:
+                continue
             try:
                 x[i], is_colour = images.decode(data, (channels, size, size), shown_name(name))
             except images.ImageError as exc:
                 unreadable.append(exc)  # every bad file in one run, not one run per file
                 continue
+            finally:
+                i += 1
             colour += is_colour
     if unreadable:
         raise DataError(
-            f"image folder {root}: cannot read {len(unreadable)} of {len(files)} images: "
+            f"image folder {root}: cannot read {len(unreadable)} of {len(rows)} images: "
             + _some([str(e) for e in unreadable], 3, "; ")
             + ": remove or replace those files"
         )
     if channels == 1:
         _note_gray(colour)
-    return x, y, classes
+    return x
+
+
+def _folder(
+    root: Path,
+    channels: int,
+    size: int,
+    digest: hashlib._Hash | None = None,
+    check_layout: bool = True,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The whole folder: its images, their labels and the class names."""
+    files, y, classes = _folder_files(root, check_layout)
+    rows = np.arange(len(files))
+    return _decode_folder(root, files, classes, channels, size, rows, digest), y, classes
 
 
 def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -604,15 +639,28 @@ def _note_unseen_classes(
         )
 
 
-def load_splits(spec: DataSpec, recorded: bool = False, check_layout: bool | None = None) -> Splits:
+SPLITS = ("train", "val", "test")
+
+
+def load_splits(
+    spec: DataSpec,
+    recorded: bool = False,
+    check_layout: bool | None = None,
+    only: Collection[str] = SPLITS,
+) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
     its path is to be put back there. `check_layout`: refuse an image folder already split
     into train/ and test/ (by default, where not `recorded`; a resumed training passes False).
+    `only`: the splits wanted; the others are empty (export and report read the test split
+    alone, and an image folder's other 85 % were decoded for nothing, each stage again).
     A spec with a fingerprint refuses data that changed: Splits.fingerprint is 'N:sha256' of
     the data as it is on disk, N its images (each image file's path, class and bytes; the .npz
     file; the built-in digits' arrays), not the pixels a Pillow version decodes from them."""
+    if unknown := set(only) - set(SPLITS):
+        raise ValueError(f"unknown splits {sorted(unknown)}: choose from {SPLITS}")
     digest = hashlib.sha256()
+    folder_files = None
     if spec.source == "digits":
         x, y, labels = _digits()
         digest.update(np.ascontiguousarray(x).data)
@@ -630,7 +678,7 @@ def load_splits(spec: DataSpec, recorded: bool = False, check_layout: bool | Non
             )
         if folder:
             layout = not recorded if check_layout is None else check_layout
-            x, y, labels = _folder(path, spec.channels, spec.image_size, digest, layout)
+            folder_files, y, labels = _folder_files(path, layout)
         else:
             x, y, labels = _npz(path)
             with path.open("rb") as fh:
@@ -639,10 +687,10 @@ def load_splits(spec: DataSpec, recorded: bool = False, check_layout: bool | Non
                 _note_gray(len(x))
     else:
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
-    now = f"{len(y)}:{digest.hexdigest()}"
-    _check_unchanged(spec, now)
-    x = resize_uint8(x, spec.image_size, spec.channels)
-    train, val, test = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+    parts = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+    train, val, test = parts
+    if folder_files is None or min(map(len, parts)) == 0:
+        _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
     if min(len(train), len(val), len(test)) == 0:
         raise DataError(
             f"{spec.source} data with {len(y)} images leaves an empty split (train {len(train)}, "
@@ -651,12 +699,37 @@ def load_splits(spec: DataSpec, recorded: bool = False, check_layout: bool | Non
         )
     _note_unseen_classes(labels, y, y[train], y[val], y[test])
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
+    wanted = [idx if name in only else idx[:0] for name, idx in zip(SPLITS, parts, strict=True)]
+    rows = np.concatenate(wanted)
+    if folder_files is not None:  # decoded in file order, the rows wanted only
+        sorted_rows = np.sort(rows)
+        x = _decode_folder(
+            Path(str(spec.path)).expanduser(),
+            folder_files,
+            labels,
+            spec.channels,
+            spec.image_size,
+            sorted_rows,
+            digest,
+        )
+        _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
+        # the rows in split order: where each row wanted lies in x
+        order = np.searchsorted(sorted_rows, rows)
+    else:
+        x = resize_uint8(x, spec.image_size, spec.channels)
+        if len(rows) < len(x):
+            x = x[np.sort(rows)]  # the rows wanted only, a copy: not a view keeping them all
+            order = np.searchsorted(np.sort(rows), rows)
+        else:
+            order = rows
     # The images in split order, in place, and each split a view of its block: x[train],
     # x[val] and x[test] copied them all while x was held, 2.2 times the data set's memory
-    _reorder_rows(x, np.concatenate([train, val, test]))
-    cut = np.cumsum([len(train), len(val)])
+    _reorder_rows(x, order)
+    cut = np.cumsum([len(wanted[0]), len(wanted[1])])
     train_x, val_x, test_x = np.split(x, cut)
-    return Splits(train_x, y[train], val_x, y[val], test_x, y[test], labels, now)
+    train_y, val_y, test_y = (y[idx] for idx in wanted)
+    now = f"{len(y)}:{digest.hexdigest()}"
+    return Splits(train_x, train_y, val_x, val_y, test_x, test_y, labels, now)
 
 
 def _reorder_rows(x: np.ndarray, order: np.ndarray) -> None:

@@ -78,8 +78,8 @@ def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> tuple[np.nda
     and which: an export needs no labels, so a run copied without its data still exports;
     quantize and report do need them, which the warning says (and the CLI's `next:` line)."""
     try:
-        # a copy: the split is a view of every image loaded, which it would keep in memory
-        return load_splits(DataSpec.from_dict(loaded.data_spec), recorded=True).test_x.copy(), True
+        spec = DataSpec.from_dict(loaded.data_spec)
+        return load_splits(spec, recorded=True, only=("test",)).test_x, True
     except DataError as exc:
         log.warning(
             "parity checked on %d random images, not the test split: %s. Quantize and report "

@@ -159,7 +159,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     gate = s.gate if s.gate is not None else _recorded_gate([c.entry for c in found])
     if not any(c.name == "eager" for c in found):
         raise RunError(f"{run.root}/best.ckpt is missing: run {run.train_command()}")
-    splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True)
+    splits = load_splits(DataSpec.from_dict(run.data_spec()), recorded=True, only=("test",))
     x, y = splits.test_x, splits.test_y
     ref = logits(next(c for c in found if c.name == "eager").predictor, x)
     ref_acc = float(np.mean(ref.argmax(1) == y))

@@ -134,7 +134,7 @@ def bench_training(
         raise ConfigError(f"bench train rounds must be at least 1, got {rounds}")
     if out is not None:
         check_writable(out)
-    splits = load_splits(spec_from_config(cfg.data))
+    splits = load_splits(spec_from_config(cfg.data), only=("train",))
     bs = cfg.data.batch_size
     if len(splits.train_x) < bs:
         raise ConfigError(
