@@ -508,6 +508,41 @@ def test_a_split_folder_beside_one_of_loose_images_is_refused(tmp_path: Path) ->
         _folder(tmp_path / "imgs", 3, 8)
 
 
+def test_kaggles_flat_layout_with_classes_in_file_names_is_refused_with_the_moves(
+    tmp_path: Path,
+) -> None:
+    """Kaggle's dogs-vs-cats: train/cat.1.jpg, train/dog.1.jpg, test1/1.jpg. Read as classes
+    train and test1, it trained a train-versus-test classifier and exited 0."""
+    root = tmp_path / "dogs-vs-cats"
+    for folder, names in (("train", ["cat.0", "cat.1", "dog.0", "dog.1"]), ("test1", ["0", "1"])):
+        (root / folder).mkdir(parents=True)
+        for name in names:
+            Image.new("RGB", (8, 8)).save(root / folder / f"{name}.jpg")
+    with pytest.raises(DataError) as err:
+        _folder(root, 3, 8)
+    assert str(err.value) == (
+        f"image folder {root}: its classes would be test1, train, which are the splits of a "
+        "data set, and train/ names its images by class (cat, dog: e.g. cat.1.jpg): lightship "
+        "reads an image's class from its folder and splits the data itself, so move each "
+        f"class's images into a folder of its own (mkdir -p DEST/cat && mv {root}/train/cat.* "
+        f"DEST/cat/ && mkdir -p DEST/dog && mv {root}/train/dog.* DEST/dog/) and set "
+        "data.path=DEST; leave out the unlabelled ones"
+    )
+    # the moves it gives make a folder that trains
+    dest = tmp_path / "DEST"
+    for word in ("cat", "dog"):
+        (dest / word).mkdir(parents=True)
+        for f in (root / "train").glob(f"{word}.*"):
+            f.rename(dest / word / f.name)
+    assert _folder(dest, 3, 8)[2] == ["cat", "dog"]
+    # classes named as splits whose files are one word's (or none's) stay classes
+    for cls in ("train", "test"):
+        (tmp_path / "one" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8)).save(tmp_path / "one" / cls / f"img_{i}.png")
+    assert _folder(tmp_path / "one", 3, 8)[2] == ["test", "train"]
+
+
 def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

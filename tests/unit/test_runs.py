@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -1028,8 +1029,14 @@ def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -
     (images / "cat").mkdir(parents=True)
     cfg = load_config(None, ["data.source=folder", f"data.path={images}"])
     for run in (images, images / "run"):
-        with pytest.raises(ConfigError, match="lies in the image folder it would train on"):
+        with pytest.raises(ConfigError, match="lies in the image folder it would train on") as e:
             _check_run_outside_data(cfg, RunDir(run))
+        # both runs it suggests are taken (`--run runs/NAME` from inside the data was not)
+        outside, hidden = re.findall(r"--run (\S+?)\)?(?: |$)", str(e.value))
+        assert Path(outside) == tmp_path / "runs" / run.name
+        assert Path(hidden) == images / ".runs" / run.name
+        for suggested in (outside, hidden):
+            _check_run_outside_data(cfg, RunDir(Path(suggested)))
     _check_run_outside_data(cfg, RunDir(tmp_path / "runs" / "a"))  # beside it: fine
     _check_run_outside_data(cfg, RunDir(images / ".runs" / "a"))  # hidden: the loader skips it
     _check_run_outside_data(cfg, RunDir(tmp_path))  # the data inside the run: fine

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import warnings
 import zipfile
 import zlib
@@ -263,6 +264,7 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     }
     holding = [c for c in classes if inside[c]]
     if not holding:
+        _refuse_classes_in_file_names(root, classes, kinds)
         return
     train = next((c for c in holding if "train" in kinds[c]), holding[0])
     found = _class_folders_below(root / train)
@@ -276,6 +278,43 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
         f"image folder {root}: its classes would be {', '.join(classes)}, which are the "
         f"splits of a data set ({train}/ holds {_some(inside[train], 3)}): lightship splits "
         f"the data itself (data.val_fraction, data.test_fraction), so {fix}"
+    )
+
+
+# An image file named by its class and a number: Kaggle's dogs-vs-cats train/cat.1.jpg
+_NAMED_BY_CLASS = re.compile(r"([A-Za-z][A-Za-z ]*?)[._ -]?\d+\.[A-Za-z]+")
+
+
+def _refuse_classes_in_file_names(
+    root: Path, classes: list[str], kinds: dict[str, set[str]]
+) -> None:
+    """root/{train,test1}/ holding cat.1.jpg, dog.1.jpg (Kaggle's dogs-vs-cats): every class a
+    split's name, and the training split's files named by two classes or more. Read as
+    classes, it trained a train-versus-test classifier and exited 0. Classes named so whose
+    files are not (train/0.png, test/0.png) stay classes."""
+    train = next((c for c in classes if "train" in kinds[c]), None)
+    if train is None:
+        return
+    named: dict[str, int] = {}
+    for i, f in enumerate((root / train).iterdir()):
+        if i == 2000:  # enough to tell, in a folder of 25,000
+            break
+        if (match := _NAMED_BY_CLASS.fullmatch(f.name)) and f.suffix.lower() in images.SUFFIXES:
+            named[match[1].lower()] = named.get(match[1].lower(), 0) + 1
+    if len(named) < 2:
+        return
+    words = sorted(named, key=lambda w: (-named[w], w))[:5]
+    moves = " && ".join(
+        f"mkdir -p DEST/{w} && mv {shlex.quote(str(root / train))}/{w}.* DEST/{w}/"
+        for w in words[:2]
+    )
+    more = ", and so on for the others" if len(named) > 2 else ""
+    raise DataError(
+        f"image folder {root}: its classes would be {', '.join(classes)}, which are the "
+        f"splits of a data set, and {train}/ names its images by class "
+        f"({', '.join(words)}: e.g. {words[0]}.1.jpg): lightship reads an image's class from "
+        f"its folder and splits the data itself, so move each class's images into a folder of "
+        f"its own ({moves}{more}) and set data.path=DEST; leave out the unlabelled ones"
     )
 
 
