@@ -570,6 +570,30 @@ def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     assert caplog.messages == []
 
 
+def test_the_same_file_under_two_classes_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cat/more -> ../dog and puppy -> dog read each dog image under three labels, silently:
+    one image both trained on and tested on, under two answers."""
+    make_folder(tmp_path / "imgs", per_class=3)
+    (tmp_path / "imgs" / "cat" / "more").symlink_to("../dog")
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    (said,) = [m for m in caplog.messages if "same file" in m]
+    assert said.startswith(
+        f"image folder {tmp_path / 'imgs'}: 3 images are the same file as one of another class "
+        "(dog/0.jpg is cat/more/0.jpg; "
+    )
+    assert said.endswith("remove the copies, or the link that makes them")
+    caplog.clear()
+    (tmp_path / "imgs" / "cat" / "more").unlink()
+    sources._noted.clear()
+    shutil.copy(tmp_path / "imgs" / "cat" / "0.jpg", tmp_path / "imgs" / "cat" / "again.jpg")
+    with caplog.at_level("WARNING", logger="lightship.data.sources"):  # in one class: no twins
+        load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    assert not [m for m in caplog.messages if "same file" in m]
+
+
 def test_a_link_to_the_data_root_in_a_class_folder_reads_nothing_twice(tmp_path: Path) -> None:
     """cat/all -> .. read every dog image again as a cat."""
     make_folder(tmp_path / "imgs", per_class=3)
@@ -665,7 +689,9 @@ def test_train_and_serve_read_a_file_as_the_same_pixels(tmp_path: Path) -> None:
         assert turned[:, :8].mean() > 240 and turned[:, 8:].mean() < 15  # upright
 
 
-def test_unreadable_files_are_named_together_after_empty_classes(tmp_path: Path) -> None:
+def test_unreadable_files_are_named_together_after_empty_classes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     make_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "cat" / "broken.png").write_bytes(b"\x89PNG not really")
     (tmp_path / "imgs" / "dog" / "cut.jpg").write_bytes(b"\xff\xd8\xff garbage")
@@ -684,8 +710,14 @@ def test_unreadable_files_are_named_together_after_empty_classes(tmp_path: Path)
     )
     for i in range(3):
         (tmp_path / "imgs" / "dog" / f"z{i}.png").write_bytes(b"")
-    with pytest.raises(DataError, match=r"cannot read 5 of 17 images: .*z0.png: .* and 2 more: "):
+    caplog.clear()
+    with pytest.raises(DataError, match=r"read 5 of 17 images \(each named above\): .* 2 more: "):
         load_splits(spec)
+    # past the three the error names, every one on a line of its own: all removed in one go
+    assert sorted(m.split(":")[0] for m in caplog.messages if m.startswith("cannot read")) == [
+        "cannot read cat/broken.png", "cannot read dog/cut.jpg",
+        "cannot read dog/z0.png", "cannot read dog/z1.png", "cannot read dog/z2.png",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("source", ["folder", "npz"])

@@ -414,6 +414,8 @@ def _decode_folder(
     unreadable: list[images.ImageError] = []
     colour = 0
     i = 0
+    first_of: dict[bytes, tuple[str, int]] = {}  # a file's sha256: where it was first read
+    twins: list[str] = []  # the same bytes under another class
     with warnings.catch_warnings():
         # a small file can decode to gigapixels: past Pillow's warning size, refuse it at once
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -421,8 +423,12 @@ def _decode_folder(
             name = str(f.relative_to(root))
             data = f.read_bytes()
             if digest is not None:  # the name's bytes as on disk, UTF-8 or not
+                sha = hashlib.sha256(data).digest()
                 digest.update(os.fsencode(f"{name}\0{classes[idx]}\0"))
-                digest.update(hashlib.sha256(data).digest())
+                digest.update(sha)
+                first, first_class = first_of.setdefault(sha, (name, idx))
+                if first_class != idx:
+                    twins.append(f"{shown_name(name)} is {shown_name(first)}")
             if not decode:
                 continue
             try:
@@ -433,9 +439,23 @@ def _decode_folder(
             finally:
                 i += 1
             colour += is_colour
+    if twins:
+        # a class folder linked into another (cat/more -> ../dog, puppy -> dog) or copied:
+        # one image under two labels, and in the training split under one, the test under
+        # the other
+        note_once(
+            logging.WARNING,
+            f"image folder {root}: {len(twins)} images are the same file as one of another "
+            f"class ({_some(twins, 3, '; ')}): each is read under both labels; remove the "
+            "copies, or the link that makes them",
+        )
     if unreadable:
+        if len(unreadable) > 3:  # the error names 3: every one, to remove them in one go
+            for bad in unreadable:
+                log.warning("cannot read %s", bad)
+        named = " (each named above)" if len(unreadable) > 3 else ""
         raise DataError(
-            f"image folder {root}: cannot read {len(unreadable)} of {len(rows)} images: "
+            f"image folder {root}: cannot read {len(unreadable)} of {len(rows)} images{named}: "
             + _some([str(e) for e in unreadable], 3, "; ")
             + ": remove or replace those files"
         )
