@@ -334,9 +334,11 @@ def report(
             f"{v['throughput_per_s']:.0f}",
             f"{v['speedup_vs_eager']:.2f}",
             "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
-            "pass" if v["gate_passed"] else "FAIL",
+            ("pass" if v["recommendable"] else "pass*") if v["gate_passed"] else "FAIL",
         )
     Console().print(table)
+    if any(v["gate_passed"] and not v["recommendable"] for v in r["variants"]):
+        print("* passes the gate, and is not recommended (report.md says why)")
     print(f"report: {run}/report/report.md (+ report.json, pareto.png)")
     best = next((v for v in r["variants"] if v["recommended"]), None)
     if best is None:

@@ -1029,3 +1029,28 @@ def test_orts_word_on_each_1d_weight_quantized_per_tensor_is_not_passed_on() -> 
     assert not passes("Axis 1 is out-of-range for weight 'net.blocks.0.n1.weight' with rank 1")
     assert passes("Axis 1 is out-of-range for weight 'w' with rank 0")  # only the 1-D case
     assert passes("some other warning")
+
+
+def test_a_share_is_not_rounded_to_all_or_none() -> None:
+    """A dynamic variant's reason said "100% of multiply-adds are in convolutions" of a model
+    whose manifest recorded 0.99922."""
+    from lightship.quantize.core import _share
+
+    said = [_share(f) for f in (0.99922, 1.0, 0.0, 0.875, 0.004, 0.1)]
+    assert said == ["99.9%", "100%", "0%", "88%", "0.4%", "10%"]
+
+
+def test_more_calibration_samples_than_training_images_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lightship.data import load_splits
+    from lightship.data.sources import DataSpec
+    from lightship.quantize.core import calibration_images
+
+    splits = load_splits(DataSpec(image_size=8))
+    with caplog.at_level("WARNING", logger="lightship.quantize.core"):
+        images = calibration_images(splits, 5000, seed=0)
+    assert len(images) == len(splits.train_x) == 1259
+    assert caplog.messages == [
+        "--calibration-samples 5000: the training split has 1259 images, all of them used"
+    ]

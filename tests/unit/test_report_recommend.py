@@ -225,10 +225,13 @@ def test_calibration_peak_rss_is_in_mib() -> None:
     cal = {"samples": 256, "method": "minmax", "chunk": 64, "seconds": 0.13}
     cal["scales_sha256"] = "c60050341897bc46"
     md = render.markdown(report_dict(calibration={**cal, "peak_rss_mib": 521.07}))
-    assert "peak RSS 521 MiB," in md
+    assert "peak RSS 521 MiB (the process's), scales c60050341897\n" in md
     # manifests before the field was named for its unit held MiB under peak_rss_mb
     md = render.markdown(report_dict(calibration={**cal, "peak_rss_mb": 521.07}))
-    assert "peak RSS 521 MiB," in md
+    assert "peak RSS 521 MiB (the process's)," in md
+    # not measured (the peak could not be reset: the process's lifetime's): not said
+    md = render.markdown(report_dict(calibration={**cal, "peak_rss_mib": None}))
+    assert "0.13 s, scales c60050341897\n" in md and "peak RSS" not in md
 
 
 def test_report_md_says_how_busy_other_processes_kept_the_machine() -> None:

@@ -229,6 +229,16 @@ def mostly_float(method: str, entry: dict[str, Any]) -> str | None:
     )
 
 
+def _share(fraction: float) -> str:
+    """A fraction as a whole percentage, but not rounded to 100 % or 0 % unless it is so
+    (0.99922 is 99.9 %, not 100 %)."""
+    digits, said = 0, f"{fraction:.0%}"
+    while float(said[:-1]) in (0.0, 100.0) and fraction not in (0.0, 1.0) and digits < 4:
+        digits += 1
+        said = f"{fraction:.{digits}%}"
+    return said
+
+
 def _reset_peak_rss() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM
@@ -255,6 +265,12 @@ def calibration_images(splits: Splits, n: int, seed: int) -> np.ndarray:
         )
     if len(splits.train_x) == 0:
         raise QuantizeError("empty calibration set: the run's training split has no images")
+    if n > len(splits.train_x):
+        log.warning(
+            "--calibration-samples %d: the training split has %d images, all of them used",
+            n,
+            len(splits.train_x),
+        )
     idx = np.random.default_rng(seed).permutation(len(splits.train_x))[:n]
     return np.ascontiguousarray(splits.train_x[np.sort(idx)])
 
@@ -451,7 +467,8 @@ class Quantizer:
         s = self.settings
         first = not self.cache.exists()
         if first:
-            _reset_peak_rss()
+            # where VmHWM cannot be reset, the peak is the process's whole life's: not recorded
+            measured_rss = _reset_peak_rss()
             t0 = time.perf_counter()
         ptq.quantize_static_onnx(
             self.pre_static,
@@ -469,9 +486,11 @@ class Quantizer:
             self.calibration = {
                 "samples": len(self.calib),
                 "method": s.calibration_method,
-                "chunk": s.calibration_chunk,
+                # at most the images there are
+                "chunk": min(s.calibration_chunk, len(self.calib)),
                 "seconds": round(time.perf_counter() - t0, 2),
-                "peak_rss_mib": _peak_rss_mib(),
+                # the process's peak while it calibrated, the libraries and data loaded too
+                "peak_rss_mib": _peak_rss_mib() if measured_rss else None,
             }
 
     def _scheme_error(self, path: Path) -> dict[str, float]:
@@ -789,7 +808,7 @@ class Quantizer:
                 "why": (
                     "most multiply-adds are in MatMul/Gemm: dynamic quantization suits it"
                     if suits
-                    else f"{flops['conv']:.0%} of multiply-adds are in convolutions: dynamic "
+                    else f"{_share(flops['conv'])} of multiply-adds are in convolutions: dynamic "
                     "quantization (ConvInteger) was measured slower than fp32 on conv nets; "
                     "reported, not recommended"
                 ),

@@ -181,12 +181,13 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"- other processes used {busy:.1%} of the CPU while variants were timed")
     cal = r.get("calibration")
     if cal:
+        # peak_rss_mb before it was named for its unit: MiB too (VmHWM KiB / 1024)
+        rss = cal.get("peak_rss_mib") or cal.get("peak_rss_mb")
         lines.append(
             f"- calibration: {cal['samples']} training images, {cal['method']}, "
             f"{cal['chunk']} images held at once, {cal['seconds']} s, "
-            # peak_rss_mb before it was named for its unit: MiB too (VmHWM KiB / 1024)
-            f"peak RSS {cal.get('peak_rss_mib') or cal.get('peak_rss_mb') or 0:.0f} MiB, "
-            f"scales {cal['scales_sha256'][:12]}"
+            + (f"peak RSS {rss:.0f} MiB (the process's), " if rss else "")
+            + f"scales {cal['scales_sha256'][:12]}"
         )
     lines += [
         "",
