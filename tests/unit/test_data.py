@@ -543,6 +543,38 @@ def test_kaggles_flat_layout_with_classes_in_file_names_is_refused_with_the_move
     assert _folder(tmp_path / "one", 3, 8)[2] == ["test", "train"]
 
 
+def test_a_data_set_in_a_wrapper_folder_is_told_the_folder_of_its_classes(tmp_path: Path) -> None:
+    """Kaggle's training_set/training_set/{cats,dogs} and Food-101's images/<class> beside
+    meta/: told to put each class in its own sub-folder (they were), or to add images to meta/
+    or remove it (then the first)."""
+    for wrapper in ("wrap/training_set", "food/images"):
+        for cls in ("cats", "dogs"):
+            (tmp_path / wrapper / cls).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / wrapper / cls / "0.png")
+    (tmp_path / "food" / "meta").mkdir()
+    (tmp_path / "food" / "meta" / "classes.txt").write_text("cats\ndogs\n")
+    with pytest.raises(DataError) as err:
+        _folder(tmp_path / "wrap", 3, 8)
+    assert str(err.value).endswith(
+        "has a single class ('training_set'): a classifier needs at least 2: the classes are the "
+        f"folders in {tmp_path / 'wrap' / 'training_set'} (cats, dogs): point data.path at it, "
+        f"--set data.path={tmp_path / 'wrap' / 'training_set'}"
+    )
+    with pytest.raises(DataError) as err:
+        _folder(tmp_path / "food", 3, 8)
+    assert str(err.value).endswith(
+        "1 of 2 classes have no images ('meta'): add images to those sub-folders or remove them; "
+        f"or, if the classes are the folders in {tmp_path / 'food' / 'images'} (cats, dogs): "
+        f"point data.path at it, --set data.path={tmp_path / 'food' / 'images'}"
+    )
+    assert _folder(tmp_path / "food" / "images", 3, 8)[2] == ["cats", "dogs"]
+    # one class holding images directly: no folder of classes to point at
+    (tmp_path / "one" / "cats").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "one" / "cats" / "0.png")
+    with pytest.raises(DataError, match=r"at least 2: put each class in its own sub-folder$"):
+        _folder(tmp_path / "one", 3, 8)
+
+
 def test_classes_named_as_splits_without_folders_of_their_own_are_classes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -185,12 +185,34 @@ def shown_name(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def _wrapped_classes(root: Path, labels: list[str], counts: np.ndarray) -> Path | None:
+    """The folder of class folders inside the one class folder that holds images, where the
+    data came in a wrapper (Kaggle's training_set/training_set/{cats,dogs}, EuroSAT's
+    2750/<class>, Food-101's images/<class> beside meta/): else None."""
+    holding = [label for label, n in zip(labels, counts, strict=True) if n]
+    if len(holding) != 1:
+        return None
+    found = _class_folders_below(root / holding[0])
+    inside = [p for p in found.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return found if len(inside) > 1 else None
+
+
 def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> None:
     """Every class has images, and there are at least two."""
-    if empty := [labels[i] for i in np.flatnonzero(np.bincount(y, minlength=len(labels)) == 0)]:
+    counts = np.bincount(y, minlength=len(labels))
+    wrapped = _wrapped_classes(Path(path), labels, counts) if source == "folder" else None
+    inside = ""
+    if wrapped is not None:
+        held = [p.name for p in wrapped.iterdir() if p.is_dir() and not p.name.startswith(".")]
+        inside = (
+            f"the folders in {wrapped} ({_some(sorted(held), 5)}): point data.path at it, "
+            f"{set_arg('data.path', str(wrapped))}"
+        )
+    if empty := [labels[i] for i in np.flatnonzero(counts == 0)]:
         # the model would get an output per class, and never see an image of these
         fix = (
             "add images to those sub-folders or remove them"
+            + (f"; or, if the classes are {inside}" if inside else "")
             if source == "folder"
             else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
             "from 'labels'"
@@ -200,7 +222,13 @@ def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> 
             f"images ({', '.join(map(repr, empty[:5]))}{', ...' if len(empty) > 5 else ''}): {fix}"
         )
     if len(labels) < 2:
-        hint = ": put each class in its own sub-folder" if source == "folder" else ""
+        hint = ""
+        if source == "folder":
+            hint = (
+                f": the classes are {inside}"
+                if inside
+                else ": put each class in its own sub-folder"
+            )
         raise DataError(
             f"{source} data {path} has a single class ({labels[0]!r}): "
             f"a classifier needs at least 2{hint}"
