@@ -135,6 +135,23 @@ def test_the_test_split_alone_is_the_whole_loads_and_decodes_only_its_images(
     assert len(both.train_x) == 0
 
 
+def test_an_empty_class_folder_added_since_training_is_to_be_removed(tmp_path: Path) -> None:
+    """Quantize said to add images to it, which the fingerprint then refused as changed data."""
+    make_folder(tmp_path / "imgs")
+    spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
+    recorded = DataSpec(**{**spec.to_dict(), "fingerprint": load_splits(spec).fingerprint})
+    (tmp_path / "imgs" / "emu").mkdir()
+    with pytest.raises(DataError) as err:
+        load_splits(recorded, recorded=True)
+    assert str(err.value).endswith(
+        "1 of 3 classes have no images ('emu'): the run trained with none empty: remove those "
+        "added since, or put their images back (images added would change the data, and be "
+        "refused)"
+    )
+    (tmp_path / "imgs" / "emu").rmdir()
+    assert load_splits(recorded, recorded=True).labels == ["cat", "dog"]
+
+
 def test_missing_and_empty_folder_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=f"{tmp_path / 'absent'} does not exist"):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "absent")))

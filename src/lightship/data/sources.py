@@ -197,8 +197,11 @@ def _wrapped_classes(root: Path, labels: list[str], counts: np.ndarray) -> Path 
     return found if len(inside) > 1 else None
 
 
-def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> None:
-    """Every class has images, and there are at least two."""
+def _check_classes(
+    source: str, path: str, y: np.ndarray, labels: list[str], recorded: bool = False
+) -> None:
+    """Every class has images, and there are at least two. `recorded`: the data a run trained
+    on, which had both then (training refuses others): what is there now changed since."""
     counts = np.bincount(y, minlength=len(labels))
     wrapped = _wrapped_classes(Path(path), labels, counts) if source == "folder" else None
     inside = ""
@@ -211,7 +214,10 @@ def _check_classes(source: str, path: str, y: np.ndarray, labels: list[str]) -> 
     if empty := [labels[i] for i in np.flatnonzero(counts == 0)]:
         # the model would get an output per class, and never see an image of these
         fix = (
-            "add images to those sub-folders or remove them"
+            "the run trained with none empty: remove those added since, or put their images "
+            "back (images added would change the data, and be refused)"
+            if recorded
+            else "add images to those sub-folders or remove them"
             + (f"; or, if the classes are {inside}" if inside else "")
             if source == "folder"
             else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
@@ -374,12 +380,12 @@ def _image_files(
 
 
 def _folder_files(
-    root: Path, check_layout: bool = True
+    root: Path, check_layout: bool = True, recorded: bool = False
 ) -> tuple[list[tuple[Path, int]], np.ndarray, list[str]]:
     """The folder's (image file, class index) pairs, their labels and the class names, from the
     folder's listing alone. `check_layout`: refuse a folder already split
     (`_refuse_split_layout`); not the data a run trained on, so that a run trained before that
-    refusal stays usable."""
+    refusal stays usable. `recorded`: the data a run trained on (`_check_classes`)."""
     if root.is_file():
         fix = (
             "set data.source=npz for an .npz file"
@@ -420,7 +426,7 @@ def _folder_files(
             f"(found classes: {classes}){there}"
         )
     y = np.array([label for _, label in files], dtype=np.int64)
-    _check_classes("folder", str(root), y, classes)  # before the slow part: decoding
+    _check_classes("folder", str(root), y, classes, recorded)  # before the slow part: decoding
     return files, y, classes
 
 
@@ -765,7 +771,7 @@ def load_splits(
             )
         if folder:
             layout = not recorded if check_layout is None else check_layout
-            folder_files, y, labels = _folder_files(path, layout)
+            folder_files, y, labels = _folder_files(path, layout, recorded)
         else:
             x, y, labels = _npz(path)
             with path.open("rb") as fh:
