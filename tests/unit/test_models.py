@@ -117,6 +117,17 @@ def test_bad_model_names(name: str, message: str) -> None:
         models.create(spec(name))
 
 
+def test_a_model_refusing_the_datas_size_says_to_change_the_data_settings() -> None:
+    """data.image_size=4 passes the config's check and the digits CNN refuses it: the fix is
+    data.image_size, not model.kwargs (none were given)."""
+    with pytest.raises(ConfigError) as err:
+        models.create(spec("digits_cnn", image_size=4))
+    assert str(err.value).endswith(
+        "image_size 4 is too small for 3 pooling stages; check data.image_size and "
+        "data.channels (the model's image_size and in_channels), or choose another model.name"
+    )
+
+
 def test_bad_model_kwargs_say_which() -> None:
     with pytest.raises(ConfigError, match="check model.kwargs"):
         models.create(spec("digits_cnn", kwargs={"depth": 3}))

@@ -243,9 +243,16 @@ def _call_with_known(
         reason = first_line(exc)
         where = "" if name in REGISTRY else f" ({_location(exc)})"  # the line in a user's model
         given = f"model.kwargs {extra}, and " if extra else ""
+        # the standard arguments are the data's: image_size 4 is data.image_size's to change
+        fix = (
+            "check model.kwargs"
+            if extra
+            else "check data.image_size and data.channels (the model's image_size and "
+            "in_channels), or choose another model.name"
+        )
         raise ConfigError(
             f"cannot build model {name} with {given}{sorted(set(kwargs) - set(extra))}: "
-            f"{type(exc).__name__}: {reason}{where}; check model.kwargs"
+            f"{type(exc).__name__}: {reason}{where}; {fix}"
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder returned {type(model).__name__}, not a torch.nn.Module")
