@@ -476,10 +476,12 @@ def test_a_folder_already_split_into_train_and_val_is_refused(
     with pytest.raises(DataError) as err:
         _folder(tmp_path / "imgs", 3, 8)
     shown = ", ".join(sorted(splits))
+    (other,) = (s for s in sorted(splits) if s != train)
     assert str(err.value) == (
         f"image folder {tmp_path / 'imgs'}: its classes would be {shown}, which are the splits "
         f"of a data set ({train}/ holds cat, dog): lightship splits the data itself "
-        "(data.val_fraction, data.test_fraction), so point data.path at its folder of class "
+        f"(data.val_fraction, data.test_fraction), so move the images of {other}/ into the "
+        f"class folders of {train}/ to use them too, and point data.path at its folder of class "
         f"folders: --set data.path={tmp_path / 'imgs' / train}"
     )
     # a run trained on it before the refusal: its later stages read it as they did
@@ -499,8 +501,9 @@ def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
     fixed = root / "training_set" / "training_set"
     assert str(err.value).endswith(
         f"(training_set/ holds training_set): lightship splits the data itself "
-        f"(data.val_fraction, data.test_fraction), so point data.path at its folder of class "
-        f"folders: --set 'data.path={fixed}'"
+        f"(data.val_fraction, data.test_fraction), so move the images of test_set/ into the "
+        "class folders of training_set/training_set/ to use them too, and point data.path at its "
+        f"folder of class folders: --set 'data.path={fixed}'"
     )
     assert _folder(fixed, 3, 8)[2] == ["cat", "dog"]  # as pasted
     # Intel's Image Classification: seg_train/seg_train/<class>, seg_test/..., and the
@@ -1031,3 +1034,23 @@ def test_splits_are_drawn_without_a_second_copy_of_the_images(tmp_path: Path) ->
     for got, want in ((splits.train_x, x[train]), (splits.val_x, x[val]), (splits.test_x, x[test])):
         assert got.flags.c_contiguous and np.array_equal(got, want)
     assert np.array_equal(splits.test_y, y[test])
+
+
+def test_training_says_what_it_reads_and_its_smallest_classes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A class of .webp files (skipped: PNG and JPEG only) trained on its few others, and only a
+    debug line counted the images: the smallest classes are said."""
+    from lightship.train.fit import _say_data
+
+    make_folder(tmp_path / "imgs", per_class=10)
+    for i in range(3):  # an emu with 3 images
+        (tmp_path / "imgs" / "emu").mkdir(exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "emu" / f"{i}.png")
+    splits = load_splits(DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8))
+    with caplog.at_level("INFO", logger="lightship.train.fit"):
+        _say_data("folder", tmp_path / "imgs", splits)
+    assert [r.getMessage() for r in caplog.records if r.name == "lightship.train.fit"] == [
+        f"data folder {tmp_path / 'imgs'}: 23 images, 3 classes: train 15, val 4, test 4 "
+        "(fewest: 'emu' 3, 'cat' 10, 'dog' 10)"
+    ]

@@ -303,8 +303,12 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     train = next((c for c in holding if "train" in kinds[c]), holding[0])
     found = _class_folders_below(root / train)
     held = sorted(p.name for p in found.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # the other splits' images are not read then: said, not dropped without a word
+    others = ", ".join(f"{c}/" for c in classes if c != train)
     fix = (
-        f"point data.path at its folder of class folders: {set_arg('data.path', str(found))}"
+        f"move the images of {others} into the class folders of {found.relative_to(root)}/ "
+        "to use them too, and point data.path at its folder of class folders: "
+        f"{set_arg('data.path', str(found))}"
         if len(held) > 1
         else "point data.path at a folder holding one sub-folder per class"
     )

@@ -43,7 +43,7 @@ from lightship.config import (
     without_unread_path,
 )
 from lightship.data.module import ImageDataModule, drops_last, process_share, spec_from_config
-from lightship.data.sources import older_reader_cause
+from lightship.data.sources import Splits, older_reader_cause
 from lightship.errors import ConfigError, DataError, LightshipError, RunError, first_line
 from lightship.models.checkpoint import (
     load_checkpoint,
@@ -392,6 +392,27 @@ def _check_resume_steps(
             "trainer.max_epochs, data.batch_size, trainer.accumulate_grad_batches and "
             "optim.scheduler), or train afresh without --resume"
         )
+
+
+def _say_data(source: str, path: Path | None, splits: Splits) -> None:
+    """One line of what training reads: its images and classes, the splits' sizes and the
+    smallest classes (a class of .webp files, skipped, shows here)."""
+    y = np.concatenate([splits.train_y, splits.val_y, splits.test_y])
+    per_class = np.bincount(y, minlength=len(splits.labels))
+    fewest = ", ".join(
+        f"'{splits.labels[i]}' {per_class[i]:,}" for i in np.argsort(per_class, kind="stable")[:3]
+    )
+    log.info(
+        "data %s%s: %s images, %d classes: train %s, val %s, test %s (fewest: %s)",
+        source,
+        f" {path}" if path else "",
+        f"{len(y):,}",
+        len(splits.labels),
+        f"{len(splits.train_y):,}",
+        f"{len(splits.val_y):,}",
+        f"{len(splits.test_y):,}",
+        fewest,
+    )
 
 
 def _check_run_outside_data(cfg: Config, run: RunDir) -> None:
@@ -841,6 +862,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     use_cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
     dm = ImageDataModule(cfg.data, pin_memory=use_cuda, check_layout=resumed is None)
     splits = dm.splits  # data errors surface here, before anything is written
+    _say_data(cfg.data.source, cfg.data.path, splits)
     mean, std = cfg.model.mean, cfg.model.std
     if mean is None or std is None:
         data_mean, data_std = splits.pixel_stats()
