@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,15 +143,28 @@ def test_an_empty_class_folder_added_since_training_is_to_be_removed(tmp_path: P
     spec = DataSpec(source="folder", path=str(tmp_path / "imgs"), image_size=8)
     recorded = DataSpec(**{**spec.to_dict(), "fingerprint": load_splits(spec).fingerprint})
     (tmp_path / "imgs" / "emu").mkdir()
-    with pytest.raises(DataError) as err:
-        load_splits(recorded, recorded=True)
-    assert str(err.value).endswith(
-        "1 of 3 classes have no images ('emu'): the run trained with none empty: remove those "
-        "added since, or put their images back (images added would change the data, and be "
-        "refused)"
+    said = (
+        "1 of 3 classes have no images ('emu'): the run trained with none empty: put the data "
+        "back as it was when the run trained (remove those added since; images added would "
+        "change the data, and be refused)"
     )
+    for trained in ({"recorded": True}, {"resumed": True}):  # later stages, and --resume
+        with pytest.raises(DataError) as err:
+            load_splits(recorded, **trained)  # type: ignore[arg-type]
+        assert str(err.value).endswith(said)
     (tmp_path / "imgs" / "emu").rmdir()
     assert load_splits(recorded, recorded=True).labels == ["cat", "dog"]
+    # its classes moved into a folder of their own: put back, not pointed at (later stages
+    # take no --set data.path)
+    (tmp_path / "imgs" / "set").mkdir()
+    for cls in ("cat", "dog"):
+        (tmp_path / "imgs" / cls).rename(tmp_path / "imgs" / "set" / cls)
+    with pytest.raises(DataError) as err:
+        load_splits(recorded, recorded=True, only=("test",))
+    assert str(err.value).endswith(
+        "has a single class ('set'): a classifier needs at least 2: the run trained on more; "
+        "put the data back as it was when the run trained"
+    )
 
 
 def test_missing_and_empty_folder_name_the_path(tmp_path: Path) -> None:
@@ -548,18 +563,31 @@ def test_kaggles_flat_layout_with_classes_in_file_names_is_refused_with_the_move
         f"DEST/cat/ && mkdir -p DEST/dog && mv {root}/train/dog.* DEST/dog/) and set "
         "data.path=DEST; leave out the unlabelled ones"
     )
-    # the moves it gives make a folder that trains
-    dest = tmp_path / "DEST"
-    for word in ("cat", "dog"):
-        (dest / word).mkdir(parents=True)
-        for f in (root / "train").glob(f"{word}.*"):
-            f.rename(dest / word / f.name)
-    assert _folder(dest, 3, 8)[2] == ["cat", "dog"]
-    # classes named as splits whose files are one word's (or none's) stay classes
+    # the moves it gives, run by a shell as printed (DEST in the current folder), make a
+    # folder that trains; so for capitalised words and a path with a space
+    for path, word in ((root, "cat"), (tmp_path / "my data", "Golden_retriever")):
+        if word != "cat":
+            for folder, name in (("train", f"{word}.1"), ("train", "Pug.1"), ("test1", "1")):
+                (path / folder).mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (8, 8)).save(path / folder / f"{name}.jpg")
+        with pytest.raises(DataError) as err:
+            _folder(path, 3, 8)
+        moves = re.search(
+            r"own \((.*?)(?:, and so on.*?)?\) and set data.path=DEST", str(err.value)
+        )
+        assert moves is not None, str(err.value)
+        work = tmp_path / f"work-{word}"
+        work.mkdir()
+        subprocess.run(["bash", "-c", moves[1]], cwd=work, check=True)
+        classes = sorted(p.name for p in (work / "DEST").iterdir())
+        assert _folder(work / "DEST", 3, 8)[2] == classes and len(classes) == 2
+    # classes named as splits whose files are one word's, or a camera's, stay classes
     for cls in ("train", "test"):
         (tmp_path / "one" / cls).mkdir(parents=True)
         for i in range(2):
             Image.new("RGB", (8, 8)).save(tmp_path / "one" / cls / f"img_{i}.png")
+        Image.new("RGB", (8, 8)).save(tmp_path / "one" / cls / "IMG_0001.jpg")
+        Image.new("RGB", (8, 8)).save(tmp_path / "one" / cls / "DSC_0001.JPG")
     assert _folder(tmp_path / "one", 3, 8)[2] == ["test", "train"]
 
 

@@ -1054,3 +1054,21 @@ def test_more_calibration_samples_than_training_images_is_said(
     assert caplog.messages == [
         "--calibration-samples 5000: the training split has 1259 images, all of them used"
     ]
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "calls"),
+    [
+        (40, 64, [(0, 32), (32, 40)]),  # the report said 40 held at once: 32 were
+        (256, 50, [(i, i + 32) for i in range(0, 256, 32)]),  # 50 said, 32 held
+        (256, 100, [(0, 96), (96, 192), (192, 256)]),
+        (16, 64, [(0, 16)]),
+        (20, 8, [(0, 8), (8, 16), (16, 20)]),
+    ],
+)
+def test_calibration_passes_hold_whole_batches_and_the_most_held_is_recorded(
+    n: int, chunk: int, calls: list[tuple[int, int]]
+) -> None:
+    from lightship.quantize.ptq import calibration_calls
+
+    assert calibration_calls(n, chunk=chunk) == calls

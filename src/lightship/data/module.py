@@ -62,13 +62,18 @@ def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
 
 class ImageDataModule(pl.LightningDataModule):
     def __init__(
-        self, cfg: DataConfig, pin_memory: bool = False, check_layout: bool = True
+        self,
+        cfg: DataConfig,
+        pin_memory: bool = False,
+        check_layout: bool = True,
+        resumed: bool = False,
     ) -> None:
         """`check_layout`: refuse an image folder already split (False to resume a run
-        trained on one before that refusal)."""
+        trained on one before that refusal). `resumed`: the data of a run resumed."""
         super().__init__()
         self.cfg = cfg
         self.check_layout = check_layout
+        self.resumed = resumed
         self.spec = spec_from_config(cfg)
         self.pin_memory = cfg.pin_memory if cfg.pin_memory is not None else pin_memory
         self._splits: Splits | None = None
@@ -76,7 +81,9 @@ class ImageDataModule(pl.LightningDataModule):
     @property
     def splits(self) -> Splits:
         if self._splits is None:
-            self._splits = load_splits(self.spec, check_layout=self.check_layout)
+            self._splits = load_splits(
+                self.spec, check_layout=self.check_layout, resumed=self.resumed
+            )
             # recorded with the run: later stages check the data is still what it trained on
             self.spec = dataclasses.replace(self.spec, fingerprint=self._splits.fingerprint)
         return self._splits

@@ -198,43 +198,52 @@ def _wrapped_classes(root: Path, labels: list[str], counts: np.ndarray) -> Path 
 
 
 def _check_classes(
-    source: str, path: str, y: np.ndarray, labels: list[str], recorded: bool = False
+    source: str, path: str, y: np.ndarray, labels: list[str], trained: bool = False
 ) -> None:
-    """Every class has images, and there are at least two. `recorded`: the data a run trained
-    on, which had both then (training refuses others): what is there now changed since."""
+    """Every class has images, and there are at least two. `trained`: data a run has trained
+    on (its later stages, or a resume), which had both then (training refuses others): what
+    is there now changed since, and is to be put back as it was, not mended otherwise."""
     counts = np.bincount(y, minlength=len(labels))
-    wrapped = _wrapped_classes(Path(path), labels, counts) if source == "folder" else None
     inside = ""
-    if wrapped is not None:
-        held = [p.name for p in wrapped.iterdir() if p.is_dir() and not p.name.startswith(".")]
-        inside = (
-            f"the folders in {wrapped} ({_some(sorted(held), 5)}): point data.path at it, "
-            f"{set_arg('data.path', str(wrapped))}"
-        )
+    if source == "folder" and not trained:
+        wrapped = _wrapped_classes(Path(path), labels, counts)
+        if wrapped is not None:
+            held = [p.name for p in wrapped.iterdir() if p.is_dir() and p.name[:1] != "."]
+            inside = (
+                f"the folders in {wrapped} ({_some(sorted(held), 5)}): point data.path at it, "
+                f"{set_arg('data.path', str(wrapped))}"
+            )
+    back = "put the data back as it was when the run trained"
     if empty := [labels[i] for i in np.flatnonzero(counts == 0)]:
         # the model would get an output per class, and never see an image of these
-        fix = (
-            "the run trained with none empty: remove those added since, or put their images "
-            "back (images added would change the data, and be refused)"
-            if recorded
-            else "add images to those sub-folders or remove them"
-            + (f"; or, if the classes are {inside}" if inside else "")
-            if source == "folder"
-            else "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
-            "from 'labels'"
-        )
+        if trained:
+            fix = (
+                f"the run trained with none empty: {back} (remove those added since; images "
+                "added would change the data, and be refused)"
+            )
+        elif source == "folder":
+            fix = "add images to those sub-folders or remove them"
+            fix += f"; or, if the classes are {inside}" if inside else ""
+        else:
+            fix = (
+                "renumber y, e.g. y = np.unique(y, return_inverse=True)[1], or drop those names "
+                "from 'labels'"
+            )
         raise DataError(
             f"{source} data {path}: {len(empty)} of {len(labels)} classes have no "
             f"images ({', '.join(map(repr, empty[:5]))}{', ...' if len(empty) > 5 else ''}): {fix}"
         )
     if len(labels) < 2:
-        hint = ""
-        if source == "folder":
+        if trained:
+            hint = f": the run trained on more; {back}"
+        elif source == "folder":
             hint = (
                 f": the classes are {inside}"
                 if inside
                 else ": put each class in its own sub-folder"
             )
+        else:
+            hint = ""
         raise DataError(
             f"{source} data {path} has a single class ({labels[0]!r}): "
             f"a classifier needs at least 2{hint}"
@@ -319,8 +328,9 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     )
 
 
-# An image file named by its class and a number: Kaggle's dogs-vs-cats train/cat.1.jpg
-_NAMED_BY_CLASS = re.compile(r"([A-Za-z][A-Za-z ]*?)[._ -]?\d+\.[A-Za-z]+")
+# An image file named by its class, a dot and a number: Kaggle's dogs-vs-cats train/cat.1.jpg
+# (not a camera's IMG_0001.jpg, DSC_0001.JPG)
+_NAMED_BY_CLASS = re.compile(r"([A-Za-z][A-Za-z0-9_-]*)\.\d+\.[A-Za-z]+")
 
 
 def _refuse_classes_in_file_names(
@@ -338,11 +348,11 @@ def _refuse_classes_in_file_names(
         if i == 2000:  # enough to tell, in a folder of 25,000
             break
         if (match := _NAMED_BY_CLASS.fullmatch(f.name)) and f.suffix.lower() in images.SUFFIXES:
-            named[match[1].lower()] = named.get(match[1].lower(), 0) + 1
+            named[match[1]] = named.get(match[1], 0) + 1
     if len(named) < 2:
         return
     words = sorted(named, key=lambda w: (-named[w], w))[:5]
-    moves = " && ".join(
+    moves = " && ".join(  # each word letters, digits, _ and -: safe in a shell as it is
         f"mkdir -p DEST/{w} && mv {shlex.quote(str(root / train))}/{w}.* DEST/{w}/"
         for w in words[:2]
     )
@@ -384,12 +394,12 @@ def _image_files(
 
 
 def _folder_files(
-    root: Path, check_layout: bool = True, recorded: bool = False
+    root: Path, check_layout: bool = True, trained: bool = False
 ) -> tuple[list[tuple[Path, int]], np.ndarray, list[str]]:
     """The folder's (image file, class index) pairs, their labels and the class names, from the
     folder's listing alone. `check_layout`: refuse a folder already split
     (`_refuse_split_layout`); not the data a run trained on, so that a run trained before that
-    refusal stays usable. `recorded`: the data a run trained on (`_check_classes`)."""
+    refusal stays usable. `trained`: data a run has trained on (`_check_classes`)."""
     if root.is_file():
         fix = (
             "set data.source=npz for an .npz file"
@@ -430,7 +440,7 @@ def _folder_files(
             f"(found classes: {classes}){there}"
         )
     y = np.array([label for _, label in files], dtype=np.int64)
-    _check_classes("folder", str(root), y, classes, recorded)  # before the slow part: decoding
+    _check_classes("folder", str(root), y, classes, trained)  # before the slow part: decoding
     return files, y, classes
 
 
@@ -744,12 +754,15 @@ def load_splits(
     recorded: bool = False,
     check_layout: bool | None = None,
     only: Collection[str] = SPLITS,
+    resumed: bool = False,
 ) -> Splits:
     """The splits of `spec`. `recorded`: the spec a run recorded when it trained, which the
     later stages (export, quantize, report) read and take no --set to change: data no longer at
     its path is to be put back there. `check_layout`: refuse an image folder already split
     into train/ and test/ (by default, where not `recorded`; a resumed training passes False).
-    `only`: the splits wanted; the others are empty (export and report read the test split
+    `resumed`: the data of a run that trained on it, read to train on again (`--resume`): one
+    of its classes emptied since is to be put back, as for `recorded`. `only`: the splits
+    wanted; the others are empty (export and report read the test split
     alone, and an image folder's other 85 % were decoded for nothing, each stage again).
     A spec with a fingerprint refuses data that changed: Splits.fingerprint is 'N:sha256' of
     the data as it is on disk, N its images (each image file's path, class and bytes; the .npz
@@ -775,7 +788,7 @@ def load_splits(
             )
         if folder:
             layout = not recorded if check_layout is None else check_layout
-            folder_files, y, labels = _folder_files(path, layout, recorded)
+            folder_files, y, labels = _folder_files(path, layout, recorded or resumed)
         else:
             x, y, labels = _npz(path)
             with path.open("rb") as fh:

@@ -486,8 +486,13 @@ class Quantizer:
             self.calibration = {
                 "samples": len(self.calib),
                 "method": s.calibration_method,
-                # at most the images there are
-                "chunk": min(s.calibration_chunk, len(self.calib)),
+                # the most one pass of the calibrator held: whole batches of 32 a pass
+                "chunk": max(
+                    stop - start
+                    for start, stop in ptq.calibration_calls(
+                        len(self.calib), chunk=s.calibration_chunk
+                    )
+                ),
                 "seconds": round(time.perf_counter() - t0, 2),
                 # the process's peak while it calibrated, the libraries and data loaded too
                 "peak_rss_mib": _peak_rss_mib() if measured_rss else None,

@@ -184,6 +184,18 @@ HISTOGRAM_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def calibration_calls(n: int, batch: int = 32, chunk: int = 64) -> list[tuple[int, int]]:
+    """(start, stop) of the images of each `collect_data` call, for `n` images run `batch` at a
+    time, about `chunk` a call. ORT's histogram calibrators stack the runs of one call into one
+    array (`np.asarray`), which fails unless every run has as many rows: each call holds whole
+    batches, and the images left after the last whole batch get a call of their own."""
+    batch = min(batch, chunk)
+    per_call = chunk - chunk % batch
+    whole = n - n % batch
+    calls = [(i, min(i + per_call, whole)) for i in range(0, whole, per_call)]
+    return [*calls, (whole, n)] if whole < n else calls
+
+
 def calibrate(
     pre: Path,
     images: np.ndarray,
@@ -213,17 +225,9 @@ def calibrate(
             calibrate_method=CALIBRATION_METHODS[method],
             extra_options=HISTOGRAM_OPTIONS[method],
         )
-        # ORT's histogram calibrators stack the runs of one `collect_data` call into one array
-        # (`np.asarray`), which fails unless every run has as many rows: each call holds whole
-        # batches, and the images left after the last whole batch get a call of their own.
-        batch = min(batch, chunk)
-        per_call = chunk - chunk % batch
-        whole = len(images) - len(images) % batch
-        calls = [images[i : min(i + per_call, whole)] for i in range(0, whole, per_call)]
-        if whole < len(images):
-            calls.append(images[whole:])
-        for part in calls:
-            calibrator.collect_data(ImageReader(part, input_name, batch))
+        for start, stop in calibration_calls(len(images), batch, chunk):
+            part = images[start:stop]
+            calibrator.collect_data(ImageReader(part, input_name, min(batch, chunk)))
         ranges = calibrator.compute_data()
     save_tensors_data(ranges, cache)
 

@@ -860,7 +860,9 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     use_cuda = torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-    dm = ImageDataModule(cfg.data, pin_memory=use_cuda, check_layout=resumed is None)
+    dm = ImageDataModule(
+        cfg.data, pin_memory=use_cuda, check_layout=resumed is None, resumed=resumed is not None
+    )
     splits = dm.splits  # data errors surface here, before anything is written
     _say_data(cfg.data.source, cfg.data.path, splits)
     mean, std = cfg.model.mean, cfg.model.std
