@@ -128,6 +128,22 @@ def test_a_model_refusing_the_datas_size_says_to_change_the_data_settings() -> N
     )
 
 
+def test_a_users_model_failing_on_its_own_is_told_to_fix_it() -> None:
+    """Not to check data.image_size and data.channels, which it may not even take."""
+    with pytest.raises(ConfigError) as err:
+        models.create(spec(f"{__name__}:Broken"))
+    assert "AttributeError: " in str(err.value) and "test_models.py, line" in str(err.value)
+    assert str(err.value).endswith(
+        "; fix the model there, or data.image_size / data.channels if it refuses those"
+    )
+
+
+class Broken(nn.Module):
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.head = nn.Linaer(8, num_classes)  # type: ignore[attr-defined]
+
+
 def test_bad_model_kwargs_say_which() -> None:
     with pytest.raises(ConfigError, match="check model.kwargs"):
         models.create(spec("digits_cnn", kwargs={"depth": 3}))

@@ -510,3 +510,16 @@ def test_report_md_heads_its_throughput_with_the_batch_it_was_timed_at() -> None
     # "img/s @batch", where the terminal's table and the README say @64
     assert "| img/s @64 |" in render.markdown(report_dict())
     assert "| img/s @16 |" in render.markdown(report_dict(batch=16))
+
+
+def test_the_console_marks_a_variant_held_back_but_not_the_eager_reference() -> None:
+    """Every report's console table marked eager `pass*`, with the footnote, though eager is
+    the reference measured to compare with, not a variant to serve."""
+    from lightship.cli import _held_back
+
+    def variant(name: str, recommendable: bool) -> dict[str, Any]:
+        return {"name": name, "recommendable": recommendable}
+
+    assert not _held_back(variant("eager", False))
+    assert _held_back(variant("onnx-int8-dynamic", False))
+    assert not _held_back(variant("onnx-int8-static", True))

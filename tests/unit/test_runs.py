@@ -1037,6 +1037,15 @@ def test_a_run_inside_the_image_folder_it_trains_on_is_refused(tmp_path: Path) -
         assert Path(hidden) == images / ".runs" / run.name
         for suggested in (outside, hidden):
             _check_run_outside_data(cfg, RunDir(Path(suggested)))
+    # a path with a space, quoted for the shell that runs the suggestion
+    spaced = tmp_path / "my photos"
+    (spaced / "cat").mkdir(parents=True)
+    cfg = load_config(None, ["data.source=folder", f"data.path={spaced}"])
+    with pytest.raises(ConfigError) as e:
+        _check_run_outside_data(cfg, RunDir(spaced / "r1"))
+    said = str(e.value)
+    for suggested in (tmp_path / "runs" / "r1", spaced / ".runs" / "r1"):
+        assert f"--run {shlex.quote(str(suggested))}" in said
     _check_run_outside_data(cfg, RunDir(tmp_path / "runs" / "a"))  # beside it: fine
     _check_run_outside_data(cfg, RunDir(images / ".runs" / "a"))  # hidden: the loader skips it
     _check_run_outside_data(cfg, RunDir(tmp_path))  # the data inside the run: fine

@@ -736,3 +736,23 @@ def test_an_invalid_variable_a_flag_overrides_is_warned_of(
     assert shadowed_invalid({"max_batch_rows": 4, "max_queue_rows": 64}) == []
     monkeypatch.setenv("LIGHTSHIP_TOP_K", "")  # empty counts as unset, warned of elsewhere
     assert shadowed_invalid({"top_k": 1}) == []
+    # valid alone, at odds with another setting: the server stopped on it without the flag
+    monkeypatch.delenv("LIGHTSHIP_MAX_BATCH_ROWS")
+    (said,) = shadowed_invalid({"max_queue_rows": 128})
+    assert said == (
+        "without --max-queue-rows, the server would stop on its variable: --max-queue-rows / "
+        "LIGHTSHIP_MAX_QUEUE_ROWS (8) must be at least --max-batch-rows / "
+        "LIGHTSHIP_MAX_BATCH_ROWS (64): the queue has to hold one full batch"
+    )
+    with pytest.raises(ConfigError):  # as it would
+        _settings()
+    # the variant, checked by serve rather than pydantic
+    from lightship.serve.command import _shadowed
+
+    monkeypatch.delenv("LIGHTSHIP_MAX_QUEUE_ROWS")
+    monkeypatch.setenv("LIGHTSHIP_VARIANT", "bogus")
+    (said,) = _shadowed({"variant": "auto"})
+    assert said.startswith("unknown LIGHTSHIP_VARIANT 'bogus'; choose from auto, onnx-fp32")
+    assert said.endswith("; --variant is used instead")
+    monkeypatch.setenv("LIGHTSHIP_VARIANT", "torchscript")
+    assert _shadowed({"variant": "auto"}) == []

@@ -243,12 +243,15 @@ def _call_with_known(
         reason = first_line(exc)
         where = "" if name in REGISTRY else f" ({_location(exc)})"  # the line in a user's model
         given = f"model.kwargs {extra}, and " if extra else ""
-        # the standard arguments are the data's: image_size 4 is data.image_size's to change
+        # a built-in model given no kwargs refused the data's (image_size 4): data.image_size
+        # is what to change; a user's model may fail for its own reasons (its line is named)
         fix = (
-            "check model.kwargs"
-            if extra
-            else "check data.image_size and data.channels (the model's image_size and "
+            "check data.image_size and data.channels (the model's image_size and "
             "in_channels), or choose another model.name"
+            if not extra and name in REGISTRY
+            else "check model.kwargs"
+            if extra
+            else "fix the model there, or data.image_size / data.channels if it refuses those"
         )
         raise ConfigError(
             f"cannot build model {name} with {given}{sorted(set(kwargs) - set(extra))}: "

@@ -70,6 +70,22 @@ def _check_variant(variant: str, given_as: str) -> None:
     )
 
 
+def _shadowed(flags: dict[str, Any]) -> list[str]:
+    """`shadowed_invalid`'s warnings, and an unknown LIGHTSHIP_VARIANT beside --variant (the
+    variant is checked here, not by pydantic)."""
+    from lightship.errors import ConfigError
+    from lightship.serve.settings import shadowed_invalid
+
+    warnings = shadowed_invalid(flags)
+    variable = os.environ.get("LIGHTSHIP_VARIANT", "").strip()
+    if "variant" in flags and variable:
+        try:
+            _check_variant(variable, "LIGHTSHIP_VARIANT")
+        except ConfigError as exc:  # the server would stop on it without --variant
+            warnings.append(f"{exc}; --variant is used instead")
+    return warnings
+
+
 def _warn_unknown_variables(flags: Collection[str]) -> None:
     """Each LIGHTSHIP_* variable that is no setting, or is not read; `flags`: the settings
     given as flags, which a variable's value would not have set anyway."""
@@ -222,9 +238,7 @@ def serve(
     for handler in logging.getLogger().handlers:  # a server's lines say when (uvicorn's too)
         handler.setFormatter(LogFormatter())
     _warn_unknown_variables([k for k, v in given.items() if v is not None])
-    from lightship.serve.settings import shadowed_invalid
-
-    for warning in shadowed_invalid({k: v for k, v in given.items() if v is not None}):
+    for warning in _shadowed({k: v for k, v in given.items() if v is not None}):
         logging.getLogger("lightship.serve").warning(warning)
     # Every counter and histogram also exported a `_created` timestamp series, doubling the
     # families a scrape stores (prometheus_client's default; Prometheus reads none of them).

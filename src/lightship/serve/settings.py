@@ -339,16 +339,19 @@ def unknown_variables(environ: Mapping[str, str], flags: Collection[str] = ()) -
 
 def shadowed_invalid(flags: Mapping[str, Any]) -> list[str]:
     """A warning for each setting given as a flag (`flags`: field to value) whose `LIGHTSHIP_*`
-    variable holds a value the setting cannot take. The flag wins, so nothing read it, and the
-    server stopped on it only once the flag was dropped (a container's command edited, its env
-    kept): `LIGHTSHIP_TOP_K=notanint` beside `--top-k 1` went unsaid."""
+    variable holds a value the server would stop on: one the setting cannot take, or one at
+    odds with another setting (LIGHTSHIP_MAX_QUEUE_ROWS=8 with the batch's 64). The flag wins,
+    so nothing read it, and the server stopped on it only once the flag was dropped (a
+    container's command edited, its env kept): `LIGHTSHIP_TOP_K=notanint` beside `--top-k 1`
+    went unsaid. (An unknown LIGHTSHIP_VARIANT is `lightship serve`'s to check.)"""
     from pydantic import ValidationError
 
+    unread = unread_variables(os.environ)
     shadowed = {
         field
         for field in flags
         if os.environ.get(ENV_PREFIX + field.upper(), "").strip()
-        and ENV_PREFIX + field.upper() not in unread_variables(os.environ)
+        and ENV_PREFIX + field.upper() not in unread
     }
     if not shadowed:
         return []
@@ -356,11 +359,18 @@ def shadowed_invalid(flags: Mapping[str, Any]) -> list[str]:
         with unread_hidden():
             ServeSettings(**{k: v for k, v in flags.items() if k not in shadowed})
     except ValidationError as exc:
-        return [
-            f"{ENV_PREFIX}{field.upper()}={os.environ[ENV_PREFIX + field.upper()]!r} is not a "
-            f"valid value ({str(error['msg']).removeprefix('Value error, ')}); {flag(field)} is "
-            "used instead, and the server would stop on it without that flag"
-            for error in exc.errors()
-            if error["loc"] and (field := str(error["loc"][0])) in shadowed
-        ]
+        said = []
+        for error in exc.errors():
+            message = str(error["msg"]).removeprefix("Value error, ")
+            if not error["loc"]:  # at odds with another setting: its message names both
+                given = ", ".join(flag(f) for f in sorted(shadowed))
+                said.append(f"without {given}, the server would stop on its variable: {message}")
+            elif (field := str(error["loc"][0])) in shadowed:
+                variable = ENV_PREFIX + field.upper()
+                said.append(
+                    f"{variable}={os.environ[variable]!r} is not a valid value ({message}); "
+                    f"{flag(field)} is used instead, and the server would stop on it without "
+                    "that flag"
+                )
+        return said
     return []

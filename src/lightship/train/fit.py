@@ -428,9 +428,9 @@ def _check_run_outside_data(cfg: Config, run: RunDir) -> None:
         raise ConfigError(
             f"the run directory {run.root} lies in the image folder it would train on "
             f"(data.path={cfg.data.path}): its checkpoints/ and logs/ would be read as classes; "
-            f"give a run directory outside the data, e.g. --run {data.parent / 'runs' / root.name}"
-            f" (or in a hidden folder of it, which is not read: --run "
-            f"{Path(cfg.data.path) / '.runs' / root.name})"
+            "give a run directory outside the data, e.g. --run "
+            f"{shlex.quote(str(data.parent / 'runs' / root.name))} (or in a hidden folder of "
+            f"it, which is not read: --run {shlex.quote(str(cfg.data.path / '.runs' / root.name))})"
         )
 
 
