@@ -40,6 +40,37 @@ def test_a_checkpoint_without_optimizer_settings_resumes_without_a_keyerror(
     assert _check_resume_schedule(cfg, ckpt, RunDir(tmp_path / "run")) is True
 
 
+@pytest.mark.parametrize(
+    ("was", "settings", "refused"),
+    [
+        # cosine's T_max restored: the rate hit 0 at epoch 3 and rose again, config.yaml said 8
+        ("cosine", ["trainer.max_epochs=8"], "schedule was made for 3 epochs, and past them"),
+        ("cosine", ["trainer.max_epochs=2"], None),  # fewer: it stops early, as onecycle's
+        ("cosine", ["trainer.max_epochs=3"], None),
+        # the checkpoint's schedule restored over the config's: changed, it was not used
+        ("cosine", ["optim.scheduler=none"], "optim.scheduler cosine -> none would not be used"),
+        ("none", ["optim.scheduler=cosine"], "optim.scheduler none -> cosine would not be used"),
+        ("none", ["trainer.max_epochs=8"], None),  # no schedule: more epochs at the same rate
+    ],
+)
+def test_a_resume_refuses_a_schedule_it_would_not_run(
+    tmp_path: Path, was: str, settings: list[str], refused: str | None
+) -> None:
+    from lightship.errors import ConfigError
+
+    cfg = load_config(CONFIGS / "tiny.yaml", [f"optim.scheduler={was}", *settings])
+    ckpt: dict[str, object] = {"hyper_parameters": {"optim": {"scheduler": was}}}
+    if was == "cosine":  # as CosineAnnealingLR's state_dict holds it, made for 3 epochs
+        ckpt["lr_schedulers"] = [{"T_max": 3, "last_epoch": 3, "eta_min": 0}]
+    run = RunDir(tmp_path / "run")
+    if refused is None:
+        _check_resume_schedule(cfg, ckpt, run)
+        return
+    with pytest.raises(ConfigError) as err:
+        _check_resume_schedule(cfg, ckpt, run)
+    assert refused in str(err.value) and str(err.value).startswith(f"cannot resume {run.root}")
+
+
 def test_a_training_diverged_after_its_best_checkpoint_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -90,3 +121,27 @@ def test_a_run_trained_on_a_folder_since_refused_as_split_still_resumes(
     (run / "best.ckpt").unlink()  # a finished run's resume writes it again from its data
     assert cli._invoke(["train", "--run", str(run), "--resume"]) == 0
     assert (run / "best.ckpt").is_file()
+
+
+def test_a_best_checkpoint_of_another_run_is_not_made_best_ckpt(tiny_run: Path) -> None:
+    """Another run's file copied over a top-k checkpoint became best.ckpt on resume, its
+    manifest entry describing last.ckpt's model, and every export was discarded for it."""
+    import torch
+
+    from lightship.train.fit import _check_same_run
+
+    run = RunDir(tiny_run)
+    last = torch.load(run.last_ckpt, weights_only=False)["hyper_parameters"]
+    top = run.checkpoints / "epoch=02-val_acc=0.8513.ckpt"
+    _check_same_run(dict(last), last, run, top)  # its own: nothing to say
+    moved = {**last, "model_spec": {**last["model_spec"], "module_file": "/elsewhere/m.py"}}
+    _check_same_run(moved, last, run, top)  # where a model's module lies is no part of it
+    other = {**last, "model_spec": {**last["model_spec"], "kwargs": {"stages": [[4], [8]]}}}
+    with pytest.raises(RunError) as err:
+        _check_same_run(other, last, run, top)
+    assert str(err.value).startswith(
+        f"checkpoints/epoch=02-val_acc=0.8513.ckpt, the best checkpoint of {tiny_run}, is not "
+        "this run's model (model.kwargs.stages [[8], [16]] -> [[4], [8]], against "
+        f"checkpoints/last.ckpt): move it out of {run.checkpoints} and resume again"
+    )
+    assert str(err.value).endswith(": best.ckpt is then made from last.ckpt")

@@ -193,6 +193,26 @@ def _check_resume_matches(
         raise _other_model_data(run, diffs, data_changed, own_config, cause)
 
 
+def _check_same_run(hparams: dict[str, Any], last: dict[str, Any], run: RunDir, best: Path) -> None:
+    """A best checkpoint a resume did not write (`best`, a top-k file of before) is the same
+    model on the same data as last.ckpt (`last`: its hyper-parameters, checked against the
+    config). Another run's file copied there became best.ckpt, its manifest entry describing
+    the model last.ckpt holds, and every export was discarded for it."""
+    diffs: list[str] = []
+    for key, name in _RESUME_HPARAMS.items():
+        old, new = last.get(key), hparams.get(key)
+        if key == "model_spec" and isinstance(old, dict) and isinstance(new, dict):
+            old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
+        diffs += _changes(old, new, name)
+    if diffs:
+        shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+        raise RunError(
+            f"{run.relative(best)}, the best checkpoint of {run.root}, is not this run's model "
+            f"({shown}, against checkpoints/last.ckpt): move it out of {run.checkpoints} and "
+            f"resume again ({run.train_command()}): best.ckpt is then made from last.ckpt"
+        )
+
+
 # What training measures on the data when the config does not set it: the pixel mean and std
 _MEASURED_ON_DATA = ("model.mean ", "model.std ", "input.mean ", "input.std ")
 
@@ -340,7 +360,26 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bo
     """OneCycleLR stores its total_steps; a resume planning more steps fails mid-run, fewer
     would cut the cycle short. Compare with the run's previous config, read before it is
     overwritten. False where that config.yaml is missing or unreadable (the user gave the
-    config with --config): `_check_resume_steps` then checks the schedule's own length."""
+    config with --config): `_check_resume_steps` then checks the schedule's own length.
+    Any schedule: Lightning restores the checkpoint's scheduler over the one the config makes,
+    so a changed `optim.scheduler` was not used (cosine to none kept annealing, none to cosine
+    counted from the resume), nor more epochs under cosine (its T_max restored: the rate hit 0
+    and climbed back up), while config.yaml said otherwise."""
+    was = (ckpt["hyper_parameters"].get("optim") or {}).get("scheduler")
+    if was is not None and was != cfg.optim.scheduler:
+        raise ConfigError(
+            f"cannot resume {run.root}: a resume goes on with the learning-rate schedule "
+            f"checkpoints/last.ckpt saved, so optim.scheduler {was} -> {cfg.optim.scheduler} "
+            f"would not be used: keep optim.scheduler={was}, or train afresh without --resume"
+        )
+    t_max = _cosine_epochs(ckpt) if cfg.optim.scheduler == "cosine" else None
+    if t_max is not None and cfg.trainer.max_epochs > t_max:
+        raise ConfigError(
+            f"cannot resume {run.root}: its cosine learning-rate schedule was made for {t_max} "
+            f"epochs, and past them (trainer.max_epochs {cfg.trainer.max_epochs}) the rate "
+            f"would rise again: keep trainer.max_epochs={t_max} or fewer, or train afresh "
+            "without --resume"
+        )
     if (
         cfg.optim.scheduler != "onecycle"
         and (ckpt["hyper_parameters"].get("optim") or {}).get("scheduler") != "onecycle"
@@ -366,6 +405,14 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bo
             "or train afresh without --resume"
         )
     return True
+
+
+def _cosine_epochs(ckpt: dict[str, Any]) -> int | None:
+    """The T_max (epochs) of the checkpoint's CosineAnnealingLR; None where it has none."""
+    try:
+        return int(ckpt["lr_schedulers"][0]["T_max"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def _check_resume_steps(
@@ -1052,6 +1099,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         loaded = checked[1]  # loaded and checked as the training ended
     else:
         loaded = load_checkpoint(best)
+        if resumed is not None:  # a top-k file of before: this run's, as last.ckpt is
+            _check_same_run(loaded.hparams, resumed["hyper_parameters"], run, best)
         _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
