@@ -283,13 +283,13 @@ def quantize(
     print(f"next: {next_command('report', run, RunDir(run).pythonpath())}")
 
 
-@app.command()
 def _held_back(variant: dict[str, Any]) -> bool:
     """A variant never recommended however fast (dynamic int8 on a conv net), not the eager
     reference, which is measured to compare with and is no served variant."""
     return not variant["recommendable"] and variant["name"] != "eager"
 
 
+@app.command()
 def report(
     run: RunOpt = Path("runs/default"),
     threads: Annotated[

@@ -674,3 +674,16 @@ def test_a_benchmarks_out_given_a_folder_asks_for_a_file(
         f"--out takes a file for the results, and {tmp_path} is a folder: give a file in it, "
         f"e.g. --out {tmp_path / 'results.json'}"
     )
+
+
+def test_the_cli_has_each_stage_and_nothing_else_as_a_command() -> None:
+    """A helper written between `@app.command()` and the function it decorated took the
+    decorator: `lightship report` was "No such command" and a helper was a command."""
+    import typer.main
+
+    from lightship.cli import app
+
+    group = typer.main.get_command(app)
+    assert sorted(group.commands) == [  # type: ignore[attr-defined]
+        "bench", "export", "quantize", "report", "serve", "train",
+    ]  # fmt: skip
