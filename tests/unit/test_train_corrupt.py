@@ -24,9 +24,14 @@ def test_a_corrupt_last_ckpt_is_answered_with_a_fresh_training_not_a_resume(
     last.write_bytes(last.read_bytes()[:1000])
     with pytest.raises(RunError) as err:
         _resume_checkpoint(RunDir(run))
+    newest = max((run / "checkpoints").glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    # or on from the newest top-k checkpoint, as for a lost last.ckpt: not from zero only
     assert str(err.value).endswith(
-        f"delete it and train again (`make train RUN={run} CONFIG={run}/config.yaml`)"
+        f"delete it and train again (`make train RUN={run} CONFIG={run}/config.yaml`), or "
+        f"resume from its newest checkpoint: `cp {newest} {last}`, then resume again"
     )
+    shutil.copy(newest, last)  # as it says
+    assert _resume_checkpoint(RunDir(run))["hyper_parameters"]["labels"]
 
 
 def test_a_checkpoint_without_optimizer_settings_resumes_without_a_keyerror(

@@ -123,23 +123,30 @@ _RESUME_HPARAMS = {
 }
 
 
+def _from_kept(run: RunDir) -> str:
+    """The other way on, where last.ckpt is lost or corrupt: a top-k checkpoint holds the same
+    training state, as of its epoch. "" where there is none."""
+    kept = sorted(run.checkpoints.glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not kept:
+        return ""
+    return (
+        f", or resume from its newest checkpoint: `cp {shlex.quote(str(kept[-1]))} "
+        f"{shlex.quote(str(run.last_ckpt))}`, then resume again"
+    )
+
+
 def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
     """last.ckpt, read and checked to be a lightship Lightning checkpoint, for `--resume`."""
     if not run.last_ckpt.is_file():
-        # a top-k checkpoint holds the same training state, as of its epoch
-        kept = sorted(run.checkpoints.glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime)
-        from_kept = (
-            f", or resume from its newest checkpoint: `cp {shlex.quote(str(kept[-1]))} "
-            f"{shlex.quote(str(run.last_ckpt))}`, then resume again"
-            if kept
-            else ""
-        )
         raise RunError(
             f"cannot resume: no {run.last_ckpt}: train afresh with "
-            f"{run.train_command(afresh=True)}{from_kept}"
+            f"{run.train_command(afresh=True)}{_from_kept(run)}"
             f"{'' if run.checkpoints.is_dir() else check_the_name(run.root)}"
         )
-    ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
+    try:
+        ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
+    except RunError as exc:  # training again from zero is not the only way on
+        raise RunError(f"{exc}{_from_kept(run)}") from None
     hparams = ckpt.get("hyper_parameters")
     lightning_keys = ("pytorch-lightning_version", "loops", "hyper_parameters")
     missing = [k for k in lightning_keys if k not in ckpt]
