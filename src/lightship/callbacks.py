@@ -46,6 +46,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
+class RandomState(Callback):
+    """The random generators' state in each checkpoint, put back on resume. `seed_everything`
+    at a resume started the generators over: the resumed epoch shuffled and augmented as the
+    first epoch had (its first indices the same), so a run stopped and resumed trained on
+    other batches than one that was not. Torch's generators are the ones training draws on
+    (the sampler's shuffle, the augmentation); each checkpoint holds them as the epoch left
+    them, so the epoch after draws what it would have."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        cpu = state_dict.get("torch")
+        if isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8:
+            torch.set_rng_state(cpu)
+        cuda = state_dict.get("cuda")
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def warmup_ema(
     decay: float, averaged: torch.Tensor, current: torch.Tensor, n_averaged: torch.Tensor
 ) -> torch.Tensor:

@@ -1264,3 +1264,21 @@ def test_a_resume_refuses_optimizer_settings_it_would_not_use(
         f"{said}put back the checkpoint's values in {run / 'config.yaml'} (optim.name: 'adamw', "
         "optim.lr: 0.003, optim.weight_decay: 0.0001), or train afresh without --resume"
     )
+
+
+def test_a_run_stopped_and_resumed_trains_as_one_that_was_not(tmp_path: Path) -> None:
+    """The resume seeded the generators afresh: its first epoch shuffled and augmented as the
+    run's first had, and the weights came out otherwise (max difference 0.025 after 3 epochs).
+    With the generators' state in each checkpoint they come out the same, bit for bit."""
+    plain = ["--config", TINY, "--set", "optim.scheduler=none"]  # epochs may be added
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_cli("train", "--run", str(whole), *plain, "--set", "trainer.max_epochs=3", check=True)
+    run_cli("train", "--run", str(resumed), *plain, "--set", "trainer.max_epochs=1", check=True)
+    more = ["--resume", "--set", "trainer.max_epochs=3"]
+    run_cli("train", "--run", str(resumed), *more, check=True)
+    a, b = (
+        torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, resumed)
+    )
+    assert a["epoch"] == b["epoch"] == 2
+    for name, weights in a["state_dict"].items():
+        assert torch.equal(weights, b["state_dict"][name]), name

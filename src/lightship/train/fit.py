@@ -29,6 +29,7 @@ from lightship import __version__, models
 from lightship.callbacks import (
     AtomicCheckpointIO,
     LatestBestCheckpoint,
+    RandomState,
     WarmupEMA,
     evaluate,
     fit_trainer,
@@ -976,7 +977,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         save_last=True,
     )
     config_file = _ConfigAtFirstCheckpoint(run.config, dump_config(cfg))
-    callbacks: list[Callback] = [checkpoint, config_file]
+    callbacks: list[Callback] = [checkpoint, config_file, RandomState()]
     if cfg.optim.ema_decay is not None:
         # Validation, checkpoints and best.ckpt see the averaged weights: a smoother trajectory,
         # so the val_acc-selected checkpoint is not a lucky noisy step. Warmed up: a short or
