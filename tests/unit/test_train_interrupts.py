@@ -110,14 +110,15 @@ def test_an_export_stopped_between_formats_keeps_and_names_those_done(
         raise KeyboardInterrupt  # Ctrl-C while torch traces
 
     monkeypatch.setattr(core, "_writers", lambda opset: {**real, "torchscript": stopped})
-    argv = ["export", "--run", str(run), "--formats", "onnx,torchscript"]
-    assert cli._invoke(argv) == 130
+    # the export's own options are kept in the command (it dropped --opset and --atol)
+    argv = ["export", "--run", str(run), "--formats", "onnx,torchscript", "--opset", "17"]
+    assert cli._invoke([*argv, "--atol", "0.001"]) == 130
     # it ended with a bare "interrupted"
     assert capsys.readouterr().err.splitlines()[-1] == (
         "interrupted: onnx exported and kept; export the rest with `"
         + stage_command(
-            f"make export RUN={run} EXPORT_ARGS='--formats torchscript'",
-            f"lightship export --run {run} --formats torchscript",
+            f"make export RUN={run} EXPORT_ARGS='--formats torchscript --opset 17 --atol 0.001'",
+            f"lightship export --run {run} --formats torchscript --opset 17 --atol 0.001",
             run,
         )
         + "`"

@@ -107,14 +107,36 @@ def eager_logits(
     return {b: run_batched(predict, x, b) for b in batches}
 
 
-def _command(run: RunDir, loaded: LoadedCheckpoint, stage: str, formats: Sequence[str] = ()) -> str:
+def _command(
+    run: RunDir,
+    loaded: LoadedCheckpoint,
+    stage: str,
+    formats: Sequence[str] = (),
+    flags: Sequence[str] = (),
+) -> str:
     """`stage` on this run as a command that runs from here, with the PYTHONPATH its model's
-    module needs; for export, `formats` when they are not all of them."""
+    module needs; for export, `formats` when they are not all of them, and `flags` (the
+    options this export was given: `_flags`)."""
     env = spec_pythonpath(loaded.model_spec)
-    return stage_on(run.root, stage, env, "formats", formats, FORMATS)
+    return stage_on(run.root, stage, env, "formats", formats, FORMATS, flags)
 
 
-def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str]) -> str:
+def _flags(opset: int, atol: float) -> list[str]:
+    """`lightship export`'s options that give `opset` and `atol` where they are not the
+    defaults: an export said again (after a Ctrl-C, without a format) keeps them."""
+    return [
+        *(["--opset", str(opset)] if opset != DEFAULT_OPSET else []),
+        *(["--atol", f"{atol:g}"] if atol != DEFAULT_ATOL else []),
+    ]
+
+
+def _fix(
+    run: RunDir,
+    loaded: LoadedCheckpoint,
+    fmt: str,
+    chosen: Sequence[str],
+    flags: Sequence[str] = (),
+) -> str:
     """How to go on without `fmt`, as a command that runs from here. What this export wrote
     before `fmt` stays: the export of the formats asked for after it, or, when none is left and
     model.onnx is written, the next stage; else the export of the other formats asked for (all
@@ -126,7 +148,7 @@ def _fix(run: RunDir, loaded: LoadedCheckpoint, fmt: str, chosen: Sequence[str])
     if "onnx" in written and not rest:
         return f"leave {fmt} out: {done}; go on with `{_command(run, loaded, 'quantize')}`"
     others = rest or written or [f for f in FORMATS if f != fmt]
-    return f"leave {fmt} out: `{_command(run, loaded, 'export', others)}`" + (
+    return f"leave {fmt} out: `{_command(run, loaded, 'export', others, flags)}`" + (
         f" ({done})" if files else ""
     )
 
@@ -180,11 +202,15 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
         )
 
 
+DEFAULT_OPSET = 18
+DEFAULT_ATOL = 1e-4
+
+
 def export(
     run: RunLike,
     formats: Sequence[str] | str | None = None,
-    opset: int = 18,
-    atol: float = 1e-4,
+    opset: int = DEFAULT_OPSET,
+    atol: float = DEFAULT_ATOL,
     min_agreement: float = 1.0,
     parity_batch: int = 64,
 ) -> list[Artifact]:
@@ -255,7 +281,7 @@ def _export(
                 len(x_test),
             )
             final = run.export_dir / FILENAMES[fmt]
-            fix = _fix(run, loaded, fmt, chosen)
+            fix = _fix(run, loaded, fmt, chosen, _flags(opset, atol))
             if final.exists():  # a failure keeps an earlier export: say so, not just "not written"
                 fix = f"the earlier {final.name} stays as it was; {fix}"
             with then_held() as then, atomic_path(final) as tmp:
@@ -313,6 +339,7 @@ def _export(
         rest = [f for f in chosen if f not in done]
         kept = f"{', '.join(done)} exported and kept; " if done else ""
         again = "export the rest with" if done else "export again with"
-        note_interrupt(f"{kept}{again} `{_command(run, loaded, 'export', rest)}`")
+        again += f" `{_command(run, loaded, 'export', rest, _flags(opset, atol))}`"
+        note_interrupt(f"{kept}{again}")
         raise
     return artifacts
