@@ -150,3 +150,26 @@ def test_a_best_checkpoint_of_another_run_is_not_made_best_ckpt(tiny_run: Path) 
         f"checkpoints/last.ckpt): move it out of {run.checkpoints} and resume again"
     )
     assert str(err.value).endswith(": best.ckpt is then made from last.ckpt")
+
+
+def test_a_resume_whose_config_yaml_is_gone_is_not_told_to_use_it(tmp_path: Path) -> None:
+    """The built-in defaults stood in for a deleted config.yaml, and the refusal said to
+    resume with that config.yaml."""
+    from lightship.runs import stage_command
+    from lightship.train.fit import _other_model_data
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    said = str(_other_model_data(run, ["data.image_size 16 -> 28"], False, own_config=False))
+    assert said.endswith(
+        "its config.yaml is missing: resume with the config it trained with (`"
+        + stage_command(
+            f"make train RESUME=1 RUN={run.root} CONFIG=...",
+            f"lightship train --run {run.root} --resume --config ...",
+            run.root,
+        )
+        + "`), or train without --resume"
+    )
+    (run.root / "config.yaml").write_text("seed: 0\n")
+    said = str(_other_model_data(run, ["data.image_size 16 -> 28"], False, own_config=False))
+    assert said.endswith(f"resume with the run's config ({run.config})")

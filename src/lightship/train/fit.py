@@ -69,6 +69,7 @@ from lightship.runs import (
     next_command,
     note_interrupt,
     sha256_file,
+    stage_command,
     then_held,
 )
 from lightship.runtime.base import caller_state_kept, random_state_kept
@@ -253,7 +254,21 @@ def _other_model_data(
             f"config.yaml or last.ckpt the run trained with, or {afresh}"
             if own_config
             else f"train without --resume, or resume with the run's config ({run.config})"
+            if run.config.is_file()
+            # deleted: the built-in defaults stood in for it
+            else f"its {run.config.name} is missing: resume with the config it trained with "
+            f"(`{_resume_with_config(run)}`), or train without --resume"
         )
+    )
+
+
+def _resume_with_config(run: RunDir) -> str:
+    """The command that resumes `run` with a config given (its own config.yaml lost)."""
+    q = shlex.quote(str(run.root))
+    return stage_command(
+        f"make train RESUME=1 RUN={q} CONFIG=...",
+        f"lightship train --run {q} --resume --config ...",
+        run.root,
     )
 
 
