@@ -173,3 +173,22 @@ def test_a_resume_whose_config_yaml_is_gone_is_not_told_to_use_it(tmp_path: Path
     (run.root / "config.yaml").write_text("seed: 0\n")
     said = str(_other_model_data(run, ["data.image_size 16 -> 28"], False, own_config=False))
     assert said.endswith(f"resume with the run's config ({run.config})")
+
+
+def test_a_resume_of_a_run_without_checkpoints_is_not_taken_for_a_mistyped_name(
+    tmp_path: Path,
+) -> None:
+    """A run with best.ckpt and its manifest but no checkpoints/ was told to check its name,
+    with the runs beside it; a name that is no run there still is."""
+    (tmp_path / "other" / "checkpoints").mkdir(parents=True)
+    run = RunDir(tmp_path / "kept")
+    run.root.mkdir()
+    run.best_ckpt.write_bytes(b"weights")
+    with pytest.raises(RunError) as err:
+        _resume_checkpoint(run)
+    assert "check the name" not in str(err.value)
+    with pytest.raises(RunError) as err:
+        _resume_checkpoint(RunDir(tmp_path / "othr"))
+    assert str(err.value).endswith(
+        f" (or check the name: did you mean {tmp_path / 'other'}? {tmp_path}/ holds: kept, other)"
+    )

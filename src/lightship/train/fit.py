@@ -143,7 +143,12 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
         raise RunError(
             f"cannot resume: no {run.last_ckpt}: train afresh with "
             f"{run.train_command(afresh=True)}{_from_kept(run)}"
-            f"{'' if run.checkpoints.is_dir() else check_the_name(run.root)}"
+            # a mistyped name: no such run there (one with best.ckpt or a manifest is a run)
+            + (
+                check_the_name(run.root)
+                if not any(p.exists() for p in (run.checkpoints, run.best_ckpt, run.manifest_path))
+                else ""
+            )
         )
     try:
         ckpt = read_checkpoint(run.last_ckpt)  # a corrupt file fails here with a one-line error
