@@ -204,3 +204,37 @@ def test_a_lone_int8_file_is_checked_against_this_cpu_by_its_metadata(
     verify(model, "refuse", cpu=VNNI)  # the CPU it was made for
     fp32 = choose(ServeSettings(run=handmade_onnx(tmp_path / "fp32.onnx")))
     verify(fp32, "refuse", cpu=AVX2)  # no target in its metadata: runs anywhere
+
+
+def test_a_model_replaced_while_it_loads_is_not_served(
+    exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file was hashed, then opened again to load: one a stage renamed in meanwhile was
+    served under the old manifest entry, never checked."""
+    import shutil
+    import socket
+
+    from lightship.serve import app as serve_app
+    from lightship.serve.model import ServedModel
+
+    run = tmp_path / "run"
+    shutil.copytree(exported_run, run)
+    real_load = ServedModel.load
+
+    def load_replaced(self: ServedModel, *args: object, **kwargs: object) -> object:
+        predictor = real_load(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.path.write_bytes(self.path.read_bytes() + b"\0")  # a quantize's rename, say
+        return predictor
+
+    monkeypatch.setattr(ServedModel, "load", load_replaced)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        with pytest.raises(RunError) as err:
+            serve_app._serve_on(sock, ServeSettings(run=run, variant="onnx-fp32"))
+    finally:
+        sock.close()
+    assert str(err.value) == (
+        f"{run}/export/model.onnx differs from its manifest entry (sha256): it was replaced "
+        "while it loaded; start the server again"
+    )

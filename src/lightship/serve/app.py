@@ -1656,6 +1656,14 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
     if warning := _batch_dependent(served, settings):
         log.warning("%s", warning)
     predictor = served.load(settings.device, threads, settings.split_batches)
+    if served.entry is not None:
+        # hashed by `verify`, then opened again to load: a stage that renamed a new file in
+        # meanwhile (quantize, export) had its file served under the old entry, never checked
+        from lightship.runs import check_recorded
+
+        check_recorded(
+            served.path, served.entry, "it was replaced while it loaded; start the server again"
+        )
     app = create_app(predictor, served, settings)
     service: Service = app.state.service
     config = uvicorn.Config(
