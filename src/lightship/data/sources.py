@@ -799,6 +799,9 @@ def load_splits(
         raise DataError(f"unknown data.source '{spec.source}': use digits, folder or npz")
     parts = stratified_split(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
     train, val, test = parts
+    # An image folder's files are hashed as they are read, below; but one whose split is empty
+    # is not read: for a run's recorded data, that is data changed since (training refuses an
+    # empty split), said as such by its count
     if folder_files is None or min(map(len, parts)) == 0:
         _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
     if min(len(train), len(val), len(test)) == 0:
