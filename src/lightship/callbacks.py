@@ -57,7 +57,11 @@ class RandomState(Callback):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            # the current device's alone: rank 0 saves the checkpoint, and its list of every
+            # device's had the others' as seeded (rank 1's cuda:1 was never drawn on there),
+            # which each rank would have put back; seeded alike, every rank's own device
+            # draws what rank 0's does
+            state["cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -65,8 +69,8 @@ class RandomState(Callback):
         if isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8:
             torch.set_rng_state(cpu)
         cuda = state_dict.get("cuda")
-        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
+        if isinstance(cuda, torch.Tensor) and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda)
 
 
 def warmup_ema(

@@ -167,6 +167,24 @@ def test_an_empty_class_folder_added_since_training_is_to_be_removed(tmp_path: P
     )
 
 
+def test_npz_data_a_run_trained_on_is_to_be_put_back_not_renumbered(tmp_path: Path) -> None:
+    """Renumbering y, as the message said, was then refused as changed data."""
+    x = np.zeros((9, 1, 4, 4), np.uint8)
+    path = tmp_path / "d.npz"
+    np.savez(path, x=x, y=np.array([0, 0, 0, 1, 1, 1, 1, 1, 1]), labels=np.array(["a", "b", "c"]))
+    spec = DataSpec(source="npz", path=str(path), image_size=4)
+    with pytest.raises(DataError, match=r"renumber y"):
+        load_splits(spec)
+    for trained in ({"recorded": True}, {"resumed": True}):
+        with pytest.raises(DataError) as err:
+            load_splits(spec, **trained)  # type: ignore[arg-type]
+        assert str(err.value).endswith(
+            "1 of 3 classes have no images ('c'): the run trained with none empty: put the data "
+            "back as it was when the run trained (remove those added since; images added would "
+            "change the data, and be refused)"
+        )
+
+
 def test_missing_and_empty_folder_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=f"{tmp_path / 'absent'} does not exist"):
         load_splits(DataSpec(source="folder", path=str(tmp_path / "absent")))
@@ -528,8 +546,12 @@ def test_a_refused_split_layout_names_the_folder_of_class_folders_to_give(
         make_folder(intel / split / split, per_class=2)
     (intel / "seg_pred" / "seg_pred").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(intel / "seg_pred" / "seg_pred" / "0.jpg")
-    with pytest.raises(DataError, match="data.path=.*seg_train/seg_train$"):
+    with pytest.raises(DataError, match="data.path=.*seg_train/seg_train$") as err:
         _folder(intel, 3, 8)
+    # its labelled split is to be moved in; the unlabelled images to predict cannot be
+    assert "move the images of seg_test/ into the class folders of seg_train/seg_train/" in str(
+        err.value
+    )
 
 
 def test_a_split_folder_beside_one_of_loose_images_is_refused(tmp_path: Path) -> None:

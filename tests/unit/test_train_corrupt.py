@@ -192,3 +192,21 @@ def test_a_resume_of_a_run_without_checkpoints_is_not_taken_for_a_mistyped_name(
     assert str(err.value).endswith(
         f" (or check the name: did you mean {tmp_path / 'other'}? {tmp_path}/ holds: kept, other)"
     )
+
+
+def test_an_older_runs_best_checkpoint_is_its_own_without_a_fingerprint_or_with_a_digits_path(
+    tiny_run: Path,
+) -> None:
+    """An older lightship's checkpoints hold no data fingerprint, or a path beside digits:
+    the best checkpoint a resume wrote was refused as not the run's own."""
+    import torch
+
+    from lightship.train.fit import _check_same_run
+
+    run = RunDir(tiny_run)
+    last = torch.load(run.last_ckpt, weights_only=False)["hyper_parameters"]
+    top = run.checkpoints / "epoch=02-val_acc=0.8513.ckpt"
+    old = {k: v for k, v in last["data_spec"].items() if k != "fingerprint"}
+    for data_spec in (old, {**last["data_spec"], "path": "data/whatever"}):
+        _check_same_run({**last, "data_spec": data_spec}, last, run, top)
+        _check_same_run(last, {**last, "data_spec": data_spec}, run, top)

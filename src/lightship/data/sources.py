@@ -292,6 +292,12 @@ def _class_folders_below(folder: Path) -> Path:
         folder = inside[0]
 
 
+def _holds_classes(folder: Path) -> bool:
+    """Whether `folder`, or the one folder it alone holds, holds class folders (two or more)."""
+    found = _class_folders_below(folder)
+    return sum(p.is_dir() and not p.name.startswith(".") for p in found.iterdir()) > 1
+
+
 def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     """root/{train,val}/<class>/, the layout many downloaded data sets come in (Kaggle's
     training_set/test_set too): read as classes, it trained a train-versus-val classifier, and
@@ -312,12 +318,17 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     train = next((c for c in holding if "train" in kinds[c]), holding[0])
     found = _class_folders_below(root / train)
     held = sorted(p.name for p in found.iterdir() if p.is_dir() and not p.name.startswith("."))
-    # the other splits' images are not read then: said, not dropped without a word
-    others = ", ".join(f"{c}/" for c in classes if c != train)
-    fix = (
+    # the other labelled splits' images are not read then: said, not dropped without a word
+    # (a split of loose images, Intel's seg_pred/seg_pred/*.jpg, is unlabelled: nothing to move)
+    others = ", ".join(f"{c}/" for c in holding if c != train and _holds_classes(root / c))
+    move = (
         f"move the images of {others} into the class folders of {found.relative_to(root)}/ "
-        "to use them too, and point data.path at its folder of class folders: "
-        f"{set_arg('data.path', str(found))}"
+        "to use them too, and "
+        if others
+        else ""
+    )
+    fix = (
+        f"{move}point data.path at its folder of class folders: {set_arg('data.path', str(found))}"
         if len(held) > 1
         else "point data.path at a folder holding one sub-folder per class"
     )
@@ -525,7 +536,9 @@ def _folder(
     return _decode_folder(root, files, classes, channels, size, rows, digest), y, classes
 
 
-def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def _npz(path: Path, trained: bool = False) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """An .npz file's images, labels and class names; `trained`: data a run has trained on
+    (`_check_classes`)."""
     if path.is_dir():
         raise DataError(
             f"data.source=npz needs an .npz file, but {path} is a folder: set data.source=folder "
@@ -620,7 +633,7 @@ def _npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
         raise DataError(
             f"{path}: y has class index {y.max()} but 'labels' names only {len(labels)} classes"
         )
-    _check_classes("npz", str(path), y, labels)
+    _check_classes("npz", str(path), y, labels, trained)
     return x, y, labels
 
 
@@ -790,7 +803,7 @@ def load_splits(
             layout = not recorded if check_layout is None else check_layout
             folder_files, y, labels = _folder_files(path, layout, recorded or resumed)
         else:
-            x, y, labels = _npz(path)
+            x, y, labels = _npz(path, recorded or resumed)
             with path.open("rb") as fh:
                 digest.update(hashlib.file_digest(fh, "sha256").digest())
             if spec.channels == 1 and x.shape[1] == 3:

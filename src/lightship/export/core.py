@@ -126,7 +126,7 @@ def _flags(opset: int, atol: float) -> list[str]:
     defaults: an export said again (after a Ctrl-C, without a format) keeps them."""
     return [
         *(["--opset", str(opset)] if opset != DEFAULT_OPSET else []),
-        *(["--atol", f"{atol:g}"] if atol != DEFAULT_ATOL else []),
+        *(["--atol", repr(atol)] if atol != DEFAULT_ATOL else []),  # exact: :g dropped digits
     ]
 
 

@@ -162,6 +162,7 @@ def _resume_checkpoint(run: RunDir) -> dict[str, Any]:
         raise RunError(
             f"cannot resume: {run.last_ckpt} is not a lightship training checkpoint "
             f"(it lacks {', '.join(missing)}): delete it and train without --resume"
+            f"{_from_kept(run)}"
         )
     return ckpt
 
@@ -207,6 +208,13 @@ def _check_resume_matches(
         raise _other_model_data(run, diffs, data_changed, own_config, cause)
 
 
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _check_same_run(hparams: dict[str, Any], last: dict[str, Any], run: RunDir, best: Path) -> None:
     """A best checkpoint a resume did not write (`best`, a top-k file of before) is the same
     model on the same data as last.ckpt (`last`: its hyper-parameters, checked against the
@@ -215,8 +223,17 @@ def _check_same_run(hparams: dict[str, Any], last: dict[str, Any], run: RunDir, 
     diffs: list[str] = []
     for key, name in _RESUME_HPARAMS.items():
         old, new = last.get(key), hparams.get(key)
-        if key == "model_spec" and isinstance(old, dict) and isinstance(new, dict):
-            old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
+        if isinstance(old, dict) and isinstance(new, dict):
+            # as `_check_resume_matches` compares them: where a model's module lies is no part
+            # of it; an older lightship's checkpoints hold no fingerprint, or a path beside
+            # digits, which reads none
+            if key == "model_spec":
+                old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
+            if key == "data_spec":
+                old, new = (dict(without_unread_path(d)) for d in (old, new))
+                if old.get("fingerprint") is None or new.get("fingerprint") is None:
+                    old.pop("fingerprint", None)
+                    new.pop("fingerprint", None)
         diffs += _changes(old, new, name)
     if diffs:
         shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
@@ -405,7 +422,7 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bo
         raise ConfigError(
             f"cannot resume {run.root}: its cosine learning-rate schedule was made for {t_max} "
             f"epochs, and past them (trainer.max_epochs {cfg.trainer.max_epochs}) the rate "
-            f"would rise again: keep trainer.max_epochs={t_max} or fewer, or train afresh "
+            f"would rise again: keep trainer.max_epochs at {t_max} at most, or train afresh "
             "without --resume"
         )
     if (
@@ -1061,6 +1078,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     with _replacing_previous(run, keep=resume, env=pythonpath) as new_run:
         if new_run:
             config_file.write()
+        # the top-k files of before the resume: a best one of them is checked to be this run's
+        kept_before = {p: p.stat().st_mtime_ns for p in run.checkpoints.glob("epoch=*.ckpt")}
         fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
         checked = None  # the best checkpoint, loaded to check a training that diverged
         if trainer.is_global_zero and not _losses_finite(trainer):
@@ -1127,7 +1146,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         loaded = checked[1]  # loaded and checked as the training ended
     else:
         loaded = load_checkpoint(best)
-        if resumed is not None:  # a top-k file of before: this run's, as last.ckpt is
+        if resumed is not None and kept_before.get(best) == _mtime_ns(best):
+            # a top-k file of before the resume, not one it wrote: this run's, as last.ckpt is
             _check_same_run(loaded.hparams, resumed["hyper_parameters"], run, best)
         _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
     if not unchanged:
