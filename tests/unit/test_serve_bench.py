@@ -17,7 +17,9 @@ import pytest
 import typer
 
 from lightship.cli import app
-from lightship.errors import LightshipError
+from lightship.errors import ConfigError, LightshipError, RunError
+from lightship.runs import RunDir
+from lightship.runtime.base import physical_cores
 from lightship.serve import bench, v2
 from tests.conftest import ROOT
 from tests.handmade import handmade_onnx
@@ -658,6 +660,10 @@ def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
     monkeypatch.setattr(bench, "bench_model", lambda *args: digits)
     out = tmp_path / "serve.json"
     bench.bench(tmp_path / "d", tmp_path / "r", 1.0, [16], out, rounds=1, models="digits")
+    # `--out X.md`: the table went to X.md over the JSON, which was lost
+    bench.bench(tmp_path / "d", tmp_path / "r", 1.0, [16], tmp_path / "t.md", 1, models="digits")
+    assert json.loads((tmp_path / "t.json").read_text())["models"][0]["model"] == "digits"
+    assert (tmp_path / "t.md").read_text().startswith("CPU: Test CPU")
     cpu = {
         "model": "Test CPU",
         "arch": "x86_64",
@@ -668,7 +674,7 @@ def test_the_benchmark_names_the_cpu_with_the_reports_int8_flags(
     header = out.with_suffix(".md").read_text().splitlines()[0]
     assert header.startswith(
         "CPU: Test CPU (x86_64; avx2 avx512f avx512bw avx512_vnni), this CPU's int8 target vnni, "
-        f"{os.cpu_count()} cores;"
+        f"{physical_cores()} cores;"  # those it may use (taskset, a CPU quota)
     )
 
 
@@ -789,3 +795,53 @@ def test_each_server_cell_carries_the_in_process_rate_measured_just_before_it(
             assert events[i - 1] == ("rate", made.in_process_rows_per_s), events[i - 1]
         else:
             assert made.in_process_rows_per_s is None
+
+
+NEVER_READY = """
+import time
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_server_stopped_while_it_starts_is_not_left_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C or SIGTERM to the bench while a server started left it serving, adopted by
+    init: it was recorded only once ready."""
+    import sys
+
+    (tmp_path / "stub.py").write_text(NEVER_READY)
+    started: list[bench._Process] = []
+
+    def interrupted(self: bench._Process, path: str, timeout: float = 120) -> None:
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench._Process, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench._Process([sys.executable, str(tmp_path / "stub.py")], tmp_path / "log")
+    (proc,) = started
+    assert proc.proc.poll() is not None  # stopped
+
+
+def test_a_server_that_exits_says_what_it_wrote_not_a_log_since_deleted(tmp_path: Path) -> None:
+    import sys
+
+    (tmp_path / "stub.py").write_text(
+        "import sys\nprint('error: port taken', flush=True)\nsys.exit(2)\n"
+    )
+    with pytest.raises(RunError) as err:
+        bench._Process([sys.executable, str(tmp_path / "stub.py")], tmp_path / "log")
+    assert str(err.value) == "server exited 2: error: port taken"
+
+
+def test_an_invalid_serve_variable_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTSHIP_MAX_BATCH_ROWS", "abc")
+    with pytest.raises(ConfigError) as err:
+        bench.bench_model("digits", RunDir(tmp_path), "auto", [1], 1.0, 1, tmp_path, None)
+    assert str(err.value).startswith(
+        "invalid serve settings (LIGHTSHIP_MAX_BATCH_ROWS=abc: Input should be a valid integer"
+    )

@@ -53,6 +53,7 @@ from lightship.quantize.isa import describe
 from lightship.report.measure import machine_cpu_s, time_calls
 from lightship.runs import RunDir, atomic_write_text, check_writable
 from lightship.runtime import DEVICE, Predictor
+from lightship.runtime.base import allowed_cpus, physical_cores
 from lightship.serve.model import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,11 @@ class _Process:
             self.proc = subprocess.Popen(
                 [*cmd, "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT
             )
-        self._wait(ready_path)
+        try:
+            self._wait(ready_path)
+        except BaseException:  # a Ctrl-C or SIGTERM while it starts too: not left serving
+            self.stop()
+            raise
 
     def _wait(self, path: str, timeout: float = 120) -> None:
         import httpx
@@ -238,7 +243,8 @@ class _Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RunError(f"server exited {self.proc.returncode}; its log: {self.log}")
+                # the log's folder goes with the bench: its last lines, not its path
+                raise RunError(f"server exited {self.proc.returncode}: {self._log_tail()}")
             try:
                 if httpx.get(self.url + path, timeout=1).status_code == 200:
                     return
@@ -246,7 +252,16 @@ class _Process:
                 pass
             time.sleep(0.02)
         self.stop()
-        raise RunError(f"server not ready after {timeout:.0f} s; its log: {self.log}")
+        raise RunError(f"server not ready after {timeout:.0f} s: {self._log_tail()}")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        """The last lines the server wrote, one line, for an error."""
+        try:
+            said = [line.strip() for line in self.log.read_text(errors="replace").splitlines()]
+        except OSError:
+            return "it wrote no log"
+        said = [line for line in said if line][-lines:]
+        return " / ".join(said)[-600:] if said else "it wrote nothing"
 
     def get(self, path: str) -> str:
         import httpx
@@ -269,7 +284,7 @@ def _wrk(
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(WRK_LUA)
     env = {**os.environ, "BENCH_BODY": str(body), "BENCH_HEADER_LENGTH": str(header_length or "")}
-    threads = max(1, min(concurrency, os.cpu_count() or 1))
+    threads = max(1, min(concurrency, len(allowed_cpus())))  # those it may run on (taskset)
     cmd = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{duration:g}s"]
     cmd += ["--timeout", "10s", "-s", script.name, url]
     try:
@@ -488,14 +503,15 @@ def bench_model(
     from rich.console import Console
 
     from lightship.serve.app import LARGE_BODY_BYTES
+    from lightship.serve.command import _settings as _serve_settings
     from lightship.serve.model import choose
-    from lightship.serve.settings import ServeSettings, unread_hidden
 
     console = Console(stderr=True, soft_wrap=True)
-    with unread_hidden():  # as `lightship serve`, which it starts, reads them
-        settings = ServeSettings(
-            run=run.root, variant=variant, threads=threads, instances=instances, device=device
-        )
+    # as `lightship serve`, which it starts, reads them: an invalid LIGHTSHIP_* variable is
+    # the same one-line error (it was a pydantic traceback)
+    settings = _serve_settings(
+        run=run.root, variant=variant, threads=threads, instances=instances, device=device
+    )
     served = choose(settings)
     spec = (served.entry or {})["input_spec"]
     c, h, w = (int(d) for d in spec["shape"][1:])
@@ -876,6 +892,8 @@ def bench(
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll
 
+    if out.suffix.lower() == ".md":  # the table goes beside it as .md: it took its place
+        out = out.with_suffix(".json")
     check_writable(out, out.with_suffix(".md"))
     cpu = host_cpu()
     made = {
@@ -903,7 +921,8 @@ def bench(
         ]
     results = {
         "cpu": cpu.as_dict(target=True),  # as report.json names it
-        "cores": os.cpu_count(),
+        # those the bench may use (taskset, a container's CPU quota), as the server counts them
+        "cores": physical_cores(),
         "device": device,
         "gpu": gpu_name(device),
         "python": platform.python_version(),
