@@ -623,16 +623,18 @@ def test_a_data_set_in_a_wrapper_folder_is_told_the_folder_of_its_classes(tmp_pa
             Image.new("RGB", (8, 8)).save(tmp_path / wrapper / cls / "0.png")
     (tmp_path / "food" / "meta").mkdir()
     (tmp_path / "food" / "meta" / "classes.txt").write_text("cats\ndogs\n")
-    with pytest.raises(DataError) as err:
-        _folder(tmp_path / "wrap", 3, 8)
-    assert str(err.value).endswith(
+
+    def refusal(root: Path) -> str:
+        with pytest.raises(DataError) as err:
+            _folder(root, 3, 8)
+        return str(err.value)
+
+    assert refusal(tmp_path / "wrap").endswith(
         "has a single class ('training_set'): a classifier needs at least 2: the classes are the "
         f"folders in {tmp_path / 'wrap' / 'training_set'} (cats, dogs): point data.path at it, "
         f"--set data.path={tmp_path / 'wrap' / 'training_set'}"
     )
-    with pytest.raises(DataError) as err:
-        _folder(tmp_path / "food", 3, 8)
-    assert str(err.value).endswith(
+    assert refusal(tmp_path / "food").endswith(
         "1 of 2 classes have no images ('meta'): add images to those sub-folders or remove them; "
         f"or, if the classes are the folders in {tmp_path / 'food' / 'images'} (cats, dogs): "
         f"point data.path at it, --set data.path={tmp_path / 'food' / 'images'}"
