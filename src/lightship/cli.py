@@ -114,8 +114,9 @@ def _root(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    if not verbose:  # the ONNX exporter narrates every optimisation pass at INFO
-        for name in ("onnxscript", "onnx_ir", "torch.onnx"):
+    if not verbose:  # the ONNX exporter narrates every optimisation pass at INFO; torch's
+        # own INFO lines are its developers' (fake_tensor's came after a Ctrl-C's last line)
+        for name in ("onnxscript", "onnx_ir", "torch"):
             logging.getLogger(name).setLevel(logging.WARNING)
         # Noise that says nothing about the user's run: torchao's optional CUDA/Triton kernels
         # (absent on CPU), the exporter skipping torchvision ops, Lightning's accelerator and
