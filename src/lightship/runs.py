@@ -620,7 +620,7 @@ SET_ASIDE_BACK = ".back"
 _locked: dict[Path, tuple[int, str]] = {}
 
 
-def _distributed_worker() -> bool:
+def distributed_worker() -> bool:
     """A DDP worker: Lightning re-runs the command line with LOCAL_RANK=1.., torchrun sets RANK.
     Rank 0 holds the run's lock and writes its files; the workers write none."""
     return any(os.environ.get(k, "0") != "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
@@ -721,7 +721,7 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
             f"{root} is in use by another thread of this process ({holder[1]}): wait for it "
             "to finish"
         )
-    if holder is not None or _distributed_worker():
+    if holder is not None or distributed_worker():
         yield
         return
     made = [p for p in [root, *root.parents] if not p.exists()] if create else []
@@ -1160,6 +1160,10 @@ class RunDir:
         wrote no checkpoint of its own (no last.ckpt), or was being put back, else outdated by
         its checkpoints and deleted (`put_back` says what each marker means). Call with the
         run's lock held. Returns what was done, for a line to print."""
+        if distributed_worker():
+            # a DDP worker re-runs the command line while rank 0 fills its own stash: it put
+            # back, or tried to delete, what rank 0 had just set aside
+            return None
         done = None
         for folder in sorted(self.root.glob(f"{SET_ASIDE_PREFIX}*")):
             if not folder.is_dir() or folder.is_symlink():

@@ -656,3 +656,19 @@ def test_a_full_disk_after_the_epochs_says_to_resume_not_to_train_again(
     assert "recorded in manifest.json again" in capsys.readouterr().out
     entry = RunDir(run).artifact("checkpoint")
     assert entry is not None and entry["sha256"] == sha256_file(run / "best.ckpt")
+
+
+@pytest.mark.parametrize("variable", ["LOCAL_RANK", "RANK"])
+def test_a_ddp_worker_leaves_rank_zeros_stash_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """Lightning's rank 1 re-runs the command line as rank 0 fills its stash: it put back,
+    or tried to delete, what rank 0 had just set aside ("cannot rename it to delete it")."""
+    run, _ = _old_run(tmp_path)
+    stash = run.set_aside()
+    os.replace(run.last_ckpt, stash / "last.ckpt")  # rank 0, filling it
+    monkeypatch.setenv(variable, "1")
+    assert run.recover_set_aside() is None
+    assert (stash / "last.ckpt").is_file() and not run.last_ckpt.exists()
+    monkeypatch.setenv(variable, "0")  # rank 0 itself, in a later training: its own to put back
+    assert run.recover_set_aside() is not None and run.last_ckpt.is_file()

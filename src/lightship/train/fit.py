@@ -63,6 +63,7 @@ from lightship.runs import (
     atomic_write_text,
     check_the_name,
     check_writable,
+    distributed_worker,
     held_stop_signals,
     lock_run,
     made_next_by_make,
@@ -956,7 +957,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         cfg.data, pin_memory=use_cuda, check_layout=resumed is None, resumed=resumed is not None
     )
     splits = dm.splits  # data errors surface here, before anything is written
-    _say_data(cfg.data.source, cfg.data.path, splits)
+    if not distributed_worker():  # said once, by rank 0 (a DDP worker runs this too)
+        _say_data(cfg.data.source, cfg.data.path, splits)
     mean, std = cfg.model.mean, cfg.model.std
     if mean is None or std is None:
         data_mean, data_std = splits.pixel_stats()
