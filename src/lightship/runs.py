@@ -1168,6 +1168,10 @@ class RunDir:
         for folder in sorted(self.root.glob(f"{SET_ASIDE_PREFIX}*")):
             if not folder.is_dir() or folder.is_symlink():
                 continue
+            if all(p.name in (SET_ASIDE_DONE, SET_ASIDE_BACK) for p in folder.iterdir()):
+                # a new run's: nothing was set aside, so nothing to say was put back or deleted
+                self.drop_set_aside(folder)
+                continue
             if (folder / SET_ASIDE_BACK).is_file():
                 outdated = False  # a diverged training's, or one's stopped before its checkpoint
             elif (folder / SET_ASIDE_DONE).is_file():

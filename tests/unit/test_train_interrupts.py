@@ -672,3 +672,15 @@ def test_a_ddp_worker_leaves_rank_zeros_stash_alone(
     assert (stash / "last.ckpt").is_file() and not run.last_ckpt.exists()
     monkeypatch.setenv(variable, "0")  # rank 0 itself, in a later training: its own to put back
     assert run.recover_set_aside() is not None and run.last_ckpt.is_file()
+
+
+def test_a_new_runs_empty_stash_goes_without_a_word(tmp_path: Path) -> None:
+    """A brand-new run killed outright left a stash holding only its marker: the next training
+    said it "deleted the old checkpoints a stopped training had set aside", of none."""
+    run = RunDir(tmp_path / "new")
+    run.checkpoints.mkdir(parents=True)
+    stash = run.set_aside()
+    (stash / runs.SET_ASIDE_DONE).touch()
+    run.last_ckpt.write_bytes(b"its own")  # the killed training's first checkpoint
+    assert run.recover_set_aside() is None
+    assert not stash.exists() and run.last_ckpt.read_bytes() == b"its own"
