@@ -193,8 +193,7 @@ def _wrapped_classes(root: Path, labels: list[str], counts: np.ndarray) -> Path 
     if len(holding) != 1:
         return None
     found = _class_folders_below(root / holding[0])
-    inside = [p for p in found.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return found if len(inside) > 1 else None
+    return found if len(_folders_in(found)) > 1 else None
 
 
 def _check_classes(
@@ -208,10 +207,9 @@ def _check_classes(
     if source == "folder" and not trained:
         wrapped = _wrapped_classes(Path(path), labels, counts)
         if wrapped is not None:
-            held = [p.name for p in wrapped.iterdir() if p.is_dir() and p.name[:1] != "."]
             inside = (
-                f"the folders in {wrapped} ({_some(sorted(held), 5)}): point data.path at it, "
-                f"{set_arg('data.path', str(wrapped))}"
+                f"the folders in {wrapped} ({_some(_folders_in(wrapped), 5)}): point data.path "
+                f"at it, {set_arg('data.path', str(wrapped))}"
             )
     back = "put the data back as it was when the run trained"
     if empty := [labels[i] for i in np.flatnonzero(counts == 0)]:
@@ -292,10 +290,15 @@ def _class_folders_below(folder: Path) -> Path:
         folder = inside[0]
 
 
+def _folders_in(folder: Path) -> list[str]:
+    """The names of the folders in `folder` that are read, sorted: a hidden one (Jupyter's
+    .ipynb_checkpoints) holds no class."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def _holds_classes(folder: Path) -> bool:
     """Whether `folder`, or the one folder it alone holds, holds class folders (two or more)."""
-    found = _class_folders_below(folder)
-    return sum(p.is_dir() and not p.name.startswith(".") for p in found.iterdir()) > 1
+    return len(_folders_in(_class_folders_below(folder))) > 1
 
 
 def _refuse_split_layout(root: Path, classes: list[str]) -> None:
@@ -307,17 +310,13 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     kinds = {c: _split_kinds(c) for c in classes}
     if len(classes) < 2 or not all(kinds.values()) or len(set().union(*kinds.values())) < 2:
         return  # classes valid/not_valid or test_pass/test_fail: one kind, a data set's classes
-    inside = {  # a hidden folder (Jupyter's .ipynb_checkpoints) holds no class: not read
-        c: sorted(p.name for p in (root / c).iterdir() if p.is_dir() and p.name[:1] != ".")
-        for c in classes
-    }
+    inside = {c: _folders_in(root / c) for c in classes}
     holding = [c for c in classes if inside[c]]
     if not holding:
         _refuse_classes_in_file_names(root, classes, kinds)
         return
     train = next((c for c in holding if "train" in kinds[c]), holding[0])
     found = _class_folders_below(root / train)
-    held = sorted(p.name for p in found.iterdir() if p.is_dir() and not p.name.startswith("."))
     # the other labelled splits' images are not read then: said, not dropped without a word
     # (a split of loose images, Intel's seg_pred/seg_pred/*.jpg, is unlabelled: nothing to move)
     others = ", ".join(f"{c}/" for c in holding if c != train and _holds_classes(root / c))
@@ -329,7 +328,7 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
     )
     fix = (
         f"{move}point data.path at its folder of class folders: {set_arg('data.path', str(found))}"
-        if len(held) > 1
+        if len(_folders_in(found)) > 1
         else "point data.path at a folder holding one sub-folder per class"
     )
     raise DataError(
