@@ -178,6 +178,17 @@ def _changes(old: Any, new: Any, key: str) -> list[str]:
     return [] if old == new else [f"{key} {old!r} -> {new!r}"]
 
 
+def _as_compared(key: str, value: Any) -> Any:
+    """A checkpoint's hyper-parameter `key` as resumes compare it: where a model's module lies
+    is no part of the model; a path an older lightship recorded beside digits reads none
+    (`without_unread_path`). A copy, for the caller to take the fingerprint out of."""
+    if isinstance(value, dict) and key == "model_spec":
+        return {k: v for k, v in value.items() if k != "module_file"}
+    if isinstance(value, dict) and key == "data_spec":
+        return dict(without_unread_path(value))
+    return value
+
+
 def _check_resume_matches(
     hparams: dict[str, Any], lit: LitClassifier, run: RunDir, own_config: bool = False
 ) -> None:
@@ -187,11 +198,8 @@ def _check_resume_matches(
     diffs: list[str] = []
     data_changed, cause = False, ""
     for key, name in _RESUME_HPARAMS.items():
-        old, new = hparams[key], lit.hparams[key]
-        if key == "model_spec":  # where the module lies is no part of the model
-            old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
+        old, new = _as_compared(key, hparams[key]), _as_compared(key, lit.hparams[key])
         if key == "data_spec":  # the images themselves, when the run recorded them
-            old, new = dict(without_unread_path(old)), dict(new)
             was, now = old.pop("fingerprint", None), new.pop("fingerprint", None)
             # (read at another size or channel count, the same files give other pixels)
             data_changed = was is not None and was != now and old == new
@@ -209,13 +217,6 @@ def _check_resume_matches(
         raise _other_model_data(run, diffs, data_changed, own_config, cause)
 
 
-def _mtime_ns(path: Path) -> int | None:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return None
-
-
 def _check_same_run(hparams: dict[str, Any], last: dict[str, Any], run: RunDir, best: Path) -> None:
     """A best checkpoint a resume did not write (`best`, a top-k file of before) is the same
     model on the same data as last.ckpt (`last`: its hyper-parameters, checked against the
@@ -223,18 +224,12 @@ def _check_same_run(hparams: dict[str, Any], last: dict[str, Any], run: RunDir, 
     the model last.ckpt holds, and every export was discarded for it."""
     diffs: list[str] = []
     for key, name in _RESUME_HPARAMS.items():
-        old, new = last.get(key), hparams.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            # as `_check_resume_matches` compares them: where a model's module lies is no part
-            # of it; an older lightship's checkpoints hold no fingerprint, or a path beside
-            # digits, which reads none
-            if key == "model_spec":
-                old, new = ({k: v for k, v in d.items() if k != "module_file"} for d in (old, new))
-            if key == "data_spec":
-                old, new = (dict(without_unread_path(d)) for d in (old, new))
-                if old.get("fingerprint") is None or new.get("fingerprint") is None:
-                    old.pop("fingerprint", None)
-                    new.pop("fingerprint", None)
+        # as `_check_resume_matches` compares them; an older lightship's hold no fingerprint
+        old, new = _as_compared(key, last.get(key)), _as_compared(key, hparams.get(key))
+        both = key == "data_spec" and isinstance(old, dict) and isinstance(new, dict)
+        if both and None in (old.get("fingerprint"), new.get("fingerprint")):
+            old.pop("fingerprint", None)
+            new.pop("fingerprint", None)
         diffs += _changes(old, new, name)
     if diffs:
         shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
@@ -426,10 +421,7 @@ def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bo
             f"would rise again: keep trainer.max_epochs at {t_max} at most, or train afresh "
             "without --resume"
         )
-    if (
-        cfg.optim.scheduler != "onecycle"
-        and (ckpt["hyper_parameters"].get("optim") or {}).get("scheduler") != "onecycle"
-    ):
+    if cfg.optim.scheduler != "onecycle" and was != "onecycle":
         return True
     try:
         prev = load_config(run.config, recorded=True)
@@ -1080,8 +1072,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     with _replacing_previous(run, keep=resume, env=pythonpath) as new_run:
         if new_run:
             config_file.write()
-        # the top-k files of before the resume: a best one of them is checked to be this run's
-        kept_before = {p: p.stat().st_mtime_ns for p in run.checkpoints.glob("epoch=*.ckpt")}
+        # the top-k files of before a resume: a best one of them is checked to be this run's
+        kept_before = (
+            {p: p.stat().st_mtime_ns for p in run.checkpoints.glob("epoch=*.ckpt")}
+            if resumed is not None
+            else {}
+        )
         fit_trainer(trainer, lit, datamodule=dm, ckpt_path=ckpt_path)
         checked = None  # the best checkpoint, loaded to check a training that diverged
         if trainer.is_global_zero and not _losses_finite(trainer):
@@ -1148,8 +1144,9 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         loaded = checked[1]  # loaded and checked as the training ended
     else:
         loaded = load_checkpoint(best)
-        if resumed is not None and kept_before.get(best) == _mtime_ns(best):
-            # a top-k file of before the resume, not one it wrote: this run's, as last.ckpt is
+        if resumed is not None and kept_before.get(best) == best.stat().st_mtime_ns:
+            # a top-k file of before the resume (loaded: it is there), not one it wrote: this
+            # run's, as last.ckpt is
             _check_same_run(loaded.hparams, resumed["hyper_parameters"], run, best)
         _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
     if not unchanged:
