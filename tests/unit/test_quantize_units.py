@@ -1072,3 +1072,72 @@ def test_calibration_passes_hold_whole_batches_and_the_most_held_is_recorded(
     from lightship.quantize.ptq import calibration_calls
 
     assert calibration_calls(n, chunk=chunk) == calls
+
+
+def _two_matmuls(path: Path, w1: float, clip_scale: float | None) -> Path:
+    """x -> MatMul(w1 * I) -> Relu -> Add(x) -> [Q/DQ at `clip_scale`] -> MatMul(ones) -> y.
+
+    Tensor names differ between the two models, as Q/DQ insertion renames them; node names
+    match, as ORT keeps them."""
+    tag = "f" if clip_scale is None else "q"
+    into = f"s_{tag}"
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], [f"h_{tag}"], name="mm1"),
+        helper.make_node("Relu", [f"h_{tag}"], [f"r_{tag}"], name="relu"),
+        helper.make_node("Add", [f"r_{tag}", "x"], [f"s_{tag}"], name="add"),
+    ]
+    inits = [
+        helper.make_tensor("w1", TensorProto.FLOAT, [4, 4], (w1 * np.eye(4)).ravel().tolist()),
+        helper.make_tensor("w2", TensorProto.FLOAT, [4, 1], [1.0] * 4),
+    ]
+    if clip_scale is not None:  # uint8 from 0: clips the sum at 255 x scale
+        into = "s_dq"
+        nodes += [
+            helper.make_node("QuantizeLinear", ["s_q", "sc", "zp"], ["s_int"], name="q"),
+            helper.make_node("DequantizeLinear", ["s_int", "sc", "zp"], ["s_dq"], name="dq"),
+        ]
+        inits += [
+            helper.make_tensor("sc", TensorProto.FLOAT, [], [clip_scale]),
+            helper.make_tensor("zp", TensorProto.UINT8, [], [0]),
+        ]
+    nodes.append(helper.make_node("MatMul", [into, "w2"], ["y"], name="mm2"))
+    graph = helper.make_graph(
+        nodes,
+        "two",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return path
+
+
+def test_the_fallback_charges_a_clipping_q_dq_to_the_node_reading_it(tmp_path: Path) -> None:
+    """Keeping a node in fp32 takes out the Q/DQ on its input too: a node reading a clipped
+    activation is the one to keep, though its own input-to-output loss is nil. Measured from
+    its already-clipped input, the clip was charged to no node and the first MatMul (1 % off
+    in its weights, an exact input) ranked first."""
+    from lightship.quantize import fallback
+
+    fp32 = _two_matmuls(tmp_path / "fp32.onnx", w1=1.0, clip_scale=None)
+    int8 = _two_matmuls(tmp_path / "int8.onnx", w1=1.01, clip_scale=0.01)  # clips at 2.55
+    x = np.random.default_rng(0).uniform(0, 2, (64, 4)).astype(np.float32)
+    ranked = fallback.rank_nodes(fp32, int8, x, input_name="x")
+    assert [e.node for e in ranked] == ["mm2", "mm1"]
+    # by hand: mm1 is 1 % off an exact input; mm2 reads (1.01 x + x) clipped at 2.55
+    h = x.astype(np.float64)
+    s_ref, s_q = 2 * h, np.clip(np.round(2.01 * h / 0.01), 0, 255) * 0.01
+    sqnr_h = 10 * np.log10(np.sum(h**2) / np.sum((0.01 * h) ** 2))  # 40 dB
+    y_ref, y_q = s_ref.sum(1), s_q.sum(1)
+    sqnr_y = 10 * np.log10(np.sum(y_ref**2) / np.sum((y_ref - y_q) ** 2))
+    mm2, mm1 = ranked
+    assert mm1.sqnr_in_db == fallback.SQNR_CAP_DB and mm1.sqnr_out_db == pytest.approx(40, abs=0.01)
+    assert mm2.sqnr_in_db == pytest.approx(sqnr_h, abs=0.01)  # fed by mm1, through Relu and Add
+    assert mm2.sqnr_out_db == pytest.approx(sqnr_y, abs=0.01)
+    assert mm2.noise_added == pytest.approx(10 ** (-sqnr_y / 10) - 1e-4, rel=1e-3)
+    assert mm2.as_dict()["noise_added"] == float(f"{mm2.noise_added:.3g}")
+    # a node already in fp32 is not ranked, but still feeds the others
+    (only,) = fallback.rank_nodes(fp32, int8, x, input_name="x", excluded=frozenset({"mm1"}))
+    assert only.node == "mm2" and only.sqnr_in_db == pytest.approx(sqnr_h, abs=0.01)

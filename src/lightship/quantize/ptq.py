@@ -580,16 +580,29 @@ def fp32_island(path: Path, node: str) -> list[str]:
     node stays a float Conv.
     """
     graph = onnx.load(str(path)).graph
-    producer = _producers(graph)
     by_name = {n.name: n for n in graph.node}
-    island, stack = [node], [by_name[node].input[0]] if node in by_name else []
+    return [node, *walk_back(graph, by_name[node])[0]] if node in by_name else [node]
+
+
+def walk_back(graph: onnx.GraphProto, node: onnx.NodeProto) -> tuple[list[str], list[str]]:
+    """From `node`'s input back to the compute nodes feeding it: the names of the non-compute
+    nodes on the way (pooling, flatten, a residual Add: `fp32_island`) and of those compute
+    nodes, whose outputs are what the island reads (`fallback.rank_nodes`)."""
+    producer = _producers(graph)
+    between: list[str] = []
+    feeding: list[str] = []
+    seen, stack = {node.name}, [node.input[0]]
     while stack:
         prev = producer.get(stack.pop())
-        if prev is None or prev.op_type in COMPUTE_OPS or prev.name in island:
+        if prev is None or prev.name in seen:
             continue
-        island.append(prev.name)
-        stack.extend(i for i in prev.input if i in producer)
-    return island
+        seen.add(prev.name)
+        if prev.op_type in COMPUTE_OPS:
+            feeding.append(prev.name)
+        else:
+            between.append(prev.name)
+            stack.extend(i for i in prev.input if i in producer)
+    return between, feeding
 
 
 # A first conv this thin (input channels x kernel area, e.g. 1x3x3 on grey digits) does too
