@@ -316,7 +316,8 @@ def test_markdown_counts_and_names_each_cell_with_failed_requests() -> None:
     assert "| digits (onnx-int8-static) | binary | 16 | 1000 | 0 |" in table
     assert (
         "- **digits, server, json at 16 connections: 123 requests failed** (120 error answers, "
-        "3 socket errors or timeouts, over 1 round(s)); its req/s counts 2xx answers only" in table
+        "3 socket errors or timeouts, over 1 round(s)); its req/s counts 2xx answers only, "
+        "its p50/p99 every answer (wrk times error answers too)" in table
     )
     assert table.count("requests failed") == 1
 

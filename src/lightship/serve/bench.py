@@ -690,7 +690,8 @@ def _cell(
     if r["non2xx"] or r["socket_errors"]:
         log.warning(
             "%s, %s %s at %d connections, round %d: %d requests failed (%d error answers, "
-            "%d socket errors or timeouts); its req/s counts 2xx answers only",
+            "%d socket errors or timeouts); its req/s counts 2xx answers only, its p50/p99 "
+            "every answer (wrk times error answers too)",
             label,
             endpoint,
             protocol,
@@ -771,7 +772,8 @@ def markdown(results: dict[str, Any]) -> str:
                     f"- **{m['model']}, {endpoint}, {protocol} at {c} connections: "
                     f"{r['failed']} requests failed** ({r['non2xx']} error answers, "
                     f"{r['socket_errors']} socket errors or timeouts, over {r['rounds']} "
-                    "round(s)); its req/s counts 2xx answers only"
+                    "round(s)); its req/s counts 2xx answers only, its p50/p99 every answer "
+                    "(wrk times error answers too)"
                 )
             if endpoint != SERVER:
                 continue
