@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -120,6 +121,10 @@ def _moved_state(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     }
 
 
+# `epoch=03-val_acc=0.9963.ckpt`, `-v1` too; `qat-epoch=00.ckpt`
+_EPOCH_IN_NAME = re.compile(r"(?:^|-)epoch=(\d+)(?:-.*)?\.ckpt$")
+
+
 class LatestBestCheckpoint(ModelCheckpoint):
     """ModelCheckpoint where a tie with the best score goes to the newer checkpoint, and
     last.ckpt (with `save_last`) is written at the end of every epoch.
@@ -131,9 +136,38 @@ class LatestBestCheckpoint(ModelCheckpoint):
     Lightning 2.6 writes last.ckpt only in a step that also saved a top-k checkpoint, and at the
     end of training only if it never wrote one: after the last improving epoch last.ckpt would
     stay behind, and `--resume` would re-train the epochs since (all of them, on a finished run).
+
+    An epoch trained again (a resume from a last.ckpt older than the newest top-k checkpoint:
+    a kill -9 between the two writes, or a top-k file copied over a corrupt last.ckpt) replaces
+    its earlier attempt's checkpoint: the file of the same name is overwritten (no version
+    counter: Lightning wrote `-v1` beside it), and one of another name (another score) is
+    removed, so `save_top_k` files stay `save_top_k`. A resume trains bit for bit as before, so
+    the new file is the old one's equal.
     """
 
     _last_saved_step = -1  # the global step last.ckpt holds
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"enable_version_counter": False, **kwargs})
+
+    def _save_topk_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]
+    ) -> None:
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        if self.save_top_k and trainer.is_global_zero and not trainer.sanity_checking:
+            self._drop_earlier_attempts(int(monitor_candidates["epoch"]))
+
+    def _drop_earlier_attempts(self, epoch: int) -> None:
+        """Removes this epoch's checkpoints that the top k does not hold: an earlier attempt's,
+        which the restored state never knew."""
+        if not self.dirpath or not os.path.isdir(self.dirpath):
+            return
+        kept = {os.path.abspath(p) for p in (*self.best_k_models, self.last_model_path) if p}
+        for name in os.listdir(self.dirpath):
+            path = os.path.abspath(os.path.join(self.dirpath, name))
+            found = _EPOCH_IN_NAME.search(name)
+            if found and int(found[1]) == epoch and path not in kept and os.path.isfile(path):
+                os.remove(path)
 
     def _save_last_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]

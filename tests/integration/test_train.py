@@ -1282,3 +1282,27 @@ def test_a_run_stopped_and_resumed_trains_as_one_that_was_not(tmp_path: Path) ->
     assert a["epoch"] == b["epoch"] == 2
     for name, weights in a["state_dict"].items():
         assert torch.equal(weights, b["state_dict"][name]), name
+
+
+@pytest.mark.parametrize("earlier_score", ["same", "other"])
+def test_an_epoch_trained_again_replaces_its_earlier_checkpoint(
+    tiny_run: Path, tmp_path: Path, earlier_score: str
+) -> None:
+    """A resume from a last.ckpt older than the newest top-k checkpoint (kill -9 between the two
+    writes; a top-k file copied over a corrupt last.ckpt) trains that epoch again. Its new
+    checkpoint went to `-v1` beside the old one, or under another score's name: three top-k
+    files for `save_top_k: 2`, and the stale one never removed."""
+    run = tmp_path / "again"
+    shutil.copytree(tiny_run, run)
+    checkpoints = run / "checkpoints"
+    top_k = sorted(p.name for p in checkpoints.glob("epoch=*.ckpt"))
+    assert len(top_k) == 2, top_k
+    older, newest = top_k
+    shutil.copy(checkpoints / older, checkpoints / "last.ckpt")  # last.ckpt never got further
+    if earlier_score == "other":  # the earlier attempt scored otherwise
+        (checkpoints / newest).rename(
+            checkpoints / (newest.split("-val_acc=")[0] + "-val_acc=0.0001.ckpt")
+        )
+    run_cli("train", "--run", str(run), "--resume", check=True)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [*top_k, "last.ckpt"]
+    assert torch.load(checkpoints / newest, weights_only=True)["epoch"] == int(newest[6:8])
