@@ -210,3 +210,34 @@ def test_an_older_runs_best_checkpoint_is_its_own_without_a_fingerprint_or_with_
     for data_spec in (old, {**last["data_spec"], "path": "data/whatever"}):
         _check_same_run({**last, "data_spec": data_spec}, last, run, top)
         _check_same_run(last, {**last, "data_spec": data_spec}, run, top)
+
+
+@pytest.mark.parametrize(
+    ("was", "now", "refused"),
+    [
+        # Lightning loads the checkpoint's state_dict, the average, without the callback
+        (0.9, None, "optim.ema_decay 0.9 -> null turns weight averaging off mid-run (its "),
+        (None, 0.9, "optim.ema_decay null -> 0.9 turns weight averaging on mid-run (its "),
+        (0.9, 0.99, None),  # the average goes on, at the new rate
+        (None, None, None),
+    ],
+)
+def test_a_resume_cannot_turn_weight_averaging_off_or_on(
+    tmp_path: Path, was: float | None, now: float | None, refused: str | None
+) -> None:
+    from lightship.errors import ConfigError
+    from lightship.train.fit import _check_resume_averaging
+
+    cfg = load_config(CONFIGS / "tiny.yaml", [f"optim.ema_decay={'null' if now is None else now}"])
+    ckpt = {"hyper_parameters": {"optim": {"ema_decay": was}}}
+    run = RunDir(tmp_path / "run")
+    if refused is None:
+        _check_resume_averaging(cfg, ckpt, run)
+        return
+    with pytest.raises(ConfigError) as err:
+        _check_resume_averaging(cfg, ckpt, run)
+    assert str(err.value).startswith(f"cannot resume {run.root}: {refused}")
+    assert str(err.value).endswith(
+        f"keep optim.ema_decay={'null' if was is None else was}, or train afresh without --resume"
+    )
+    _check_resume_averaging(cfg, {"hyper_parameters": {"optim": {}}}, run)  # no such setting

@@ -397,6 +397,35 @@ def _check_resume_optimizer(
     )
 
 
+def _check_resume_averaging(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+    """Weight averaging (`optim.ema_decay`) cannot be turned off or on by a resume. Off: the
+    checkpoint's `state_dict` is the average, which Lightning loads without the callback, so
+    training went on from the averaged weights, not from those it trained, and its optimizer
+    state no longer matched them. On: the average starts at the resume, and the run's
+    checkpoints before and after it validated different things. Either while config.yaml said
+    the new value. Another decay is taken: the average goes on, at the new rate."""
+    optim = ckpt["hyper_parameters"].get("optim") or {}
+    if "ema_decay" not in optim:  # a checkpoint without the setting (written by hand)
+        return
+    was, now = optim["ema_decay"], cfg.optim.ema_decay
+    if (was is None) == (now is None):
+        return
+    said = {v: "null" if v is None else f"{v!r}" for v in (was, now)}  # as --set takes them
+    why = (
+        "its checkpoints hold the averaged weights, and training would go on from them "
+        "rather than from the weights it trained"
+        if now is None
+        else "its checkpoints so far validated the trained weights, and an average would "
+        "start from the resume"
+    )
+    raise ConfigError(
+        f"cannot resume {run.root}: optim.ema_decay {said[was]} -> {said[now]} turns weight "
+        f"averaging {'off' if now is None else 'on'} mid-run ({why}): keep "
+        f"optim.ema_decay={said[was]}, or "
+        "train afresh without --resume"
+    )
+
+
 def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bool:
     """OneCycleLR stores its total_steps; a resume planning more steps fails mid-run, fewer
     would cut the cycle short. Compare with the run's previous config, read before it is
@@ -941,6 +970,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         _check_resume_config(cfg, resumed["hyper_parameters"], run, own)
         _check_resume_epochs(cfg, resumed, run)
         _check_resume_optimizer(cfg, resumed, run, own)
+        _check_resume_averaging(cfg, resumed, run)
         schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
