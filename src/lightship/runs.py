@@ -161,11 +161,18 @@ def atomic_paths(*finals: Path, done: str = "") -> Iterator[tuple[Path, ...]]:
     try:
         for final in finals:
             temporaries.append(_temporary_beside(final))
-        yield tuple(temporaries)
-        for tmp in temporaries:
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.chmod(tmp, FILE_MODE)
+        try:
+            yield tuple(temporaries)
+            for tmp in temporaries:
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.chmod(tmp, FILE_MODE)
+        except OSError as exc:
+            # A write to an open file raises ENOSPC without a file name, and the CLI said "no
+            # space left on the device writing a file": the file being made is named instead.
+            if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                exc.filename = str(finals[0] if len(finals) == 1 else finals[0].parent)
+            raise
         if interrupted():
             raise KeyboardInterrupt
         _replace_all(list(zip(temporaries, finals, strict=True)), done)

@@ -1074,3 +1074,24 @@ def test_a_lock_file_this_user_cannot_write_still_locks(
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(other)
+
+
+def test_a_full_disk_in_an_atomic_write_names_the_file_being_made(tmp_path: Path) -> None:
+    """A write to an open file raises ENOSPC without a file name: the CLI said "no space left
+    on the device writing a file" for best.ckpt, a quantized model or the report."""
+    target = tmp_path / "best.ckpt"
+    with pytest.raises(OSError) as err, atomic_path(target):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert err.value.filename == str(target)
+    # the report's three files: their folder
+    pair = (tmp_path / "report" / "report.md", tmp_path / "report" / "report.json")
+    with pytest.raises(OSError) as err, atomic_paths(*pair):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert err.value.filename == str(tmp_path / "report")
+    # a name the error has already (an inner write's) is kept, as is any other error's
+    with pytest.raises(OSError) as err, atomic_path(target):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "manifest.json"))
+    assert err.value.filename == str(tmp_path / "manifest.json")
+    with pytest.raises(OSError) as err, atomic_path(target):
+        raise OSError(errno.EIO, "Input/output error")
+    assert err.value.filename is None
