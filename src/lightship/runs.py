@@ -629,7 +629,11 @@ _locked: dict[Path, tuple[int, str]] = {}
 
 def distributed_worker() -> bool:
     """A DDP worker: Lightning re-runs the command line with LOCAL_RANK=1.., torchrun sets RANK.
-    Rank 0 holds the run's lock and writes its files; the workers write none."""
+    Rank 0 holds the run's lock and writes its files; the workers write none. Both set
+    MASTER_ADDR, as a multi-node run needs it set: a RANK of some other use in a container's
+    environment made every stage run unlocked, and training leave its stash alone."""
+    if not os.environ.get("MASTER_ADDR"):
+        return False
     return any(os.environ.get(k, "0") != "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
@@ -687,10 +691,17 @@ def _acquire(root: Path, create: bool) -> int | None:
         try:
             if create:
                 root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            # not through a symbolic link: the pid written into the lock would overwrite the
+            # file it points to
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError:
+            if path.is_symlink():
+                raise RunError(
+                    f"{path} is a symbolic link, which lightship will not write through: "
+                    f"remove it (`rm {shlex.quote(str(path))}`; each stage makes its own)"
+                ) from None
             try:  # another user's .lock (0644 in a shared run): flock takes a read-only one
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:  # none, and none can be made: a read-only run, or no run at all
                 return None
         try:

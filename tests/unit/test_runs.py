@@ -847,14 +847,35 @@ def test_ddp_workers_leave_the_lock_to_rank_0(
     holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("LOCAL_RANK", "1")
         with lock_run(tmp_path, "lightship train"):
             pass
         monkeypatch.setenv("LOCAL_RANK", "0")
         with pytest.raises(RunBusyError), lock_run(tmp_path, "lightship train"):
             pass
+        # a RANK of another use, with no rendezvous to join: no worker, so it locks
+        monkeypatch.delenv("MASTER_ADDR")
+        monkeypatch.setenv("RANK", "3")
+        with pytest.raises(RunBusyError), lock_run(tmp_path, "lightship quantize"):
+            pass
     finally:
         os.close(holder)
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_not_written_through(tmp_path: Path) -> None:
+    """The pid written into RUN/.lock went into whatever file the link named, truncated."""
+    run, theirs = tmp_path / "run", tmp_path / "notes.txt"
+    run.mkdir()
+    theirs.write_text("a user's file")
+    (run / ".lock").symlink_to(theirs)
+    with pytest.raises(RunError) as err, lock_run(run, "lightship quantize"):
+        pass
+    assert str(err.value) == (
+        f"{run / '.lock'} is a symbolic link, which lightship will not write through: "
+        f"remove it (`rm {run / '.lock'}`; each stage makes its own)"
+    )
+    assert theirs.read_text() == "a user's file"
 
 
 ROOT = Path(__file__).resolve().parents[2]

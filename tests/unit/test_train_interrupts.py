@@ -667,6 +667,7 @@ def test_a_ddp_worker_leaves_rank_zeros_stash_alone(
     run, _ = _old_run(tmp_path)
     stash = run.set_aside()
     os.replace(run.last_ckpt, stash / "last.ckpt")  # rank 0, filling it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # as Lightning and torchrun set it
     monkeypatch.setenv(variable, "1")
     assert run.recover_set_aside() is None
     assert (stash / "last.ckpt").is_file() and not run.last_ckpt.exists()
