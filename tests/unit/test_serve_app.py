@@ -3586,6 +3586,16 @@ def test_a_client_that_reads_none_of_its_answers_is_dropped(
     took, text = run(main())
     assert took < 5, took
     assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 1
+    # Every request it sent is counted: 200 for an answer handed to the socket, 499 and
+    # `disconnected` for those the drop left unanswered (counted nowhere, 18 of 20)
+    by_status = {
+        status: metric(
+            text, f'lightship_requests_total{{route="/docs/{{name}}",status="{status}"}}'
+        )
+        for status in ("200", "499")
+    }
+    assert sum(by_status.values()) == 20 and by_status["499"] > 0, by_status
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == by_status["499"]
 
 
 def test_a_client_not_reading_at_sigterm_is_dropped_before_the_drain_ends(

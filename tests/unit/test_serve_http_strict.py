@@ -463,3 +463,29 @@ def test_an_upload_read_slowly_is_read_ahead_a_bounded_amount(loop: str) -> None
     # two of uvloop's reads (256,000 bytes each): the one that crossed the mark while the app
     # was behind, and one more as reading resumed, before the kept bytes were fed
     assert most["held"] <= protocol.READ_AHEAD_BYTES + 2 * 256_000, most
+
+
+@WAYS
+def test_a_broken_chunked_body_counts_as_refused_not_as_a_client_that_left(
+    tmp_path: Path, path: str
+) -> None:
+    """The server answers 400 and closes; the tensor routes also counted the request's body,
+    cut off by that close, as a client gone (`disconnected`), though the client never left."""
+    app, _ = make_app(tmp_path)
+    broken = request(path, "host: t", "transfer-encoding: chunked", body=b"2\r\n{}\r\nZZ\r\n")
+
+    async def main() -> tuple[int, str]:
+        async with raw_http(app) as (connect, _, http):
+            reader, writer = await connect()
+            writer.write(broken)
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            await asyncio.wait_for(reader.read(), 5)  # the server's close
+            writer.close()
+            await asyncio.sleep(0.1)
+            return status, (await http.get("/metrics")).text
+
+    status, text = run(main())
+    assert status == 400
+    route = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status="400"}'
+    assert metric(text, route) == 1
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 0

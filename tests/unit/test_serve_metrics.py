@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightship.serve.metrics import LATENCY_BUCKETS, Metrics, rows_buckets
+from lightship.serve.metrics import LATENCY_BUCKETS, Metrics, latency_buckets, rows_buckets
 from tests.unit.test_serve_app import INFER, make_app, metric, run, serving, v2_json
 
 
@@ -42,6 +42,23 @@ def test_latency_buckets_resolve_tens_of_microseconds_to_seconds() -> None:
     # with more below them: a quantile between two bounds is not the first bucket's
     below = [sum(b < seconds for b in LATENCY_BUCKETS) for seconds in (0.00006, 0.00037, 0.004)]
     assert below[0] >= 1 and below[0] < below[1] < below[2]
+
+
+def test_latency_buckets_reach_the_longest_a_request_may_take() -> None:
+    """They ended at 10 s: a 12 s upload over a slow link, or any request under a longer
+    --timeout-ms, fell in +Inf, and every quantile there read as 10 s."""
+    assert latency_buckets(10) == LATENCY_BUCKETS
+    assert latency_buckets(266)[len(LATENCY_BUCKETS) :] == (25, 50, 100, 250, 500)
+    assert latency_buckets(3600 + 256)[-1] == 5000
+    text = Metrics(max_batch_rows=8, longest_s=12).exposition().decode()
+    assert 'lightship_request_duration_seconds_bucket{le="25.0",route=' not in text  # no child
+    metrics = Metrics(max_batch_rows=8, longest_s=12)
+    metrics.request("/v1/predict/image", 200, 12.2)
+    text = metrics.exposition().decode()
+    bucket = 'lightship_request_duration_seconds_bucket{{le="{}",route="/v1/predict/image",'
+    bucket += 'status_class="2xx"}} '
+    assert bucket.format("10.0") + "0.0" in text and bucket.format("25.0") + "1.0" in text
+    assert 'lightship_queue_wait_seconds_bucket{le="25.0"} 0.0' in text
 
 
 def test_rows_buckets_end_at_the_largest_batch_and_single_out_full_ones() -> None:

@@ -64,7 +64,13 @@ from lightship.serve.batcher import (
     WorkerDied,
 )
 from lightship.serve.memory import trim_when_quiet
-from lightship.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, MetricsMiddleware
+from lightship.serve.metrics import (
+    CLIENT_CLOSED,
+    CONTENT_TYPE,
+    REFUSED,
+    Metrics,
+    MetricsMiddleware,
+)
 from lightship.serve.model import ServedModel
 from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, http_protocol
 from lightship.serve.settings import ServeSettings
@@ -169,7 +175,9 @@ class Service:
         self.labels = list(predictor.labels)
         self.chw = predictor.chw
         self.input_name = str(predictor.input_spec.get("name", "input"))
-        self.metrics = Metrics(settings.max_batch_rows)
+        # the longest a request may take: its deadline, then its body's allowance
+        longest = settings.timeout_ms / 1000 + settings.max_body_bytes / MIN_BODY_RATE
+        self.metrics = Metrics(settings.max_batch_rows, longest)
         self.metrics.model_info.labels(
             self.name, served.variant, predictor.kind, predictor.device
         ).set(1)
@@ -900,7 +908,7 @@ class HotRoutes:
         routes = self.routes
         try:
             head = head_of(scope) or routes.read_head(scope["headers"])
-            body = await self._read(receive)
+            body = await self._read(scope, receive)
             content, headers = await routes.answer(name, params, head, body, asgi_watch(receive))
         except Exception as exc:
             if (response := routes.error(exc)) is None:
@@ -913,13 +921,15 @@ class HotRoutes:
         await send({"type": "http.response.body", "body": content})
 
     @staticmethod
-    async def _read(receive: Receive) -> bytes:
+    async def _read(scope: Scope, receive: Receive) -> bytes:
         """The whole body."""
         chunks: list[bytes] = []
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise ClientDisconnect()
+                # refused by the HTTP protocol (a malformed chunk), which closed: counted as
+                # that refusal, not as a client that left
+                raise ClientGone() if REFUSED in scope else ClientDisconnect()
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break

@@ -61,6 +61,19 @@ LEFT = "lightship.left"
 CLIENT_CLOSED = 499
 
 
+def latency_buckets(longest_s: float) -> tuple[float, ...]:
+    """LATENCY_BUCKETS, then on in 1-2.5-5 steps to the longest a request may take (its
+    deadline, then its body's allowance: an upload over a slow link): past the last bound
+    every latency is +Inf, and a quantile there reads as the last bound. 10 s and a 16 MiB
+    body allowed 256 s more: 5 more buckets, to 500 s."""
+    buckets = list(LATENCY_BUCKETS)
+    step = 0
+    while buckets[-1] < longest_s:
+        buckets.append(buckets[-1] * (2.5, 2, 2)[step % 3])  # 10 -> 25 -> 50 -> 100 ...
+        step += 1
+    return tuple(buckets)
+
+
 def rows_buckets(max_batch_rows: int) -> tuple[int, ...]:
     """Powers of two below the largest batch, then one row short of it and the largest batch
     itself: `le=max` minus `le=max-1` counts the full batches (if most are, a larger
@@ -70,8 +83,9 @@ def rows_buckets(max_batch_rows: int) -> tuple[int, ...]:
 
 
 class Metrics:
-    def __init__(self, max_batch_rows: int) -> None:
+    def __init__(self, max_batch_rows: int, longest_s: float = LATENCY_BUCKETS[-1]) -> None:
         self.registry = CollectorRegistry()
+        seconds = latency_buckets(longest_s)  # `longest_s`: the longest a request may take
         r = self.registry
         # process_* and python_*, as the global registry has them: read when scraped, not
         # per request (GC statistics are gc.get_stats(), no callbacks)
@@ -80,27 +94,31 @@ class Metrics:
         GCCollector(registry=r)
         self.request_seconds = Histogram(
             "lightship_request_duration_seconds",
-            "HTTP request latency, from its head read to its answer sent (body upload included), "
-            "by route and status class (2xx, 4xx, 5xx: a 429 takes ~0.1 ms, and in one series "
-            "with the answers an overload made it read faster)",
+            "HTTP request latency, from its head read to its answer handed to the socket (body "
+            "upload included), by route and status class (2xx, 4xx, 5xx: 2xx apart from quick "
+            "refusals, a 429 in ~0.1 ms; 4xx mixes those with slow ones, 408 and 499; "
+            "lightship_requests_total counts each status)",
             ["route", "status_class"],
-            buckets=LATENCY_BUCKETS,
+            buckets=seconds,
             registry=r,
         )
         self.requests = Counter(
             "lightship_requests",
-            "HTTP requests by route and status",
+            "HTTP requests by route and status: 200 is an answer handed to the socket; 499, "
+            "never sent, a request whose client left before its answer (or was dropped, "
+            "write_timeout, reading none); requests the HTTP protocol refused before routing "
+            "are counted only in lightship_rejections_total",
             ["route", "status"],
             registry=r,
         )
         self.queue_wait = Histogram(
             "lightship_queue_wait_seconds",
             "time a request waited for its batch to start (requests that reached the model)",
-            buckets=LATENCY_BUCKETS,
+            buckets=seconds,
             registry=r,
         )
         self.compute = Histogram(
-            "lightship_compute_seconds", "model time per batch", buckets=LATENCY_BUCKETS, registry=r
+            "lightship_compute_seconds", "model time per batch", buckets=seconds, registry=r
         )
         self.batch_rows = Histogram(
             "lightship_batch_rows",
@@ -112,8 +130,12 @@ class Metrics:
         self.queue_rows = Gauge("lightship_queue_rows", "rows waiting for a batch", registry=r)
         self.rejections = Counter(
             "lightship_rejections",
-            "requests refused or given up, by reason (a deadline or a client gone while its "
-            "batch ran comes after the model)",
+            "requests refused or given up, by reason: one per request, which "
+            "lightship_requests_total counts too, for queue_full, deadline, disconnected, "
+            "body_too_large, body_timeout, not_ready and worker_died (a deadline or a client "
+            "gone while its batch ran comes after the model); one per connection closed, in no "
+            "route's count, for bad_http, head_too_large, head_timeout, pipeline_full and "
+            "write_timeout",
             ["reason"],
             registry=r,
         )

@@ -382,6 +382,8 @@ class _TensorCycle:
             if not (self._over or self.disconnected):
                 self._routes.body_arrived(self._head)
         if self.disconnected:
+            if self.refused is not None:  # the server refused the body (a malformed chunk) and
+                raise ClientGone()  # closed: counted as refused, not as a client that left
             if self.more_body or not self._left:  # cut short: a 499, `disconnected`, as uvicorn's
                 raise ClientDisconnect()  # way in counts it
             # whole, and waiting to be parsed (pipelined behind another) when its client left
@@ -570,6 +572,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # The cycle whose task was started last: those pipelined behind it wait in `pipeline`,
         # and a lost connection tells each of them (uvicorn told only the last one read)
         _running: Any = None
+        _dropped = False  # by the server, its client reading none of its answers (`stalled`)
 
         def connection_made(self, transport: Any) -> None:
             # the protocol's own loop; every close() of the transport, uvicorn's too, is _close
@@ -1031,10 +1034,14 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def stalled(self) -> None:
             """Its client read none of its answers for WRITE_TIMEOUT_S (or, the server
-            stopping, has one unread as the drain nears its end): dropped, `write_timeout`."""
+            stopping, has one unread as the drain nears its end): dropped, `write_timeout`.
+            The requests it still held unanswered (the one running, those pipelined behind)
+            count 499 and `disconnected`, as where the client itself left: a client that reads
+            nothing is gone too, and they were counted nowhere."""
             if not self._out.is_closing():
                 if routes is not None:
                     routes.metrics.rejected("write_timeout")
+                self._dropped = True
                 self._out.abort()
 
         def _mark_left(self) -> None:
@@ -1048,7 +1055,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     scope[LEFT] = True
 
         def connection_lost(self, exc: Exception | None) -> None:
-            left = not self._out.closed_here  # the client closed it (uvicorn's close follows)
+            # the client closed it (uvicorn's close follows), or read nothing (`stalled`)
+            left = not self._out.closed_here or self._dropped
             if left:
                 self._mark_left()
             if self._drain_timer is not None:
