@@ -3598,6 +3598,52 @@ def test_a_client_that_reads_none_of_its_answers_is_dropped(
     assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == by_status["499"]
 
 
+def test_a_tensor_answer_a_write_timeout_drop_kept_from_the_socket_counts_499(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer made while the client's socket was full waits for it to drain; the drop
+    (`stalled`) ends that wait unsent, and the request was counted 200, as for an answer the
+    server itself closed on. It counts 499 and `disconnected`, as its pipelined ones do."""
+    from lightship.serve import protocol
+
+    monkeypatch.setattr(protocol, "WRITE_TIMEOUT_S", 0.5)
+    undelivered = protocol._TensorCycle._undelivered
+    counted: list[int] = []  # the status of each answer made and not handed to the socket
+
+    def recording(self: Any) -> int:
+        counted.append(undelivered(self))
+        return counted[-1]
+
+    monkeypatch.setattr(protocol._TensorCycle, "_undelivered", recording)
+    rows = 40_000  # ~1.6 MB an answer: the socket's buffers fill after a few
+    app, _ = make_app(tmp_path, max_batch_rows=rows, max_queue_rows=2 * rows)
+    body = json.dumps(v2_json(np.full((rows, 1, 2, 2), 7, np.uint8))).encode()
+    head = f"POST {INFER} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+    post = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+
+    async def main() -> str:
+        async with raw_http(app) as (_, counting, client):
+            before = set(counting.connections)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
+            sock.connect((host, int(port)))
+            _, writer = await asyncio.open_connection(sock=sock)
+            writer.write(post * 8)  # and never read
+            while not (mine := set(counting.connections) - before):
+                await asyncio.sleep(0.01)
+            (connection,) = mine
+            await until_closed(counting, connection, 10)
+            writer.close()
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    assert counted and set(counted) == {499}, counted
+    assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 1
+    infer = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status="499"}'
+    assert metric(text, infer) >= len(counted)
+
+
 def test_a_client_not_reading_at_sigterm_is_dropped_before_the_drain_ends(
     tmp_path: Path,
 ) -> None:

@@ -465,14 +465,23 @@ def test_an_upload_read_slowly_is_read_ahead_a_bounded_amount(loop: str) -> None
     assert most["held"] <= protocol.READ_AHEAD_BYTES + 2 * 256_000, most
 
 
-@WAYS
+IMAGES = "/v1/predict/image"
+
+
+@pytest.mark.parametrize("path", [INFER, ASGI_INFER, IMAGES], ids=["protocol", "asgi", "images"])
 def test_a_broken_chunked_body_counts_as_refused_not_as_a_client_that_left(
     tmp_path: Path, path: str
 ) -> None:
-    """The server answers 400 and closes; the tensor routes also counted the request's body,
-    cut off by that close, as a client gone (`disconnected`), though the client never left."""
+    """The server answers 400 and closes; the routes also counted the request's body, cut off
+    by that close, as a client gone (`disconnected`), though the client never left."""
     app, _ = make_app(tmp_path)
-    broken = request(path, "host: t", "transfer-encoding: chunked", body=b"2\r\n{}\r\nZZ\r\n")
+    if path == IMAGES:  # an upload's part begun, then the chunk that does not parse
+        part = b'--b\r\ncontent-disposition: form-data; name="files"; filename="a.png"\r\n\r\n'
+        head = f"POST {path} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
+        head += "content-type: multipart/form-data; boundary=b\r\n\r\n"
+        broken = head.encode() + b"%x\r\n%s\r\nZZ\r\n" % (len(part), part)
+    else:
+        broken = request(path, "host: t", "transfer-encoding: chunked", body=b"2\r\n{}\r\nZZ\r\n")
 
     async def main() -> tuple[int, str]:
         async with raw_http(app) as (connect, _, http):
@@ -486,6 +495,6 @@ def test_a_broken_chunked_body_counts_as_refused_not_as_a_client_that_left(
 
     status, text = run(main())
     assert status == 400
-    route = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status="400"}'
-    assert metric(text, route) == 1
+    template = IMAGES if path == IMAGES else "/v2/models/{model_name}/infer"
+    assert metric(text, f'lightship_requests_total{{route="{template}",status="400"}}') == 1
     assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 0

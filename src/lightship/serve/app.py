@@ -72,7 +72,7 @@ from lightship.serve.metrics import (
     MetricsMiddleware,
 )
 from lightship.serve.model import ServedModel
-from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, http_protocol
+from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, WRITE_TIMEOUT_S, http_protocol
 from lightship.serve.settings import ServeSettings
 from lightship.serve.v2 import ProtocolError, error_body
 
@@ -175,8 +175,11 @@ class Service:
         self.labels = list(predictor.labels)
         self.chw = predictor.chw
         self.input_name = str(predictor.input_spec.get("name", "input"))
-        # the longest a request may take: its deadline, then its body's allowance
-        longest = settings.timeout_ms / 1000 + settings.max_body_bytes / MIN_BODY_RATE
+        # The longest a request may take: its deadline, its body's allowance past it, the
+        # deadline again from the body's end (`body_arrived`), then the wait for a client slow
+        # to read its answer (`protocol.WRITE_TIMEOUT_S`)
+        timeout_s = settings.timeout_ms / 1000
+        longest = 2 * timeout_s + settings.max_body_bytes / MIN_BODY_RATE + WRITE_TIMEOUT_S
         self.metrics = Metrics(settings.max_batch_rows, longest)
         self.metrics.model_info.labels(
             self.name, served.variant, predictor.kind, predictor.device
@@ -1393,6 +1396,9 @@ def _answer_for(answers: dict[type[Exception], ErrorAnswer], exc: BaseException)
 def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer]) -> None:
     def handler(respond: ErrorAnswer) -> Callable[[Request, Any], Awaitable[Response]]:
         async def handle(request: Request, exc: Any) -> Response:
+            if isinstance(exc, ClientDisconnect) and REFUSED in request.scope:
+                # the protocol refused the body (a malformed chunk) and closed: no client left
+                return answers[ClientGone](ClientGone())
             return respond(exc)
 
         return handle

@@ -62,10 +62,10 @@ CLIENT_CLOSED = 499
 
 
 def latency_buckets(longest_s: float) -> tuple[float, ...]:
-    """LATENCY_BUCKETS, then on in 1-2.5-5 steps to the longest a request may take (its
-    deadline, then its body's allowance: an upload over a slow link): past the last bound
-    every latency is +Inf, and a quantile there reads as the last bound. 10 s and a 16 MiB
-    body allowed 256 s more: 5 more buckets, to 500 s."""
+    """LATENCY_BUCKETS, then on in 1-2.5-5 steps to the longest a request may take (an upload
+    over a slow link has its body's allowance past the deadline: `app.Service`): past the last
+    bound every latency is +Inf, and a quantile there reads as the last bound. 10 s and a
+    16 MiB body (306 s at most): 5 more buckets, to 500 s."""
     buckets = list(LATENCY_BUCKETS)
     step = 0
     while buckets[-1] < longest_s:

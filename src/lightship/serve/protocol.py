@@ -402,7 +402,12 @@ class _TensorCycle:
         the client left (its batch ran, or the answer was made, after it went), as where the
         client's leaving was seen first; the answer's own where the server closed."""
         # the connection lost (uvicorn closes it after, setting `closed_here`), or only closing
-        left = self._left if self.disconnected else not self._protocol.transport.closed_here
+        protocol = self._protocol
+        left = (
+            self._left
+            if self.disconnected
+            else (not protocol.transport.closed_here or protocol._dropped)
+        )
         if not left:
             return 200
         self._routes.metrics.rejected("disconnected")
