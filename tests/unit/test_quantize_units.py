@@ -1141,3 +1141,23 @@ def test_the_fallback_charges_a_clipping_q_dq_to_the_node_reading_it(tmp_path: P
     # a node already in fp32 is not ranked, but still feeds the others
     (only,) = fallback.rank_nodes(fp32, int8, x, input_name="x", excluded=frozenset({"mm1"}))
     assert only.node == "mm2" and only.sqnr_in_db == pytest.approx(sqnr_h, abs=0.01)
+
+
+def test_the_walk_back_follows_a_matmuls_activation_in_either_input() -> None:
+    """`W @ x`: a MatMul's activation may be its second input; followed from the first alone,
+    the node was taken to read the model's exact input and charged all the noise before it."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Transpose", ["h"], ["t"], name="tr", perm=[1, 0]),
+        helper.make_node("MatMul", ["w2", "t"], ["y"], name="mm2"),
+    ]
+    eye = np.eye(4).ravel().tolist()
+    graph = helper.make_graph(
+        nodes,
+        "w_at_x",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, "n"])],
+        initializer=[helper.make_tensor(w, TensorProto.FLOAT, [4, 4], eye) for w in ("w1", "w2")],
+    )
+    assert ptq.walk_back(graph, nodes[2]) == (["tr"], ["mm1"])
+    assert ptq.walk_back(graph, nodes[0]) == ([], [])  # the model's input, weights: no nodes

@@ -585,13 +585,15 @@ def fp32_island(path: Path, node: str) -> list[str]:
 
 
 def walk_back(graph: onnx.GraphProto, node: onnx.NodeProto) -> tuple[list[str], list[str]]:
-    """From `node`'s input back to the compute nodes feeding it: the names of the non-compute
+    """From `node`'s inputs back to the compute nodes feeding it: the names of the non-compute
     nodes on the way (pooling, flatten, a residual Add: `fp32_island`) and of those compute
-    nodes, whose outputs are what the island reads (`fallback.rank_nodes`)."""
+    nodes, whose outputs are what the island reads (`fallback.rank_nodes`). Every input, not
+    the first alone: a MatMul's activation may be its second (`W @ x`, attention's `a @ b`);
+    weights are initializers, which no node produces."""
     producer = _producers(graph)
     between: list[str] = []
     feeding: list[str] = []
-    seen, stack = {node.name}, [node.input[0]]
+    seen, stack = {node.name}, [i for i in node.input if i in producer]
     while stack:
         prev = producer.get(stack.pop())
         if prev is None or prev.name in seen:
