@@ -685,3 +685,23 @@ def test_a_new_runs_empty_stash_goes_without_a_word(tmp_path: Path) -> None:
     run.last_ckpt.write_bytes(b"its own")  # the killed training's first checkpoint
     assert run.recover_set_aside() is None
     assert not stash.exists() and run.last_ckpt.read_bytes() == b"its own"
+
+
+def test_a_rank_variable_without_a_rendezvous_still_sets_the_old_checkpoints_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's rank_zero_only read RANK=3 from a container's environment: a fresh training
+    over a run left the old checkpoints beside its new ones, as a DDP worker would."""
+    fit = importlib.import_module("lightship.train.fit")
+    run, _ = _old_run(tmp_path)
+    from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(rank_zero_only, "rank", 3)  # as Lightning reads it at its import
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with fit._replacing_previous(run, keep=False):
+        assert list(run.checkpoints.iterdir()) == []  # set aside for the new training
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a worker's, beside rank 0: left alone
+    before = _contents(run)
+    with fit._replacing_previous(run, keep=False):
+        assert _contents(run) == before

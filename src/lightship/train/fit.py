@@ -23,7 +23,6 @@ from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
 from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from lightship import __version__, models
 from lightship.callbacks import (
@@ -721,7 +720,7 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
     Yields whether the run is new (nothing was set aside): its config.yaml is written at once,
     for the command that trains it again to name.
     """
-    if getattr(rank_zero_only, "rank", 0) != 0:
+    if distributed_worker():
         yield False
         return
     stash = None
