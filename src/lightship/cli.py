@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from lightship import __version__
-from lightship.errors import LightshipError, QuantizeError
+from lightship.errors import LightshipError, QuantizeError, first_line
 from lightship.runs import (
     interrupt_exit_code,
     interrupt_message,
@@ -528,6 +528,14 @@ def main() -> None:
         note = interrupt_note()
         fix = f"make room; {note}" if note else "make room and run again"
         print(f"error: no space left on the device writing {written}: {fix}", file=sys.stderr)
+        sys.exit(1)
+    except MemoryError as exc:  # numpy's "Unable to allocate 28.1 GiB" for image_size 4096
+        said = f" ({first_line(exc)})" if str(exc) else ""
+        print(
+            f"error: out of memory{said}: use smaller settings (data.image_size, "
+            "data.batch_size, --calibration-samples, --batch) or a machine with more memory",
+            file=sys.stderr,
+        )
         sys.exit(1)
     except KeyboardInterrupt:
         print(interrupt_message(), file=sys.stderr)

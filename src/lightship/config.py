@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -41,6 +41,8 @@ class Section(BaseModel):
         one epoch): a number or a name is not a yes or no."""
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                return value  # a section: refused as one (`_explain`)
             if bool not in (annotation, *get_args(annotation)):
                 names = _choices(annotation)
                 if names:  # `progress_bar: false`: a word YAML reads as a yes or no
@@ -167,18 +169,59 @@ class TrainerConfig(Section):
 Monitor = Literal["val_acc", "val_loss"]
 
 
-class CheckpointConfig(Section):
+# Which way each monitored metric improves
+BETTER: dict[str, Literal["max", "min"]] = {"val_acc": "max", "val_loss": "min"}
+
+
+class _Monitored(Section):
+    """A monitor and its mode, which follows it unless given (None). A mode given against the
+    metric is refused: `checkpoint.monitor=val_loss` alone kept mode max, and best.ckpt was the
+    epoch of the *highest* loss; `early_stopping.monitor=val_acc` alone stopped a training whose
+    accuracy rose, as not improving."""
+
+    if TYPE_CHECKING:  # each section's own fields, in its own order (config.yaml's)
+        monitor: Monitor
+        mode: Literal["max", "min"] | None
+
+    @property
+    def direction(self) -> Literal["max", "min"]:
+        return self.mode or BETTER[self.monitor]
+
+    @model_validator(mode="after")
+    def _mode_fits_monitor(self) -> _Monitored:
+        better = BETTER[self.monitor]
+        if self.mode is not None and self.mode != better:
+            name = "checkpoint" if isinstance(self, CheckpointConfig) else "early_stopping"
+            raise ConfigError(
+                f"{name}.mode={self.mode} with {name}.monitor={self.monitor}, which is better "
+                f"{'higher' if better == 'max' else 'lower'}: set {name}.mode={better}, or leave "
+                "mode out (it follows the monitor)"
+            )
+        return self
+
+
+class CheckpointConfig(_Monitored):
     monitor: Monitor = "val_acc"
-    mode: Literal["max", "min"] = "max"
-    save_top_k: int = Field(2, ge=-1)
+    mode: Literal["max", "min"] | None = None  # None: the monitor's (`BETTER`)
+    save_top_k: int = Field(2, ge=-1)  # -1: every one
+
+    @field_validator("save_top_k")
+    @classmethod
+    def _keeps_one(cls, value: int) -> int:
+        if value == 0:  # Lightning then keeps none, and best.ckpt was last.ckpt, not the best
+            raise ConfigError(
+                "checkpoint.save_top_k=0 keeps no checkpoint to take the best from (best.ckpt "
+                "would be the last epoch's): set it to 1 or more, or -1 to keep every one"
+            )
+        return value
 
 
-class EarlyStoppingConfig(Section):
+class EarlyStoppingConfig(_Monitored):
     enabled: bool = True
     # val_loss, not val_acc: accuracy on a small validation split saturates long before training
     # has converged, and stopping on it cuts the learning-rate schedule short.
     monitor: Monitor = "val_loss"
-    mode: Literal["max", "min"] = "min"
+    mode: Literal["max", "min"] | None = None
     patience: int = Field(6, ge=0)
     min_delta: float = Field(0.0, ge=0)
 
@@ -189,9 +232,13 @@ _MISSING = object()
 def _lookup(tree: Any, parts: Sequence[str]) -> Any:
     """The value at `parts` in a nested dict, or _MISSING."""
     for part in parts:
-        if not isinstance(tree, dict) or part not in tree:
+        if not isinstance(tree, dict):
             return _MISSING
-        tree = tree[part]
+        # a key YAML read as a number (`1: 2`) is named "1" by an error's location
+        found = next((k for k in tree if k == part or str(k) == part), _MISSING)
+        if found is _MISSING:
+            return _MISSING
+        tree = tree[found]
     return tree
 
 
@@ -276,7 +323,7 @@ class Config(Section):
         if given and all(v <= 1 for v in given) and any(0 < v < 1 for v in given):
             # ImageNet's 0..1 statistics: x / 0.229 on 0..255 pixels saturates every layer
             scaled = " ".join(
-                f"--set 'model.{key}={[round(v * 255, 3) for v in values]}'"
+                f"--set 'model.{key}={[float(f'{v * 255:.6g}') for v in values]}'"
                 for key in ("mean", "std")
                 if (values := getattr(self.model, key)) is not None
             )
@@ -384,12 +431,47 @@ def _explain(err: ValidationError, sources: Sources) -> str:
         allowed = ", ".join(section.model_fields) if section else "?"
         where = ".".join(str(p) for p in loc[:-1]) or "top level"
         return f"{source}: unknown key '{key}'; allowed in {where}: {allowed}"
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    # pydantic's location goes on past the field: a union's arm (`trainer.devices.int`), a
+    # list's index (`model.mean.0`), which are no keys to --set
+    parts, annotation = _field_at(loc)
+    if parts:
+        key = ".".join(parts)
+        source = sources.of(key)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        keys = list(annotation.model_fields)
+        return (
+            f"{source}: '{key}' is a section of settings, not a value ({first.get('input')!r}): "
+            f"set its keys, e.g. --set {key}.{keys[0]}=... (it has: {', '.join(keys)})"
+        )
+    here = [e for e in err.errors() if _field_at(tuple(e["loc"]))[0] == parts] or [first]
+    said = list(dict.fromkeys(e["msg"] for e in here))  # each union arm's, once
+    message = " or ".join([said[0], *(m.removeprefix("Input should be ") for m in said[1:])])
+    others = len(err.errors()) - len(here)
+    more = f" (and {others} more)" if others else ""
     where = f"in {sources.file} or " if sources.file and sources.file in source else ""
     return (
-        f"{source}: '{key}' = {first.get('input')!r}: {first['msg']}{more}; "
+        f"{source}: '{key}' = {first.get('input')!r}: {message}{more}; "
         f"fix it {where}with --set {key}=..."
     )
+
+
+def _field_at(loc: tuple[int | str, ...]) -> tuple[tuple[str, ...], Any]:
+    """The config keys at the start of a pydantic error's `loc`, and the last one's type."""
+    model: type[BaseModel] | None = Config
+    parts: list[str] = []
+    annotation: Any = None
+    for part in loc:
+        fields = model.model_fields if model is not None else {}
+        if str(part) not in fields:
+            break
+        parts.append(str(part))
+        annotation = fields[str(part)].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return tuple(parts), annotation
 
 
 def without_unread_path(data: dict[str, Any]) -> dict[str, Any]:

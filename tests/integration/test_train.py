@@ -877,6 +877,21 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
             "AssertionError: width must be a multiple of 4, got 6 ("
             f"{models_file}, line {asserts}); check model.kwargs",
         ),
+        (  # BatchNorm in batches of one: a traceback once fitting began
+            [
+                "--set",
+                "model.name=resnet",
+                "--set",
+                "model.kwargs={}",
+                "--set",
+                "data.image_size=8",
+                "--set",
+                "data.batch_size=1",
+            ],
+            "fails on a [1, 1, 8, 8] input in training mode: ValueError: Expected more than 1 "
+            "value per channel when training, got input size torch.Size([1, 512, 1, 1]); it "
+            "cannot train in batches of one image: set data.batch_size=2 or more",
+        ),
     ]
     for extra, message in cases:
         proc = run_cli("train", "--run", str(run), "--config", TINY, *extra)
@@ -1306,3 +1321,19 @@ def test_an_epoch_trained_again_replaces_its_earlier_checkpoint(
     run_cli("train", "--run", str(run), "--resume", check=True)
     assert sorted(p.name for p in checkpoints.iterdir()) == [*top_k, "last.ckpt"]
     assert torch.load(checkpoints / newest, weights_only=True)["epoch"] == int(newest[6:8])
+
+
+def test_a_run_monitoring_the_loss_keeps_the_lowest_and_records_it_by_name(tmp_path: Path) -> None:
+    """`checkpoint.monitor=val_loss` kept mode max: best.ckpt was the epoch of the highest
+    loss, recorded in the manifest as its `val_acc`."""
+    import csv
+
+    run = tmp_path / "loss"
+    run_cli("train", "--run", str(run), "--config", TINY, "--set", "checkpoint.monitor=val_loss",
+            "--set", "early_stopping.enabled=false", check=True)  # fmt: skip
+    entry = manifest(run)["checkpoint"]
+    (log,) = (run / "logs" / "csv").glob("*/metrics.csv")
+    rows = csv.DictReader(log.read_text().splitlines())
+    losses = [float(r["val_loss"]) for r in rows if r["val_loss"]]
+    assert len(losses) == 4 and losses[0] != min(losses)  # it learned: the first is no best
+    assert entry["val_loss"] == pytest.approx(min(losses), abs=1e-6) and "val_acc" not in entry

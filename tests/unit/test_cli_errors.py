@@ -687,3 +687,37 @@ def test_the_cli_has_each_stage_and_nothing_else_as_a_command() -> None:
     assert sorted(group.commands) == [  # type: ignore[attr-defined]
         "bench", "export", "quantize", "report", "serve", "train",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        # numpy's, for data.image_size=4096 on 1,797 digits (the config takes up to 4096)
+        (
+            MemoryError(
+                "Unable to allocate 28.1 GiB for an array with shape (1797, 1, 4096, "
+                "4096) and data type uint8"
+            ),
+            " (Unable to allocate 28.1 GiB for an array with shape (1797, 1, 4096, 4096) and "
+            "data type uint8)",
+        ),
+        (MemoryError(), ""),
+    ],
+)
+def test_running_out_of_memory_is_one_line_not_a_traceback(
+    error: MemoryError,
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def invoke() -> int:
+        raise error
+
+    monkeypatch.setattr(cli, "_invoke", invoke)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == (
+        f"error: out of memory{said}: use smaller settings (data.image_size, data.batch_size, "
+        "--calibration-samples, --batch) or a machine with more memory\n"
+    )

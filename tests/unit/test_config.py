@@ -472,3 +472,93 @@ def test_a_set_arg_in_a_message_reads_back_as_its_value(path: str) -> None:
     assert flag == "--set"
     cfg = load_config(CONFIGS / "tiny.yaml", ["data.source=folder", arg])
     assert str(cfg.data.path) == path
+
+
+def test_a_monitors_mode_follows_it_and_one_given_against_it_is_refused() -> None:
+    """`checkpoint.monitor=val_loss` alone kept mode max: best.ckpt was the epoch of the
+    highest loss. `early_stopping.monitor=val_acc` alone stopped a training whose accuracy
+    rose, as not improving (mode min)."""
+    cfg = load_config(None, ["checkpoint.monitor=val_loss", "early_stopping.monitor=val_acc"])
+    assert (cfg.checkpoint.direction, cfg.early_stopping.direction) == ("min", "max")
+    defaults = load_config(None)
+    assert (defaults.checkpoint.direction, defaults.early_stopping.direction) == ("max", "min")
+    assert load_config(None, ["checkpoint.mode=max"]).checkpoint.direction == "max"  # agrees
+    for section, monitor, mode, better in (
+        ("checkpoint", "val_loss", "max", ("lower", "min")),
+        ("early_stopping", "val_acc", "min", ("higher", "max")),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{section}.monitor={monitor}", f"{section}.mode={mode}"])
+        assert str(err.value) == (
+            f"{section}.mode={mode} with {section}.monitor={monitor}, which is better "
+            f"{better[0]}: set {section}.mode={better[1]}, or leave mode out (it follows the "
+            "monitor)"
+        )
+
+
+def test_a_top_k_of_no_checkpoint_is_refused() -> None:
+    # Lightning kept none, and best.ckpt was last.ckpt, the manifest's val_acc null
+    with pytest.raises(ConfigError, match=r"checkpoint.save_top_k=0 keeps no checkpoint"):
+        load_config(None, ["checkpoint.save_top_k=0"])
+    assert load_config(None, ["checkpoint.save_top_k=-1"]).checkpoint.save_top_k == -1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "refused"),
+    [
+        # ddp_spawn trained in its own processes: "trained in 4.4 s (0 epochs, step 0)"
+        (["trainer.strategy=ddp_spawn"], {}, "trainer.strategy=ddp_spawn trains in processes"),
+        (["trainer.strategy=ddp_notebook"], {}, "trainer.strategy=ddp_notebook trains in"),
+        (["trainer.strategy=ddp"], {}, None),
+        # one device trained, and the manifest said devices 2
+        (
+            ["trainer.devices=2", "trainer.strategy=single_device"],
+            {},
+            "trainer.strategy=single_device trains on",
+        ),
+        # waited for the other node for ever, deaf to SIGTERM and Ctrl-C
+        (["trainer.num_nodes=2"], {}, "trainer.num_nodes=2 needs the command started on every"),
+        (["trainer.num_nodes=2"], {"MASTER_ADDR": "10.0.0.1"}, None),
+        (["trainer.num_nodes=2"], {"SLURM_NTASKS": "4"}, None),
+    ],
+)
+def test_strategies_that_would_train_unrecorded_or_wait_for_ever_are_refused(
+    monkeypatch: pytest.MonkeyPatch, overrides: list[str], env: dict[str, str], refused: str | None
+) -> None:
+    fit = importlib.import_module("lightship.train.fit")
+    for key in ("MASTER_ADDR", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(None, overrides)
+    if refused is None:
+        fit._check_runtime_config(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        fit._check_runtime_config(cfg)
+    assert str(err.value).startswith(refused)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        # a union's arm and a list's index were named as keys: `--set trainer.devices.int=...`
+        (
+            "trainer.devices=null",
+            "--set: 'trainer.devices' = None: Input should be a valid integer or a valid "
+            "string; fix it with --set trainer.devices=...",
+        ),
+        ("model.mean=[a]", "; fix it with --set model.mean=..."),
+        # a section given a value: "Input should be a number, not true/false"
+        (
+            "early_stopping=false",
+            "--set: 'early_stopping' is a section of settings, not a value (False): set its "
+            "keys, e.g. --set early_stopping.enabled=... (it has: enabled, monitor, mode, "
+            "patience, min_delta)",
+        ),
+    ],
+)
+def test_a_bad_value_names_the_key_it_was_given_for(override: str, said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).endswith(said), str(err.value)

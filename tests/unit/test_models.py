@@ -110,6 +110,12 @@ def test_user_model_by_import_path_gets_only_the_arguments_it_takes() -> None:
         ("os:system", "'os:system' is not a torch.nn.Module class"),
         ("builtins:open", "'builtins:open' is not a torch.nn.Module class"),
         ("lightship.models:create", "is not a torch.nn.Module class"),
+        # an empty module was imported in lightship's frames: "fix the module" blamed ours
+        (":Net", r"model ':Net' needs a module and a class, as 'package.module:Class'"),
+        ("mymod:", r"model 'mymod:' needs a module and a class"),
+        # a file's path: the hint had been "\(mymod:py\)"
+        ("mymod.py:Net", r"names a file: give its module's name, model.name=mymod:Net, and run"),
+        ("models/net.py:Net", r"give its module's name, model.name=models.net:Net"),
     ],
 )
 def test_bad_model_names(name: str, message: str) -> None:

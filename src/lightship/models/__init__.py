@@ -160,6 +160,17 @@ def resolve(name: str, module_file: str | None = None) -> Builder:
         known = ", ".join(sorted(REGISTRY))
         raise ConfigError(f"unknown model '{name}': use one of {known} or 'package.module:Class'")
     module_name, _, attr = name.partition(":")
+    if not module_name or not attr:  # `:Net` read as a module of no name, in lightship's frames
+        raise ConfigError(
+            f"model '{name}' needs a module and a class, as 'package.module:Class' (e.g. "
+            "mymodels:Net, with mymodels.py on PYTHONPATH)"
+        )
+    if module_name.endswith(".py") or "/" in module_name:  # a file's path, not a module's name
+        dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
+        raise ConfigError(
+            f"model '{name}' names a file: give its module's name, model.name={dotted}:{attr}, "
+            "and run with PYTHONPATH set to the folder it is in"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -268,7 +268,9 @@ def bench_serve(
             metavar="<path>",  # as the other paths' (a parser's type would say <Path>)
         ),
     ] = Path("runs/bench/resnet"),
-    duration: Annotated[float, typer.Option(help="seconds per wrk measurement")] = 4.0,
+    duration: Annotated[
+        int, typer.Option(help="seconds per wrk measurement, whole (wrk takes no fractions)")
+    ] = 4,
     rounds: Annotated[
         int, typer.Option(help="interleaved rounds over every cell; medians are reported")
     ] = 3,

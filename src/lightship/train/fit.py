@@ -93,6 +93,12 @@ def _input_spec(cfg: Config, mean: list[float], std: list[float]) -> dict[str, A
 _WORKERS_PER_CPU = 4  # data loader processes per CPU, at most
 
 
+# Lightning's strategies that train in processes they start, not in this one
+_SPAWNING = ("spawn", "fork", "notebook")
+# What a multi-node launch sets on each node (torchrun, SLURM, by hand as Lightning documents)
+_LAUNCHED = ("MASTER_ADDR", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "WORLD_SIZE")
+
+
 def _check_runtime_config(cfg: Config) -> None:
     t = cfg.trainer
     cuda = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
@@ -103,6 +109,28 @@ def _check_runtime_config(cfg: Config) -> None:
     if t.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.accelerator={t.accelerator} but no CUDA device is visible: use cpu or auto"
+        )
+    strategy = t.strategy.lower()
+    if any(word in strategy for word in _SPAWNING):
+        # The processes it starts train; this one's trainer, which records the run, saw none
+        # of it: "trained in 4.4 s (0 epochs, step 0)", val_acc null in the manifest
+        raise ConfigError(
+            f"trainer.strategy={t.strategy} trains in processes it starts, and the run would "
+            "be recorded as trained for 0 epochs: use trainer.strategy=ddp (Lightning then "
+            "runs this command once a device)"
+        )
+    if strategy == "single_device" and str(t.devices) not in ("1", "auto"):
+        raise ConfigError(  # it trained on one, and the manifest said devices 2
+            f"trainer.strategy=single_device trains on one device, not trainer.devices="
+            f"{t.devices}: set trainer.devices=1, or use trainer.strategy=ddp"
+        )
+    if t.num_nodes > 1 and not any(os.environ.get(k) for k in _LAUNCHED):
+        # it waits for the other nodes for ever, in C++, where SIGTERM and Ctrl-C do nothing
+        raise ConfigError(
+            f"trainer.num_nodes={t.num_nodes} needs the command started on every node by a "
+            "launcher (torchrun, SLURM's srun) or with MASTER_ADDR, MASTER_PORT and NODE_RANK "
+            "set on each: alone, it would wait for the other nodes for ever; on one machine, "
+            "use trainer.devices"
         )
     # each worker is a process holding a copy of the data set: thousands exhaust the memory
     # and leave orphans when the kernel kills the run
@@ -566,7 +594,8 @@ def _check_model_trains(model: torch.nn.Module, cfg: Config, num_classes: int) -
 def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> None:
     """`_check_model_trains`' runs of the model, each refused with its fix."""
     size, channels = cfg.data.image_size, cfg.data.channels
-    for n, training in ((2, False), (1, False), (2, True)):
+    # trained in batches of data.batch_size: of one, BatchNorm cannot (a traceback mid-fit)
+    for n, training in ((2, False), (1, False), (min(2, cfg.data.batch_size), True)):
         x = torch.zeros(n, channels, size, size, dtype=torch.uint8)
         probe = copy.deepcopy(model) if training else model
         probe.train(training)
@@ -576,10 +605,12 @@ def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> 
                 out = probe(x)
         except Exception as exc:  # any failure of user code: its message, on one line
             reason = first_line(exc) or type(exc).__name__
+            fix = "fix the model, model.kwargs or data.image_size/channels"
+            if training and n == 1:
+                fix = "it cannot train in batches of one image: set data.batch_size=2 or more"
             raise ConfigError(
                 f"{what} fails on a [{n}, {channels}, {size}, {size}] input{mode}: "
-                f"{type(exc).__name__}: {reason}; fix the model, model.kwargs or "
-                "data.image_size/channels"
+                f"{type(exc).__name__}: {reason}; {fix}"
             ) from None
         if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
             raise _wrong_output(what, cfg, out, n, num_classes, mode)
@@ -1032,7 +1063,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         filename="epoch={epoch:02d}-val_acc={val_acc:.4f}",
         auto_insert_metric_name=False,
         monitor=cfg.checkpoint.monitor,
-        mode=cfg.checkpoint.mode,
+        mode=cfg.checkpoint.direction,
         save_top_k=cfg.checkpoint.save_top_k,
         save_last=True,
     )
@@ -1047,7 +1078,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if cfg.early_stopping.enabled:
         early = EarlyStopping(
             monitor=cfg.early_stopping.monitor,
-            mode=cfg.early_stopping.mode,
+            mode=cfg.early_stopping.direction,
             patience=cfg.early_stopping.patience,
             min_delta=cfg.early_stopping.min_delta,
         )
@@ -1196,7 +1227,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         "data_spec": dm.spec.to_dict(),
         "test_acc": round(test_acc, 6),
         "test_samples": len(splits.test_y),
-        "val_acc": round(float(best_score), 6) if best_score is not None else None,
+        # the score best.ckpt was chosen by, under the metric's own name
+        cfg.checkpoint.monitor: round(float(best_score), 6) if best_score is not None else None,
         "epochs": trainer.current_epoch,
         "max_epochs": t.max_epochs,
         "stopped_early": bool(early is not None and early.stopped_epoch > 0),
