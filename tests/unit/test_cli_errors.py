@@ -240,6 +240,14 @@ def test_a_disk_that_takes_no_more_is_one_line(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    assert _said_failing_with(error, monkeypatch, capsys) == message
+
+
+def _said_failing_with(
+    error: BaseException, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """What the CLI prints on stderr when its command raises `error`, having exited 1."""
+
     def invoke() -> int:
         raise error
 
@@ -247,7 +255,7 @@ def test_a_disk_that_takes_no_more_is_one_line(
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 1
-    assert capsys.readouterr().err == message
+    return capsys.readouterr().err
 
 
 def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -710,14 +718,7 @@ def test_running_out_of_memory_is_one_line_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    def invoke() -> int:
-        raise error
-
-    monkeypatch.setattr(cli, "_invoke", invoke)
-    with pytest.raises(SystemExit) as stop:
-        cli.main()
-    assert stop.value.code == 1
-    assert capsys.readouterr().err == (
+    assert _said_failing_with(error, monkeypatch, capsys) == (
         f"error: out of memory{said}: use smaller settings (data.image_size, data.batch_size, "
         "--calibration-samples, --batch) or a machine with more memory\n"
     )

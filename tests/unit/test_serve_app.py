@@ -3539,17 +3539,18 @@ DOCS_BUNDLE = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nhost: t\r\n\r\n"
 
 
 async def unread_answers(
-    counting: CountingApp, client: httpx.AsyncClient, requests: int
+    counting: CountingApp, client: httpx.AsyncClient, requests: int, data: bytes = DOCS_BUNDLE
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
-    """A connection with a small receive buffer that sent `requests` DOCS_BUNDLE requests:
-    its reader and writer, and the server's protocol of it once its writes are paused."""
+    """A connection with a small receive buffer that sent `requests` requests (`data` each,
+    DOCS_BUNDLE's by default): its reader and writer, and the server's protocol of it once its
+    writes are paused."""
     before = set(counting.connections)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
     sock.connect((host, int(port)))
     reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(DOCS_BUNDLE * requests)
+    writer.write(data * requests)
     while not (mine := set(counting.connections) - before):
         await asyncio.sleep(0.01)
     (connection,) = mine
@@ -3623,16 +3624,7 @@ def test_a_tensor_answer_a_write_timeout_drop_kept_from_the_socket_counts_499(
 
     async def main() -> str:
         async with raw_http(app) as (_, counting, client):
-            before = set(counting.connections)
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
-            sock.connect((host, int(port)))
-            _, writer = await asyncio.open_connection(sock=sock)
-            writer.write(post * 8)  # and never read
-            while not (mine := set(counting.connections) - before):
-                await asyncio.sleep(0.01)
-            (connection,) = mine
+            _, writer, connection = await unread_answers(counting, client, 8, post)  # never read
             await until_closed(counting, connection, 10)
             writer.close()
             return (await client.get("/metrics")).text
