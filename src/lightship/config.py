@@ -437,7 +437,16 @@ def _explain(err: ValidationError, sources: Sources) -> str:
     if parts:
         key = ".".join(parts)
         source = sources.of(key)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if first["type"] == "invalid_key":  # `7: x` in a section: YAML read the key as a number
+        section = _section_at((*parts, "")) if parts else Config
+        allowed = ", ".join(section.model_fields) if section else "?"
+        where = key if parts else "top level"
+        return (
+            f"{sources.of('.'.join(str(p) for p in loc))}: unknown key {loc[-1]!r} in {where} "
+            f"(YAML read it as a number); allowed in {where}: {allowed}"
+        )
+    section_given = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    if section_given and len(parts) == len(loc):
         keys = list(annotation.model_fields)
         return (
             f"{source}: '{key}' is a section of settings, not a value ({first.get('input')!r}): "
@@ -496,6 +505,31 @@ def _drop_digits_path(tree: dict[str, Any], file: str) -> tuple[str, ...]:
     )
 
 
+def _drop_mode_against_monitor(tree: dict[str, Any], file: str) -> tuple[str, ...]:
+    """A run's config.yaml from before a monitor's mode followed it may hold a mode against it
+    (`monitor: val_loss` beside the `mode: max` it kept, the highest loss then counted best):
+    left out, so that the mode follows the monitor, said in a note."""
+    notes = []
+    for name, section in (
+        ("checkpoint", CheckpointConfig),
+        ("early_stopping", EarlyStoppingConfig),
+    ):
+        written = tree.get(name)
+        if not isinstance(written, dict) or written.get("mode") not in ("max", "min"):
+            continue
+        monitor = written.get("monitor", section.model_fields["monitor"].default)
+        better = BETTER.get(monitor) if isinstance(monitor, str) else None
+        if better is None or written["mode"] == better:
+            continue
+        notes.append(
+            f"note: {file} records {name}.mode={written['mode']} with {name}.monitor={monitor}, "
+            f"as older lightship versions left it (the {'highest' if better == 'min' else 'lowest'}"
+            f" {monitor} counted as the best); the mode follows the monitor now ({better})"
+        )
+        tree[name] = {**written, "mode": None}
+    return tuple(notes)
+
+
 def load_config(
     path: Path | str | None = None,
     overrides: Sequence[str] | str | None = None,
@@ -546,7 +580,9 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...)")
         tree = loaded
-    notes = _drop_digits_path(tree, str(file)) if recorded and file is not None else ()
+    notes: tuple[str, ...] = ()
+    if recorded and file is not None:
+        notes = _drop_digits_path(tree, str(file)) + _drop_mode_against_monitor(tree, str(file))
     written = copy.deepcopy(tree)
     if isinstance(overrides, str):  # one override: its characters were read as many
         overrides = [overrides]

@@ -778,6 +778,10 @@ def lock_run(root: Path, command: str, create: bool = False) -> Iterator[None]:
 class RunDir:
     root: Path
 
+    def __post_init__(self) -> None:
+        # RunDir("runs/x") from Python: every path below was a str's, `.resolve()` an error
+        object.__setattr__(self, "root", Path(self.root))
+
     @property
     def name(self) -> str:
         return self.root.resolve().name

@@ -562,3 +562,53 @@ def test_a_bad_value_names_the_key_it_was_given_for(override: str, said: str) ->
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value).endswith(said), str(err.value)
+
+
+def test_auto_on_several_devices_in_an_interactive_session_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """There Lightning makes `auto` its ddp_fork: the forks trained, and the run was recorded
+    as trained for 0 epochs, as ddp_spawn's was."""
+    from pytorch_lightning.trainer.connectors import accelerator_connector
+
+    fit = importlib.import_module("lightship.train.fit")
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
+    with pytest.raises(ConfigError) as err:
+        fit._trainer(accelerator="cpu", devices=2, strategy="auto", logger=False)
+    assert str(err.value).startswith(
+        "trainer.strategy=auto with trainer.devices=2 trains in processes Lightning starts"
+    )
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", False)  # from a shell: ddp
+    fit._trainer(accelerator="cpu", devices=2, strategy="auto", logger=False)
+
+
+def test_a_runs_older_config_with_a_mode_against_its_monitor_loads_with_a_note(
+    tmp_path: Path,
+) -> None:
+    """Written before the mode followed the monitor (`monitor: val_loss` beside the `mode: max`
+    it kept): the run's resume was refused, and QAT loaded its data with the defaults."""
+    written = tmp_path / "config.yaml"
+    tree = {"checkpoint": {"monitor": "val_loss", "mode": "max", "save_top_k": 2}}
+    tree["early_stopping"] = {"monitor": "val_loss", "mode": "min"}  # agrees: kept as written
+    written.write_text(yaml.safe_dump(tree))
+    cfg = load_config(written, recorded=True)
+    assert cfg.checkpoint.mode is None and cfg.checkpoint.direction == "min"
+    assert cfg.early_stopping.mode == "min"
+    assert cfg.sources.notes == (
+        f"note: {written} records checkpoint.mode=max with checkpoint.monitor=val_loss, as older "
+        "lightship versions left it (the highest val_loss counted as the best); the mode follows "
+        "the monitor now (min)",
+    )
+    with pytest.raises(ConfigError, match="checkpoint.mode=max with checkpoint.monitor=val_loss"):
+        load_config(written)  # a --config of the user's own: said, to be fixed there
+
+
+def test_a_key_yaml_read_as_a_number_is_named_in_its_section(tmp_path: Path) -> None:
+    # `7: x` under data: was "'data' is a section of settings, not a value (7)"
+    written = tmp_path / "numbers.yaml"
+    written.write_text("data:\n  batch_size: 3\n  7: x\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(written)
+    assert str(err.value).startswith(
+        f"{written}: unknown key 7 in data (YAML read it as a number); allowed in data: source, "
+    )

@@ -1116,3 +1116,10 @@ def test_a_full_disk_in_an_atomic_write_names_the_file_being_made(tmp_path: Path
     with pytest.raises(OSError) as err, atomic_path(target):
         raise OSError(errno.EIO, "Input/output error")
     assert err.value.filename is None
+
+
+def test_a_run_directory_named_by_a_string_is_a_path() -> None:
+    # RunDir("runs/x") from Python: fit() failed with "'str' object has no attribute 'resolve'"
+    run = RunDir("runs/x")  # type: ignore[arg-type]
+    assert run.root == Path("runs/x") and run == RunDir(Path("runs/x"))
+    assert run.config == Path("runs/x/config.yaml")

@@ -22,6 +22,7 @@ import yaml
 from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
 from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from lightship import __version__, models
@@ -682,10 +683,20 @@ def _train_batches(cfg: Config, images: int, processes: int = 1) -> int:
 def _trainer(**kwargs: Any) -> pl.Trainer:
     """pl.Trainer, its refusals (devices=0, an unknown accelerator...) as one-line ConfigErrors."""
     try:
-        return pl.Trainer(**kwargs)
+        trainer = pl.Trainer(**kwargs)
     except (MisconfigurationException, ValueError, TypeError, ImportError) as exc:
         # ImportError: a strategy whose package is missing (deepspeed)
         raise ConfigError(f"Lightning refused the trainer settings: {exc}; fix trainer.*") from None
+    if isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
+        # strategy=auto on several devices in a notebook or `python -i` is Lightning's ddp_fork
+        # (`_check_runtime_config` refuses it by name): "0 epochs, step 0" in the manifest
+        raise ConfigError(
+            f"trainer.strategy={kwargs.get('strategy')} with trainer.devices="
+            f"{kwargs.get('devices')} trains in processes Lightning starts (it picks that in an "
+            "interactive session), and the run would be recorded as trained for 0 epochs: run "
+            "`lightship train` from a shell with trainer.strategy=ddp, or set trainer.devices=1"
+        )
+    return trainer
 
 
 def _discard_derived(run: RunDir, new_best: bool = True) -> None:
