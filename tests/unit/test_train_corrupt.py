@@ -249,3 +249,35 @@ def test_a_resume_cannot_turn_weight_averaging_off_or_on(
     )
     no_setting: dict = {"hyper_parameters": {"optim": {}}}  # a checkpoint written by hand
     assert _refusal(_check_resume_averaging, cfg, no_setting, run) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["checkpoint.monitor=val_loss"], "checkpoint.monitor val_acc -> val_loss: the run's kept"),
+        (["early_stopping.monitor=val_acc"], "early_stopping.monitor val_loss -> val_acc: the"),
+        (["early_stopping.enabled=false"], None),  # no state to go on with
+        (["checkpoint.mode=max"], None),  # the same as it followed
+    ],
+)
+def test_a_resume_keeps_the_metrics_its_checkpoints_and_patience_were_judged_on(
+    tmp_path: Path, overrides: list[str], refused: str | None
+) -> None:
+    """Lightning keys a callback's state by its monitor: the changed one started afresh, and
+    the kept top-k files, chosen on the other metric, stayed beside the new ones for good."""
+    from lightship.train.fit import _check_resume_monitors
+
+    states = (  # as Lightning keys them in a checkpoint
+        "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}",
+        "LatestBestCheckpoint{'monitor': 'val_acc', 'mode': 'max', 'every_n_train_steps': 0, "
+        "'every_n_epochs': 1, 'train_time_interval': None}",
+        "RandomState",
+    )
+    ckpt: dict = {"callbacks": {state: {} for state in states}}
+    run = RunDir(tmp_path / "run")
+    said = _refusal(_check_resume_monitors, load_config(None, overrides), ckpt, run)
+    if refused is None:
+        assert said is None
+        return
+    assert said is not None and said.startswith(f"cannot resume {run.root}: {refused}")
+    assert said.endswith("or train afresh without --resume")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import logging
@@ -452,6 +453,32 @@ def _check_resume_averaging(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> N
         f"optim.ema_decay={said[was]}, or "
         "train afresh without --resume"
     )
+
+
+def _check_resume_monitors(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> None:
+    """The metric the checkpoints and early stopping judge by cannot change on a resume:
+    Lightning keys each callback's state by its monitor, so the changed one started afresh
+    while the kept top-k files, chosen on the other metric, stayed beside the new ones and were
+    never deleted. Read from the state keys of the checkpoint's callbacks. A mode alone may
+    differ (an older config.yaml's mode against its monitor, now following it)."""
+    for key in ckpt.get("callbacks") or {}:
+        name, brace, rest = str(key).partition("{")
+        if name not in ("LatestBestCheckpoint", "ModelCheckpoint", "EarlyStopping") or not brace:
+            continue
+        try:
+            was = ast.literal_eval(brace + rest).get("monitor")
+        except (ValueError, SyntaxError, AttributeError):
+            continue
+        section = "early_stopping" if name == "EarlyStopping" else "checkpoint"
+        now = getattr(cfg, section)
+        if was is None or was == now.monitor or (section == "early_stopping" and not now.enabled):
+            continue
+        judged = "kept checkpoints were chosen" if section == "checkpoint" else "patience counted"
+        raise ConfigError(
+            f"cannot resume {run.root}: {section}.monitor {was} -> {now.monitor}: the run's "
+            f"{judged} on {was}, which a resume goes on with: keep {section}.monitor={was}, or "
+            "train afresh without --resume"
+        )
 
 
 def _check_resume_schedule(cfg: Config, ckpt: dict[str, Any], run: RunDir) -> bool:
@@ -1012,6 +1039,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         _check_resume_epochs(cfg, resumed, run)
         _check_resume_optimizer(cfg, resumed, run, own)
         _check_resume_averaging(cfg, resumed, run)
+        _check_resume_monitors(cfg, resumed, run)
         schedule_checked = _check_resume_schedule(cfg, resumed, run)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
