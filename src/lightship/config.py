@@ -310,6 +310,27 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _worker_settings_need_workers(self) -> Config:
+        # DataLoader takes them only with worker processes: they were dropped without a word
+        data = self.data
+        given = [
+            f"data.{key}={value}"
+            for key, value in (
+                ("persistent_workers", "true" if data.persistent_workers else None),
+                ("prefetch_factor", data.prefetch_factor),
+            )
+            if value is not None
+        ]
+        if given and data.num_workers == 0:
+            them = "apply" if len(given) > 1 else "applies"
+            raise ConfigError(
+                f"{' and '.join(given)} {them} to worker processes, and data.num_workers=0 "
+                "loads in the training process: set data.num_workers (e.g. 2), or leave "
+                f"{'them' if len(given) > 1 else 'it'} out"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _stats_per_channel(self) -> Config:
         for key in ("mean", "std"):
             values = getattr(self.model, key)

@@ -612,3 +612,16 @@ def test_a_key_yaml_read_as_a_number_is_named_in_its_section(tmp_path: Path) -> 
     assert str(err.value).startswith(
         f"{written}: unknown key 7 in data (YAML read it as a number); allowed in data: source, "
     )
+
+
+def test_worker_settings_without_workers_are_refused() -> None:
+    # DataLoader takes them only with worker processes: they were dropped without a word
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.persistent_workers=true", "data.prefetch_factor=4"])
+    assert str(err.value) == (
+        "data.persistent_workers=true and data.prefetch_factor=4 apply to worker processes, and "
+        "data.num_workers=0 loads in the training process: set data.num_workers (e.g. 2), or "
+        "leave them out"
+    )
+    cfg = load_config(None, ["data.persistent_workers=true", "data.num_workers=2"])
+    assert cfg.data.persistent_workers
