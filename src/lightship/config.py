@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -41,7 +41,7 @@ class Section(BaseModel):
         one epoch): a number or a name is not a yes or no."""
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if _is_section(annotation):
                 return value  # a section: refused as one (`_explain`)
             if bool not in (annotation, *get_args(annotation)):
                 names = _choices(annotation)
@@ -429,16 +429,17 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem}{where}"
 
 
+def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
+    """Whether a field's type is a section of settings (a model of keys of its own)."""
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     """The pydantic model that holds the field at `loc` (for listing the keys it allows)."""
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = field.annotation if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+    parts, annotation = _field_at(loc[:-1])
+    if len(parts) < len(loc) - 1:
+        return None
+    return Config if not parts else annotation if _is_section(annotation) else None
 
 
 def _explain(err: ValidationError, sources: Sources) -> str:
@@ -459,15 +460,14 @@ def _explain(err: ValidationError, sources: Sources) -> str:
         key = ".".join(parts)
         source = sources.of(key)
     if first["type"] == "invalid_key":  # `7: x` in a section: YAML read the key as a number
-        section = _section_at((*parts, "")) if parts else Config
+        section = _section_at(loc)
         allowed = ", ".join(section.model_fields) if section else "?"
         where = key if parts else "top level"
         return (
             f"{sources.of('.'.join(str(p) for p in loc))}: unknown key {loc[-1]!r} in {where} "
             f"(YAML read it as a number); allowed in {where}: {allowed}"
         )
-    section_given = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-    if section_given and len(parts) == len(loc):
+    if _is_section(annotation) and len(parts) == len(loc):
         keys = list(annotation.model_fields)
         return (
             f"{source}: '{key}' is a section of settings, not a value ({first.get('input')!r}): "
@@ -496,11 +496,7 @@ def _field_at(loc: tuple[int | str, ...]) -> tuple[tuple[str, ...], Any]:
             break
         parts.append(str(part))
         annotation = fields[str(part)].annotation
-        model = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
+        model = annotation if _is_section(annotation) else None
     return tuple(parts), annotation
 
 
