@@ -826,8 +826,8 @@ def load_splits(
     log.debug("data %s: train %d, val %d, test %d", spec.source, len(train), len(val), len(test))
     wanted = [idx if name in only else idx[:0] for name, idx in zip(SPLITS, parts, strict=True)]
     rows = np.concatenate(wanted)
-    if folder_files is not None:  # decoded in file order, the rows wanted only
-        sorted_rows = np.sort(rows)
+    sorted_rows = np.sort(rows)  # x holds the rows wanted only, in file order
+    if folder_files is not None:  # decoded so
         x = _decode_folder(
             Path(str(spec.path)).expanduser(),
             folder_files,
@@ -838,15 +838,12 @@ def load_splits(
             digest,
         )
         _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
-        # the rows in split order: where each row wanted lies in x
-        order = np.searchsorted(sorted_rows, rows)
     else:
         x = resize_uint8(x, spec.image_size, spec.channels)
         if len(rows) < len(x):
-            x = x[np.sort(rows)]  # the rows wanted only, a copy: not a view keeping them all
-            order = np.searchsorted(np.sort(rows), rows)
-        else:
-            order = rows
+            x = x[sorted_rows]  # a copy: not a view keeping them all
+    # the rows in split order: where each row wanted lies in x (every row: its own)
+    order = rows if len(rows) == len(y) else np.searchsorted(sorted_rows, rows)
     # The images in split order, in place, and each split a view of its block: x[train],
     # x[val] and x[test] copied them all while x was held, 2.2 times the data set's memory
     _reorder_rows(x, order)
