@@ -191,13 +191,27 @@ def exported_run(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def rerecord_checkpoint(run: Path) -> None:
-    """After a test edits RUN/best.ckpt on purpose: record its new sha256, as `train` would."""
+    """After a test edits RUN/best.ckpt on purpose: record its new sha256 and, where it loads,
+    its test accuracy, as `train` would (export refuses a model that scores other than the
+    one trained: a forward edited since)."""
+    from lightship.callbacks import evaluate
+    from lightship.data import DataSpec, load_splits
+    from lightship.errors import LightshipError
+    from lightship.models.checkpoint import load_checkpoint
     from lightship.runs import RunDir, sha256_file
 
     rd = RunDir(run)
     entry = rd.artifact("checkpoint")
     assert entry is not None
-    rd.record("checkpoint", {**entry, "sha256": sha256_file(rd.best_ckpt)})
+    entry = {**entry, "sha256": sha256_file(rd.best_ckpt)}
+    try:
+        loaded = load_checkpoint(rd.best_ckpt)
+        splits = load_splits(DataSpec.from_dict(entry["data_spec"]), recorded=True, only=("test",))
+    except LightshipError:  # a checkpoint made not to load: its sha256 is what counts
+        pass
+    else:
+        entry["test_acc"] = round(evaluate(loaded.model, splits.test_x, splits.test_y), 6)
+    rd.record("checkpoint", entry)
 
 
 def swap_checkpoint(run: Path) -> None:

@@ -143,3 +143,19 @@ class AssertsItsWidth(SmallCNN):
     def __init__(self, in_channels: int, num_classes: int, image_size: int, width: int) -> None:
         assert width % 4 == 0, f"width must be a multiple of 4, got {width}"
         super().__init__(in_channels, num_classes, image_size)
+
+
+class Bfloat16Logits(SmallCNN):
+    """Its logits cast to bfloat16, as a cast left at the end of forward gives them."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).bfloat16()
+
+
+class RandomInEval(SmallCNN):
+    """Dropout on its features in eval mode too (`training=True`, a common slip): the same
+    image gets other logits each time, which no exported format can match."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self[2](self[1](self[0](x)))
+        return self[3](nn.functional.dropout(h, 0.5, training=True))

@@ -867,6 +867,16 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
             "outputs tuple for 2 images in training mode, expected [2, 10] (one logit per "
             "class): return one tensor of logits, in training too",
         ),
+        (  # trained, then export's ONNX gave bfloat16 logits no runtime of ours returns
+            [
+                "--set",
+                "model.name=tests.failing_models:Bfloat16Logits",
+                "--set",
+                "model.kwargs={}",
+            ],
+            "outputs bfloat16 logits, expected float32 (what the exported models and the "
+            "server give): end its forward with `.float()`",
+        ),
         (
             [
                 "--set",

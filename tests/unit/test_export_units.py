@@ -184,9 +184,9 @@ def test_parity_without_the_runs_data_is_on_random_images_and_says_what_follows(
         input_spec={"shape": ["batch", 3, 8, 8]},
     )
     with caplog.at_level(logging.WARNING, "lightship.export.core"):
-        x, on_test_split = parity_inputs(loaded, fallback=16)  # type: ignore[arg-type]
+        x, y = parity_inputs(loaded, fallback=16)  # type: ignore[arg-type]
     assert x.shape == (16, 3, 8, 8) and x.dtype == "uint8" and x.std() > 50
-    assert not on_test_split
+    assert y is None
     assert caplog.messages == [
         f"parity checked on 16 random images, not the test split: image folder {gone}, which "
         "this run was trained on, does not exist: put the data back at that path (a symlink to "
@@ -204,6 +204,6 @@ def test_parity_on_the_test_split_holds_no_more_than_it(tmp_path: Path) -> None:
         data_spec={"source": "digits", "image_size": 8, "channels": 1},
         input_spec={"shape": ["batch", 1, 8, 8]},
     )
-    x, on_test_split = parity_inputs(loaded)  # type: ignore[arg-type]
+    x, y = parity_inputs(loaded)  # type: ignore[arg-type]
     held = x if x.base is None else x.base  # a view of the test split's images alone
-    assert on_test_split and len(x) == 269 and held.nbytes == x.nbytes
+    assert y is not None and len(x) == len(y) == 269 and held.nbytes == x.nbytes

@@ -708,18 +708,34 @@ def _check_unchanged(spec: DataSpec, now: str) -> None:
     )
 
 
-def check_as_trained(entry: dict[str, Any], test_y: np.ndarray, accuracy: float, what: str) -> None:
+def check_as_trained(
+    entry: dict[str, Any],
+    test_y: np.ndarray,
+    accuracy: float,
+    what: str,
+    code: str | None = None,
+) -> None:
     """DataError when the test split is not what training measured the model on: its size, or
     the model's accuracy (`what` measured it) off by more than an image or 1 %, against the
     run's checkpoint `entry`. It catches what the fingerprint cannot: a run trained by an
     older lightship (no fingerprint; image folders read otherwise: not recursively, without
-    the EXIF turn), whose every figure measured now would be some other split's."""
+    the EXIF turn), whose every figure measured now would be some other split's; and, where
+    `what` ran the model's code as it is now (`code`: its module's file, for a user's
+    model), a forward edited since training, which loads the same weights."""
     then_n, then_acc = entry.get("test_samples"), entry.get("test_acc")
     if not (isinstance(then_n, int) and isinstance(then_acc, float | int)):
         return  # an entry from before they were recorded
     n = len(test_y)
     if then_n == n and abs(accuracy - then_acc) * n <= max(1.0, 0.01 * n):
         return
+    if code is not None and then_n == n:  # the same images: an edited forward is as likely
+        raise DataError(
+            f"{what} scores {accuracy:.4f} on the {n} test images, where training measured "
+            f"{then_acc:.4f}: the model's code in {code} changed since training (the weights "
+            "load, the forward is another one), or the data changed, or an older lightship "
+            "trained the run and read it otherwise: put the code and the data back as they "
+            "were, or train a new run with them"
+        )
     raise DataError(
         f"the test split is not what this run trained on: {what} scores {accuracy:.4f} on "
         f"{n} test images, where training measured {then_acc:.4f} on {then_n}; the data "

@@ -13,15 +13,15 @@ import numpy as np
 import torch
 
 from lightship import __version__
-from lightship.config import parse_choices
-from lightship.data import DataSpec, load_splits
+from lightship.config import DataConfig, load_config, parse_choices
+from lightship.data import DataSpec, check_as_trained, load_splits
 from lightship.errors import ConfigError, DataError, LightshipError, ParityError, RunError
 from lightship.export import onnx as onnx_export
 from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.failure import reason
-from lightship.export.parity import Parity, check_parity, check_reference, run_batched
-from lightship.models import spec_pythonpath
+from lightship.export.parity import Parity, check_parity, check_reference, compare, run_batched
+from lightship.models import module_file, spec_pythonpath
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
     RunDir,
@@ -73,13 +73,17 @@ def metadata(loaded: LoadedCheckpoint, source_sha: str) -> dict[str, str]:
     }
 
 
-def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> tuple[np.ndarray, bool]:
-    """The held-out test split when its data is still reachable, else seeded random pixels,
-    and which: an export needs no labels, so a run copied without its data still exports;
-    quantize and report do need them, which the warning says (and the CLI's `next:` line)."""
+def parity_inputs(
+    loaded: LoadedCheckpoint, fallback: int = 256
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The held-out test split's images and labels when its data is still reachable, else
+    seeded random pixels and None: an export needs no labels, so a run copied without its data
+    still exports; quantize and report do need them, which the warning says (and the CLI's
+    `next:` line)."""
     try:
         spec = DataSpec.from_dict(loaded.data_spec)
-        return load_splits(spec, recorded=True, only=("test",)).test_x, True
+        splits = load_splits(spec, recorded=True, only=("test",))
+        return splits.test_x, splits.test_y
     except DataError as exc:
         log.warning(
             "parity checked on %d random images, not the test split: %s. Quantize and report "
@@ -89,7 +93,7 @@ def parity_inputs(loaded: LoadedCheckpoint, fallback: int = 256) -> tuple[np.nda
         )
         c, h, w = loaded.input_spec["shape"][1:]
         rng = np.random.default_rng(0)
-        return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8), False
+        return rng.integers(0, 256, size=(fallback, c, h, w), dtype=np.uint8), None
 
 
 def eager_logits(
@@ -202,6 +206,58 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
         )
 
 
+def _check_logits_dtype(loaded: LoadedCheckpoint, example: torch.Tensor) -> None:
+    """ParityError for a model whose logits are not float32 (bfloat16 from a cast in its
+    forward), which no runtime of lightship's gives back, before anything is exported."""
+    with torch.inference_mode():
+        dtype = loaded.model(example).dtype
+    if dtype != torch.float32:
+        raise ParityError(
+            f"the model outputs {str(dtype).removeprefix('torch.')} logits, and the exported "
+            "models and the server give float32: end its forward with `.float()` (the weights "
+            "need no new training); nothing was written"
+        )
+
+
+def _accuracy_as_trained(
+    run: RunDir,
+    loaded: LoadedCheckpoint,
+    x: np.ndarray,
+    y: np.ndarray,
+    references: dict[int, np.ndarray],
+) -> float:
+    """The eager model's test accuracy in the batches training measured `test_acc` in (the run's
+    data.eval_batch_size): a model whose labels change with its batch (batch statistics in eval)
+    scores otherwise at the parity batch. One that gives the same labels at batch 1 and at the
+    parity batch is taken to give them at any, and is not run again."""
+    labels = [r.argmax(1) for r in references.values()]
+    if all(np.array_equal(labels[0], other) for other in labels[1:]):
+        return float(np.mean(labels[0] == y))
+    try:
+        batch = load_config(run.config, recorded=True).data.eval_batch_size
+    except (LightshipError, OSError):  # the accuracy is checked all the same, at the default
+        batch = DataConfig().eval_batch_size
+    return float(np.mean(eager_logits(loaded.model, x, (batch,))[batch].argmax(1) == y))
+
+
+def _check_deterministic(
+    loaded: LoadedCheckpoint, x: np.ndarray, reference: np.ndarray, atol: float
+) -> None:
+    """ParityError when the eager model gives other logits for the same images a second time
+    (dropout left on with `training=True`, `torch.rand` in forward): each format would be
+    blamed in turn for what no export can match."""
+    again = eager_logits(loaded.model, x, (len(x),))[len(x)]
+    diff, _ = compare(reference, again)
+    if diff > atol:
+        raise ParityError(
+            f"the eager model gives other logits for the same {len(x)} images when run again "
+            f"(max |Δlogit| {diff:.2e}, --atol {atol:g}): its forward draws random numbers in "
+            "eval mode (F.dropout(..., training=True), torch.rand), which no exported format "
+            "can match; make it deterministic in eval mode (`training=self.training`); nothing "
+            "was written"
+        )
+
+
 DEFAULT_OPSET = 18
 DEFAULT_ATOL = 1e-4
 
@@ -243,6 +299,12 @@ def _export(
     chosen = parse_formats(formats)
     if not (math.isfinite(atol) and atol >= 0):
         raise ConfigError(f"export --atol must be a finite number >= 0 (e.g. 1e-4), got {atol}")
+    if not 0 <= min_agreement <= 1:  # NaN too
+        raise ConfigError(
+            f"export's min_agreement is a share of images, 0..1 (e.g. 0.99), got {min_agreement}"
+        )
+    if isinstance(parity_batch, bool) or not isinstance(parity_batch, int) or parity_batch < 1:
+        raise ConfigError(f"export's parity_batch must be an integer >= 1, got {parity_batch!r}")
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()
@@ -251,7 +313,12 @@ def _export(
         raise run.unrecorded("export")
     source_sha = run.check_checkpoint(recorded)
     loaded = load_checkpoint(ckpt)
-    x_test, on_test_split = parity_inputs(loaded)
+    x_test, y_test = parity_inputs(loaded)
+    on_test_split = y_test is not None
+    # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo (a test
+    # split of one image is taken twice: of one, pt2 failed as if the model fixed its batch)
+    example = torch.from_numpy(x_test[np.arange(2) % len(x_test)])
+    _check_logits_dtype(loaded, example)
     references = eager_logits(loaded.model, x_test, tuple(dict.fromkeys((1, parity_batch))))
     reference = references[parity_batch]
     width = int(np.prod(reference.shape[1:]))
@@ -261,8 +328,11 @@ def _export(
             f"{width} logits per image: train the run again ({run.train_command()})"
         )
     check_reference(references, len(x_test))
-    # A batch of >= 2 keeps the batch dimension symbolic in torch.export / dynamo.
-    example = torch.from_numpy(np.ascontiguousarray(x_test[:2]))
+    _check_deterministic(loaded, x_test[:parity_batch], reference[:parity_batch], atol)
+    if y_test is not None:  # the code that trained: else every format matches another model
+        accuracy = _accuracy_as_trained(run, loaded, x_test, y_test, references)
+        code = module_file(loaded.model_spec["name"])
+        check_as_trained(recorded, y_test, accuracy, "best.ckpt", code=code)
     meta = metadata(loaded, source_sha)
     writers = _writers(opset)
     check_writable(run.manifest_path, *(run.export_dir / FILENAMES[fmt] for fmt in chosen))

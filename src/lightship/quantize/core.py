@@ -421,6 +421,12 @@ class Quantizer:
             raise RunError(
                 f"{self.fp32} is not this run's model ({other}): {run.remake_hint('onnx-fp32')}"
             )
+        source = entry.get("source_checkpoint_sha256")
+        if source and source != checkpoint.get("sha256"):  # its accuracy is another model's
+            raise RunError(
+                f"{self.fp32} was exported from another checkpoint than the run's best.ckpt: "
+                f"re-run {run.command('export')}"
+            )
         self.fp32_acc, self.fp32_logits = _accuracy(fp32, self.splits.test_x, self.splits.test_y)
         check_as_trained(checkpoint, self.splits.test_y, self.fp32_acc, "the ONNX model")
         self.work = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIXES["quantize"], dir=run.root))

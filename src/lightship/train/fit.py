@@ -642,6 +642,12 @@ def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> 
             ) from None
         if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
             raise _wrong_output(what, cfg, out, n, num_classes, mode)
+        if not training and out.dtype != torch.float32:  # the logits every artifact gives
+            raise ConfigError(
+                f"{what} outputs {str(out.dtype).removeprefix('torch.')} logits, expected "
+                "float32 (what the exported models and the server give): end its forward with "
+                "`.float()`"
+            )
 
 
 def _wrong_output(
