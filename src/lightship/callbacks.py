@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint, RichProgressBar, WeightAveraging
+from pytorch_lightning.callbacks import (
+    Callback,
+    EarlyStopping,
+    ModelCheckpoint,
+    RichProgressBar,
+    WeightAveraging,
+)
+from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -72,6 +79,21 @@ class RandomState(Callback):
         cuda = state_dict.get("cuda")
         if isinstance(cuda, torch.Tensor) and torch.cuda.is_available():
             torch.cuda.set_rng_state(cuda)
+
+
+class StaysStopped(Callback):
+    """A resumed run that early stopping ended stays ended. Lightning puts the stop back with
+    the callback's state (`stopping_reason`) but does not act on it: the resume trained one
+    epoch more, which (ties going to the later epoch) made a new best.ckpt and deleted every
+    export, int8 model and report made from the old one. Training on takes
+    `early_stopping.enabled=false`."""
+
+    def __init__(self, early: EarlyStopping) -> None:
+        self.early = early
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.early.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
+            trainer.should_stop = True
 
 
 def warmup_ema(

@@ -817,6 +817,38 @@ def test_a_copied_run_resumes_into_its_own_last_ckpt_and_top_k(tmp_path: Path) -
     assert "nothing to train" in again.stdout, again.stdout
 
 
+def test_a_run_early_stopping_ended_resumes_to_nothing_and_keeps_its_best(
+    tmp_path: Path,
+) -> None:
+    """Lightning put the stop back but trained an epoch more: its tie to the old best made a new
+    best.ckpt, and the exports, int8 models and report made from the old one were deleted (the
+    default digits run stops at 23 of 25 epochs)."""
+    run = tmp_path / "stopped"
+    never_better = ["--set", "early_stopping.patience=1", "--set", "early_stopping.min_delta=100",
+                    "--set", "trainer.max_epochs=6"]  # fmt: skip
+    run_cli("train", "--run", str(run), "--config", TINY, *never_better, check=True)
+    entry = RunDir(run).artifact("checkpoint")
+    assert entry is not None and entry["stopped_early"] and entry["epochs"] == 2
+    best = (run / "best.ckpt").read_bytes()
+    made = run / "export" / "model.onnx"  # what the resume used to delete
+    made.parent.mkdir()
+    made.write_bytes(b"an export")
+    RunDir(run).record("onnx-fp32", {"file": "export/model.onnx"})
+
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    assert (
+        f"nothing to train: early stopping ended {run} after 2 epochs (step 20; to train on, "
+        "resume with --set early_stopping.enabled=false); best.ckpt and exports kept"
+    ) in proc.stdout
+    assert (run / "best.ckpt").read_bytes() == best and made.read_bytes() == b"an export"
+    assert RunDir(run).artifact("checkpoint") == entry
+
+    proc = run_cli("train", "--run", str(run), "--resume", "--set",
+                   "early_stopping.enabled=false", check=True)  # fmt: skip
+    assert "trained digits_cnn from step 20 to 60" in proc.stdout, proc.stdout
+    assert not made.exists()  # a new best.ckpt: what was made from the old one goes
+
+
 def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> None:
     run = tmp_path / "untrainable"
     models_file = ROOT / "tests" / "failing_models.py"

@@ -31,6 +31,7 @@ from lightship.callbacks import (
     AtomicCheckpointIO,
     LatestBestCheckpoint,
     RandomState,
+    StaysStopped,
     WarmupEMA,
     evaluate,
     fit_trainer,
@@ -1127,7 +1128,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             patience=cfg.early_stopping.patience,
             min_delta=cfg.early_stopping.min_delta,
         )
-        callbacks.append(early)
+        callbacks += [early, StaysStopped(early)]
     show_bar, bar_callbacks = progress(cfg.trainer.progress_bar)
     callbacks += bar_callbacks
     trainer = _trainer(
@@ -1196,14 +1197,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if checked is not None:  # diverged after its best checkpoint, which is kept
         _warn_diverged_after_best(run, checked[0], cfg, trainer)
     # Stopped from here on (evaluating, copying best.ckpt), the epochs are done: resuming
-    # trains none again and writes best.ckpt; but one that early stopping ended, Lightning
-    # resumes for one more epoch (its stop is not in the checkpoint), which the note said not
+    # trains none again (one that early stopping ended too: `StaysStopped`) and writes best.ckpt
     stopped = early is not None and early.stopping_reason != EarlyStoppingReason.NOT_STOPPED
-    stopped = stopped and trainer.current_epoch < t.max_epochs  # before its last epoch
     note_interrupt(
         f"the training finished; resume with {run.train_command(env=pythonpath)} to evaluate "
         "it and write best.ckpt"
-        + (" (early stopping ended it: the resume trains an epoch more first)" if stopped else "")
     )
 
     best = _own_best(run, checkpoint.best_model_path)
@@ -1220,7 +1218,13 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     finished = (
         f"nothing to train: {run.root} already finished {epochs} (step {trainer.global_step})"
     )
-    if trained_nothing and _out_of_time(trainer):  # not finished: its time limit came first
+    if trained_nothing and stopped:  # `StaysStopped`: said, with how to train on
+        finished = (
+            f"nothing to train: early stopping ended {run.root} after {epochs} (step "
+            f"{trainer.global_step}; to train on, resume with --set "
+            "early_stopping.enabled=false)"
+        )
+    elif trained_nothing and _out_of_time(trainer):  # not finished: its time limit came first
         finished = (
             f"nothing to train: {run.root} used up its trainer.max_time_s={t.max_time_s:g} by "
             f"step {trainer.global_step} (to train on, resume with --set trainer.max_time_s= a "
