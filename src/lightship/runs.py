@@ -37,6 +37,9 @@ MANIFEST_SCHEMA = 1
 # The report measures every listed artifact: it is removed when any of them is unlisted or
 # replaced by another file. report.json goes first: `serve` reads it for its recommendation.
 REPORT_FILES = ("report/report.json", "report/report.md", "report/pareto.png")
+# What of an entry the report judges a variant by, beside its file: quantize's gate (the
+# report's own unless told otherwise), whether it may be recommended, the CPU it was made for.
+JUDGED = ("sha256", "gate", "recommendable", "target")
 # Everything export, quantize and report make from best.ckpt, listed in the manifest or not (a
 # run made by an older lightship may hold int8 models a re-export unlisted but kept on disk).
 DERIVED_FILES = (
@@ -1064,11 +1067,12 @@ class RunDir:
 
     def record(self, key: str, entry: dict[str, Any]) -> None:
         """Add or replace one manifest entry (read-modify-write, atomically replaced). An entry
-        replaced by one of another file (sha256) takes the report with it: its figures are the
-        old file's."""
+        replaced by one of another file (sha256), or judged otherwise (`JUDGED`: quantized
+        again to the same bytes under another gate), takes the report with it: its figures
+        and its recommendation are the old entry's."""
         data = self.manifest()
         old = data["artifacts"].get(key)
-        if old is not None and old.get("sha256") != entry.get("sha256"):
+        if old is not None and any(old.get(k) != entry.get(k) for k in JUDGED):
             self._remove(*REPORT_FILES)
         data["artifacts"][key] = entry
         self._save(data)

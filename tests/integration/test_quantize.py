@@ -473,11 +473,20 @@ def test_a_report_names_a_listed_variant_whose_file_is_gone(
 
 
 def test_a_report_where_nothing_passes_the_gate_says_so(exported_run: Path, tmp_path: Path) -> None:
+    # an int8 variant alone (model.onnx's bytes under its name), held to a gate above 1: the
+    # fp32 formats, which keep all of fp32's accuracy whatever the gate, are taken out
     run = tmp_path / "gate"
     shutil.copytree(exported_run, run)
+    rd = RunDir(run)
+    (run / "quantize").mkdir()
+    shutil.copy(run / "export" / "model.onnx", run / "quantize" / "model.int8-static.onnx")
+    entry = rd.artifact("onnx-fp32")
+    assert entry is not None
+    rd.record("onnx-int8-static", {**entry, "file": "quantize/model.int8-static.onnx"})
+    rd.discard("onnx-fp32", "torchscript")
     proc = run_cli("report", "--run", str(run), "--rounds", "2", "--gate", "1.1", check=True)
     assert proc.stdout.splitlines()[-2:] == [
-        "why none: none of torchscript, onnx-fp32 kept 1.1 of fp32's accuracy (the gate)",
+        "why none: none of onnx-int8-static kept 1.1 of fp32's accuracy (the gate)",
         f"next: serve one by name: make serve RUN={run} SERVE_ARGS='--variant ...'",
     ]
 

@@ -383,11 +383,22 @@ def test_the_scheme_check_keeps_the_cpu_quantize_measured_it_on(
     monkeypatch.setattr(report_core, "measure", quiet_timings)
     error = {"accuracy": 0.99, "max_abs_diff": 0.1, "argmax_agreement": 1.0}
     elsewhere = {"model": "EPYC", "arch": "x86_64", "int8_flags": ["avx2"]}
-    RunDir(run).record(  # its model since removed: left out, its entry still read
+    static = run / "quantize" / "model.int8-static.onnx"
+    static.parent.mkdir()
+    shutil.copy(run / "export" / "model.onnx", static)  # a model of the run's, to measure
+    RunDir(run).record(
         "onnx-int8-static",
         {
             "file": "quantize/model.int8-static.onnx",
+            "sha256": sha256_file(static),
             "cpu": elsewhere,
+            "calibration": {
+                "samples": 256,
+                "method": "minmax",
+                "chunk": 64,
+                "seconds": 1.0,
+                "scales_sha256": "ab" * 32,
+            },
             "scheme_check": {
                 "chosen": {"target": "avx2", **error},
                 "alternative": {"target": "vnni", **error},
@@ -396,10 +407,20 @@ def test_the_scheme_check_keeps_the_cpu_quantize_measured_it_on(
     )
     result = report(RunDir(run), FAST)
     assert result["scheme_check"]["cpu"] == elsewhere
+    md = (run / "report" / "report.md").read_text()
     assert (
         "Scheme check (static int8, real kernels), measured by quantize on EPYC (x86_64; avx2), "
         "not this report's CPU: its figures may differ here:\n"
-    ) in (run / "report" / "report.md").read_text()
+    ) in md
+    assert "- calibration: 256 training images, minmax" in md
+
+    # the model gone, its calibration and scheme check describe nothing the report measured
+    static.unlink()
+    result = report(RunDir(run), FAST)
+    assert "onnx-int8-static" in result["not_measured"]
+    assert result["scheme_check"] is None and result["calibration"] is None
+    md = (run / "report" / "report.md").read_text()
+    assert "Scheme check" not in md and "calibration:" not in md
 
 
 def quiet_timings(
@@ -514,3 +535,29 @@ def test_a_full_disk_is_said_before_the_timing_not_after_it(
         f"report needs about 2 MB in {run} but 40 kB are free: make room and run again"
     )
     assert not timed
+
+
+def test_a_gate_above_one_fails_no_fp32_format_and_torch_formats_count_no_int8_ops(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # above 1, quantize's way to force its fallback: eager failed against itself, every fp32
+    # export with it, and nothing was recommended; and the torch formats read "0 %" int8 ops,
+    # a count ONNX Runtime never made of them
+    monkeypatch.setattr(report_core, "measure", quiet_timings)
+    result = report(RunDir(run), ReportSettings(threads=1, rounds=1, seconds=0.01, gate=1.01))
+    rows = {v["name"]: v for v in result["variants"]}
+    assert set(rows) == {"eager", "torchscript", "onnx-fp32"}
+    assert all(v["gate_passed"] for v in rows.values())
+    assert result["recommended"] in ("torchscript", "onnx-fp32")
+    assert [rows[n]["int8_share"] for n in ("eager", "torchscript", "onnx-fp32")] == [
+        None,
+        None,
+        0.0,
+    ]
+    table = (run / "report" / "report.md").read_text()
+    assert "| eager | " in table and "FAIL" not in table
+    assert [line.split(" | ")[6] for line in table.splitlines() if line.startswith("| ")][1:] == [
+        "—",
+        "—",
+        "0%",
+    ]

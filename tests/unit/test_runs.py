@@ -575,6 +575,20 @@ def test_replacing_an_artifact_with_another_file_takes_the_report_with_it(tmp_pa
     assert run.artifact("onnx-fp32") == {"file": "export/model.onnx", "sha256": "0" * 64}
 
 
+def test_the_same_file_judged_by_another_gate_takes_the_report_with_it(tmp_path: Path) -> None:
+    # quantized again to the same bytes under --gate 1.001: the manifest said gate FAIL, the
+    # report kept saying pass (and serve kept following it)
+    run = _run_with_artifacts(tmp_path)
+    entry = {"file": "quantize/model.int8-static.onnx", "sha256": "1" * 64}
+    run.record("onnx-int8-static", {**entry, "gate": {"min_ratio": 0.99, "passed": True}})
+    (tmp_path / "report").mkdir(exist_ok=True)
+    (tmp_path / "report" / "report.json").write_text("{}")
+    run.record("onnx-int8-static", {**entry, "gate": {"min_ratio": 0.99, "passed": True}})
+    assert (tmp_path / "report" / "report.json").is_file()  # the same entry again: it stands
+    run.record("onnx-int8-static", {**entry, "gate": {"min_ratio": 1.001, "passed": False}})
+    assert not (tmp_path / "report").exists()
+
+
 def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path: Path) -> None:
     outside = tmp_path / "outside.onnx"
     outside.write_text("not the run's")

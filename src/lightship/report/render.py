@@ -118,6 +118,11 @@ def _sqnr(db: float | None) -> str:
     return f"≥ {SQNR_CAP_DB:.0f}" if db >= SQNR_CAP_DB else f"{db:.1f}"  # exact, or as good as
 
 
+def _share(share: float | None) -> str:
+    """The int8 ops' share; none for a torch format, which ONNX Runtime did not count."""
+    return "—" if share is None else f"{share:.0%}"
+
+
 def _split_line(variants: list[dict[str, Any]]) -> list[str]:
     """Which variants ran long batches as one slice per thread (`OrtPredictor`), from when."""
     split = [v for v in variants if v.get("lanes", 1) > 1]
@@ -204,7 +209,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {name} | {_fmt_bytes(v['bytes'])}{_SIZE_OF.get(v['name'], '')} | "
             f"{v['accuracy']:.4f} | "
             f"{100 * v['delta_vs_fp32']:+.2f} pt | {_changed(v, images)} | {sqnr} | "
-            f"{v['int8_share']:.0%} | "
+            f"{_share(v.get('int8_share'))} | "
             f"{lat['p50']:.3f} | {lat['p90']:.3f} | {lat['p99']:.3f} | "
             f"{v['throughput_per_s']:.0f} | {speedup(v, 'eager')} | {speedup(v, 'onnx_fp32')} | "
             f"{'pass' if v['gate_passed'] else 'FAIL'}"
@@ -329,7 +334,7 @@ def pareto(r: dict[str, Any], path: Path) -> None:
         wrap=True,  # a long CPU name or many variants
     )
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)  # where the fewest points are: not over the slowest
     fig.tight_layout()
     _thin_minor_ticks(fig, ax)
     _label(fig, ax, [v["name"] for v in variants], points)
