@@ -311,6 +311,38 @@ def test_model_failure_answers_its_batch_and_the_worker_lives_on() -> None:
     run(main)
 
 
+def test_a_request_given_nan_logits_fails_alone_and_its_batch_mates_get_theirs() -> None:
+    # served as 200 with label "0" and score null, made up from NaN
+    gate = threading.Event()
+    model = SumModel(gate)
+
+    def nan_on_13(x: np.ndarray) -> np.ndarray:
+        y = model(x)
+        y[x.reshape(len(x), -1)[:, 0] == 13] = np.nan
+        return y
+
+    async def main() -> None:
+        b = await started(nan_on_13, max_batch_rows=8, max_wait_ms=5000)
+        first = b.submit(rows(*range(8)), 10)  # holds the model while the next three queue
+        await asyncio.to_thread(model.entered.wait, 10)
+        ok, bad, after = (b.submit(r, 10) for r in (rows(1, 2), rows(3, 13, 5), rows(6)))
+        gate.set()
+        await first.future
+        np.testing.assert_array_equal(await ok.future, [[1], [2]])
+        with pytest.raises(InferenceFailed) as failed:
+            await bad.future
+        assert str(failed.value) == (
+            "the model gave NaN or infinite logits for 1 of the request's 3 rows: no label can "
+            "be read from them (the model fails on such input; the run's export checked it on "
+            "its test images only)"
+        )
+        np.testing.assert_array_equal(await after.future, [[6]])
+        assert model.sizes == [8, 6]  # the three ran together
+        await b.aclose()
+
+    run(main)
+
+
 def test_drain_runs_the_queue_at_once_and_close_refuses_new_work() -> None:
     model = SumModel()
 

@@ -64,6 +64,15 @@ def test_float_and_int_pixels_are_cast(predictor: OrtPredictor) -> None:
                 "(this looks like NHWC: transpose to NCHW)"
             ),
         ),
+        # grey images without a channel axis, as MNIST-style arrays come: said to be [1, 5, 2, 2]
+        (
+            np.zeros((5, 2, 2), np.uint8),
+            re.escape(
+                "expected shape [N, 1, 2, 2], got [5, 2, 2] (images without a channel axis: "
+                "send x[:, None])"
+            )
+            + "$",
+        ),
         (np.zeros((0, 1, 2, 2), np.uint8), "empty batch"),
         (np.full((1, 1, 2, 2), np.nan, np.float32), "NaN"),
         (np.full((1, 1, 2, 2), 300.0), r"0\.\.255"),

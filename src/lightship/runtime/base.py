@@ -326,14 +326,18 @@ class Predictor(ABC):
         and refused when they look scaled to 0..1."""
         if not isinstance(x, np.ndarray):
             raise InputError(f"expected a numpy array, got {type(x).__name__}")
+        given = list(x.shape)  # as sent: a single image gains its batch axis below
         if x.ndim == 3:
             x = x[None]
         if x.ndim != 4 or tuple(x.shape[1:]) != self.chw:
             c, h, w = self.chw
             nhwc = x.ndim == 4 and tuple(x.shape[1:]) == (h, w, c)
+            # [N, H, W] grey images, as MNIST-style arrays come, were said to be [1, N, H, W]
+            no_channel = c == 1 and len(given) == 3 and tuple(given[1:]) == (h, w)
             raise InputError(
-                f"expected shape [N, {', '.join(map(str, self.chw))}], got {list(x.shape)}"
+                f"expected shape [N, {', '.join(map(str, self.chw))}], got {given}"
                 + (" (this looks like NHWC: transpose to NCHW)" if nhwc else "")
+                + (" (images without a channel axis: send x[:, None])" if no_channel else "")
             )
         if x.shape[0] == 0:
             raise InputError("empty batch: send at least one image")

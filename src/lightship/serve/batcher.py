@@ -75,8 +75,17 @@ class TooManyRows(ValueError):
         )
 
 
+def _non_finite(bad: int, rows: int) -> str:
+    return (
+        f"the model gave NaN or infinite logits for {bad} of the request's {rows} "
+        f"row{'' if rows == 1 else 's'}: no label can be read from them (the model fails on "
+        "such input; the run's export checked it on its test images only)"
+    )
+
+
 class InferenceFailed(RuntimeError):
-    """The model raised while running a batch this request was in."""
+    """The model raised while running a batch this request was in, or gave NaN or infinite
+    logits for a row of this request (a 500 that says so, not a label made up from them)."""
 
 
 class Observer(Protocol):
@@ -275,15 +284,26 @@ class Batcher:
                 self._rows -= item.rows
                 self.observer.queue_depth(self._rows)
 
-    def _deliver(self, items: list[_Item], y: np.ndarray | None, error: str | None) -> None:
+    def _deliver(
+        self,
+        items: list[_Item],
+        y: np.ndarray | None,
+        error: str | None,
+        bad: np.ndarray | None = None,
+    ) -> None:
+        """Each item's rows of `y`, or `error`; an item with a row in `bad` (NaN or infinite
+        logits, from which a label and score would be made up) fails alone."""
         offset = 0
         for item in items:
             if item.timer is not None:
                 item.timer.cancel()
             # The future may be done already: deadline passed or client left during compute.
             if not item.future.done():
+                failed = None if bad is None else int(bad[offset : offset + item.rows].sum())
                 if y is None:
                     item.future.set_exception(InferenceFailed(error))
+                elif failed:
+                    item.future.set_exception(InferenceFailed(_non_finite(failed, item.rows)))
                 else:
                     item.future.set_result(y[offset : offset + item.rows])
             offset += item.rows
@@ -354,6 +374,8 @@ class Batcher:
                     log.exception("inference failed on a batch of %d rows", len(x))
                     error = f"inference failed: {type(exc).__name__}: {exc}"
                 compute_s = time.perf_counter() - start
+                # rows of NaN or infinite logits, found here, off the event loop (None: none)
+                bad = None if y is None or np.isfinite(y).all() else ~np.isfinite(y).all(axis=1)
                 if y is not None and compute_s > 0:
                     rate = len(x) / compute_s
                     self._rows_per_s = (
@@ -361,7 +383,7 @@ class Batcher:
                     )
                 self.observer.batch(len(x), [now - it.arrival for it in live], compute_s)
                 try:
-                    loop.call_soon_threadsafe(self._deliver, live, y, error)
+                    loop.call_soon_threadsafe(self._deliver, live, y, error, bad)
                 except RuntimeError:  # the loop closed under us: nobody is waiting any more
                     return
         except BaseException as crash:  # not the model's error (answered above): a bug
