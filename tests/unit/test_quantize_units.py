@@ -720,6 +720,43 @@ def test_the_thin_first_conv_is_kept_on_the_validation_split_not_the_test(
     assert speed["accuracy_split"] == "validation"
 
 
+@pytest.mark.parametrize(
+    ("val", "after", "why"),
+    [
+        (0.5, 1200.0, "not kept (validation accuracy 0.5000 fails the gate)"),
+        (1.0, 1040.0, "not kept (1.04x is not over 1.05x)"),
+    ],
+)
+def test_a_thin_first_conv_not_kept_says_why(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    val: float,
+    after: float,
+    why: str,
+) -> None:
+    # "not kept" alone, of a model 1.2x faster that failed the gate
+    from lightship.report.measure import Timing
+
+    q = bare_quantizer(tmp_path)
+    current = tmp_path / "current.onnx"
+    current.write_bytes(b"all int8")
+    monkeypatch.setattr(ptq, "thin_first_conv", lambda model: ["conv0"])
+    monkeypatch.setattr(ptq, "copy_metadata", lambda *args: None)
+    monkeypatch.setattr(q, "_static", lambda out, scheme, exclude: out.write_bytes(b"fp32 conv"))
+    monkeypatch.setattr(quantize_core, "load_predictor", lambda *a, **kw: _Recording())
+    monkeypatch.setattr(quantize_core, "_accuracy", split_accuracy(q, val=val, test=1.0))
+    timed = (Timing(throughput=[1000.0] * 4), Timing(throughput=[after] * 4))
+    monkeypatch.setattr(q, "_time_candidate", lambda *args, **kwargs: timed)
+    with caplog.at_level(logging.INFO, "lightship.quantize.core"):
+        speed = q._first_conv_in_fp32(current, [], val_acc=1.0)
+    assert speed is not None and not speed["kept"] and current.read_bytes() == b"all int8"
+    assert caplog.messages[-1] == (
+        f"int8-static's first conv in fp32: {after:.0f} img/s against 1000 all-int8 at batch "
+        f"64: {why}"
+    )
+
+
 def test_the_static_fallback_stops_when_the_validation_split_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
