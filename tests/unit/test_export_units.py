@@ -207,3 +207,39 @@ def test_parity_on_the_test_split_holds_no_more_than_it(tmp_path: Path) -> None:
     x, y = parity_inputs(loaded)  # type: ignore[arg-type]
     held = x if x.base is None else x.base  # a view of the test split's images alone
     assert y is not None and len(x) == len(y) == 269 and held.nbytes == x.nbytes
+
+
+def test_torchs_own_trace_warnings_are_not_called_frozen_control_flow(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the trace checker's "Output nr 1. ... does not match" (a model random in eval) was said to
+    # be control flow frozen "at _trace.py:1232", a line of torch's
+    import warnings as w
+
+    import torch
+
+    from lightship.export.failure import warn_frozen
+
+    theirs = w.WarningMessage(
+        torch.jit.TracerWarning("Output nr 1. of the traced function does not match"),
+        torch.jit.TracerWarning,
+        str(Path(torch.__file__).parent / "jit" / "_trace.py"),
+        1232,
+    )
+    ours = w.WarningMessage(
+        torch.jit.TracerWarning("Converting a tensor to a Python boolean. It might be wrong"),
+        torch.jit.TracerWarning,
+        "/src/models/net.py",
+        12,
+    )
+    log = logging.getLogger("test.frozen")
+    with (
+        caplog.at_level(logging.WARNING, "test.frozen"),
+        pytest.warns(torch.jit.TracerWarning, match="Output nr 1"),
+    ):
+        warn_frozen(log, [theirs, ours], "torch.jit.trace", 2)
+    assert caplog.messages == [
+        "torch.jit.trace froze Python control flow on tensors at net.py:12 (Converting a tensor "
+        "to a Python boolean): the file takes the branch its example batch of 2 took, for every "
+        "input"
+    ]

@@ -81,7 +81,15 @@ def warn_frozen(
     Python value (an `if` on a tensor, a size), so the file does there what the example batch
     did, whatever the input. The other warnings are passed on as they came (deprecations
     dropped: torch's, not the user's)."""
-    frozen = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    # torch's own (the trace checker's "Output nr 1. of the traced function does not match")
+    # name a line of torch's, not a branch of the model's: passed on as they came
+    torch_dir = Path(torch.__file__).parent
+    frozen = [
+        w
+        for w in caught
+        if issubclass(w.category, torch.jit.TracerWarning)
+        and not Path(w.filename).is_relative_to(torch_dir)
+    ]
     for w in caught:
         if w not in frozen and not issubclass(w.category, DeprecationWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
