@@ -857,9 +857,10 @@ def test_a_model_that_fails_its_warm_up_stops_the_server_with_one_line(
     r = run_cli("serve", "--run", str(nan), timeout=120)
     assert r.returncode == 4, r.stderr
     assert last_line(r.stderr) == (
-        "error: model failed its warm-up batch: it gave float32 [1, 2] (finite: False), "
-        "expected finite logits [1, 2]; the server stopped: serve another model file, or "
-        "export or quantize this one again"
+        "error: model failed its warm-up batch: the model gave NaN or infinite logits for 1 "
+        "of the request's 1 row: no label can be read from them (the model fails on such "
+        "input; the run's export checked it on its test images only); the server stopped: "
+        "serve another model file, or export or quantize this one again"
     )
     assert "Traceback" not in r.stderr
 

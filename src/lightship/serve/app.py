@@ -221,13 +221,9 @@ class Service:
         x = np.zeros((rows, *self.chw), np.uint8)
         try:
             # Generous: a TensorRT engine is built on the first batch and may take minutes.
-            # its shape was checked as it ran (`Predictor.logits`): what is left is its values
-            y = await self.batcher.infer(x, max(self.settings.timeout_ms / 1000, 900.0), wait=False)
-            if not np.isfinite(y).all():
-                raise RuntimeError(
-                    f"it gave {y.dtype} {list(y.shape)} (finite: {bool(np.isfinite(y).all())}), "
-                    f"expected finite logits {[rows, len(self.labels)]}"
-                )
+            # Its shape is checked as it runs (`Predictor.logits`), its values as the batcher
+            # delivers them (NaN or infinite logits fail the request)
+            await self.batcher.infer(x, max(self.settings.timeout_ms / 1000, 900.0), wait=False)
         except Exception as exc:
             self.failed = f"model failed its warm-up batch: {exc}"
             log.error("%s; not ready", self.failed)
