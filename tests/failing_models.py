@@ -152,6 +152,13 @@ class Bfloat16Logits(SmallCNN):
         return super().forward(x).bfloat16()
 
 
+class Float64Logits(SmallCNN):
+    """Its logits cast to float64: every runtime gives them back as float32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).double()
+
+
 class RandomInEval(SmallCNN):
     """Dropout on its features in eval mode too (`training=True`, a common slip): the same
     image gets other logits each time, which no exported format can match."""

@@ -92,8 +92,15 @@ class StaysStopped(Callback):
         self.early = early
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.early.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
+        if early_stopped(self.early):
             trainer.should_stop = True
+
+
+def early_stopped(early: EarlyStopping) -> bool:
+    """Whether `early` stopped its training, as run or as put back from a checkpoint: by its
+    reason, or by the epoch it stopped at, which checkpoints of a Lightning before
+    `stopping_reason` hold alone."""
+    return early.stopping_reason != EarlyStoppingReason.NOT_STOPPED or early.stopped_epoch > 0
 
 
 def warmup_ema(

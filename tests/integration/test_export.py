@@ -553,11 +553,15 @@ def test_a_model_with_bfloat16_logits_is_refused_before_export(
     proc = run_cli("export", "--run", str(run))
     assert proc.returncode == 5, proc.stderr
     assert last_line(proc.stderr) == (
-        "error: the model outputs bfloat16 logits, and the exported models and the server give "
-        "float32: end its forward with `.float()` (the weights need no new training); nothing "
-        "was written"
+        "error: the model outputs bfloat16 logits, which the runtimes cannot give back: end its "
+        "forward with `.float()` (the weights need no new training); nothing was written"
     )
     assert "Traceback" not in proc.stderr and not list((run / "export").glob("*"))
+    # float64, which every runtime gives back as float32, exports as it did
+    run = as_model(small_cnn_run, tmp_path / "f64", "Float64Logits")
+    (art,) = export(RunDir(run), "onnx")
+    assert art.parity.agreement == 1.0
+    assert load_predictor(art.path).predict(np.zeros((2, 1, 16, 16), np.uint8)).dtype == "float32"
 
 
 def test_a_model_random_in_eval_is_refused_once_not_format_after_format(
@@ -680,7 +684,8 @@ def test_the_eager_reference_runs_in_chunks_of_the_parity_batches(
         return loaded
 
     monkeypatch.setattr(core, "load_checkpoint", recording)
-    (art,) = export(RunDir(run), "torchscript", parity_batch=32)  # traced at batches 1 and 2
+    # numpy's integers are integers too
+    (art,) = export(RunDir(run), "torchscript", parity_batch=np.int64(32))  # type: ignore[arg-type]
     assert art.parity.batches == (1, 32) and art.parity.samples == 269
     # each chunk once, and the first again: the check that eager gives the same logits twice
     assert max(sizes) == 32 and sizes.count(32) == 269 // 32 + 1 and sizes.count(1) >= 269

@@ -848,6 +848,13 @@ def test_a_run_early_stopping_ended_resumes_to_nothing_and_keeps_its_best(
     assert "trained digits_cnn from step 20 to 60" in proc.stdout, proc.stdout
     assert not made.exists()  # a new best.ckpt: what was made from the old one goes
 
+    # stopped at its last epoch: finished, with no advice to train on that would train nothing
+    last = tmp_path / "last"
+    run_cli("train", "--run", str(last), "--config", TINY, *never_better[:4],
+            "--set", "trainer.max_epochs=2", check=True)  # fmt: skip
+    proc = run_cli("train", "--run", str(last), "--resume", check=True)
+    assert f"nothing to train: {last} already finished 2 epochs (step 20)" in proc.stdout
+
 
 def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> None:
     run = tmp_path / "untrainable"
@@ -906,8 +913,8 @@ def test_models_that_cannot_train_are_refused_before_writing(tmp_path: Path) -> 
                 "--set",
                 "model.kwargs={}",
             ],
-            "outputs bfloat16 logits, expected float32 (what the exported models and the "
-            "server give): end its forward with `.float()`",
+            "outputs bfloat16 logits, which the runtimes cannot give back: end its forward "
+            "with `.float()`",
         ),
         (
             [

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightship.callbacks import EpochBar, EpochSummary, WarmupEMA
+from lightship.callbacks import EpochBar, EpochSummary, StaysStopped, WarmupEMA
 
 
 class One(pl.LightningModule):
@@ -138,3 +138,22 @@ def test_a_dumb_terminal_gets_the_epoch_lines(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TERM", "dumb")
     show, (callback,) = progress("auto")
     assert not show and isinstance(callback, EpochSummary)
+
+
+@pytest.mark.parametrize(
+    ("state", "stops"),
+    [
+        ({"stopping_reason": 3, "stopped_epoch": 22}, True),
+        ({"stopped_epoch": 22}, True),  # a Lightning before stopping_reason saved none
+        ({"stopping_reason": 0, "stopped_epoch": 0}, False),
+    ],
+)
+def test_a_resumed_run_early_stopping_ended_stays_stopped(
+    state: dict[str, int], stops: bool
+) -> None:
+    early = pl.callbacks.EarlyStopping(monitor="val_loss", patience=6)
+    early.load_state_dict({"wait_count": 6, "best_score": torch.tensor(0.1), "patience": 6,
+                           **state})  # fmt: skip
+    trainer = SimpleNamespace(should_stop=False)
+    StaysStopped(early).on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert trainer.should_stop is stops

@@ -556,6 +556,10 @@ def test_a_gate_above_one_fails_no_fp32_format_and_torch_formats_count_no_int8_o
     ]
     table = (run / "report" / "report.md").read_text()
     assert "| eager | " in table and "FAIL" not in table
+    assert (
+        "compared as counts of test images right, or is an fp32 format that scores as eager does"
+        in table
+    )
     assert [line.split(" | ")[6] for line in table.splitlines() if line.startswith("| ")][1:] == [
         "—",
         "—",

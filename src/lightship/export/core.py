@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from lightship.export import pt2 as pt2_export
 from lightship.export import torchscript as ts_export
 from lightship.export.failure import reason
 from lightship.export.parity import Parity, check_parity, check_reference, compare, run_batched
-from lightship.models import module_file, spec_pythonpath
+from lightship.models import module_file, spec_pythonpath, unusable_logits
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
     RunDir,
@@ -207,15 +208,15 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
 
 
 def _check_logits_dtype(loaded: LoadedCheckpoint, example: torch.Tensor) -> None:
-    """ParityError for a model whose logits are not float32 (bfloat16 from a cast in its
-    forward), which no runtime of lightship's gives back, before anything is exported."""
+    """ParityError, before anything is exported, for a model whose logits no runtime of
+    lightship's gives back (`models.unusable_logits`: bfloat16 from a cast in its forward;
+    float16 and float64 are read as float32)."""
     with torch.inference_mode():
-        dtype = loaded.model(example).dtype
-    if dtype != torch.float32:
+        why = unusable_logits(loaded.model(example))
+    if why is not None:
         raise ParityError(
-            f"the model outputs {str(dtype).removeprefix('torch.')} logits, and the exported "
-            "models and the server give float32: end its forward with `.float()` (the weights "
-            "need no new training); nothing was written"
+            f"the model outputs {why}: end its forward with `.float()` (the weights need no "
+            "new training); nothing was written"
         )
 
 
@@ -303,8 +304,9 @@ def _export(
         raise ConfigError(
             f"export's min_agreement is a share of images, 0..1 (e.g. 0.99), got {min_agreement}"
         )
-    if isinstance(parity_batch, bool) or not isinstance(parity_batch, int) or parity_batch < 1:
+    if isinstance(parity_batch, bool) or not isinstance(parity_batch, Integral) or parity_batch < 1:
         raise ConfigError(f"export's parity_batch must be an integer >= 1, got {parity_batch!r}")
+    parity_batch = int(parity_batch)  # numpy's too
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
     ckpt = run.require_checkpoint()

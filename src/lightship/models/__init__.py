@@ -21,7 +21,8 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightship.errors import ConfigError, first_line
 from lightship.models.layers import Normalize
@@ -295,6 +296,17 @@ def create(spec: dict[str, Any]) -> Classifier:
     }
     net = _call_with_known(spec["name"], builder, standard, dict(spec["kwargs"]))
     return Classifier(Normalize(spec["mean"], spec["std"]), net)
+
+
+def unusable_logits(out: Tensor) -> str | None:
+    """What is wrong with a model's logits that no exported model or server can give back
+    (bfloat16, which numpy cannot hold; whole numbers), or None: float16 and float64 are read
+    as float32."""
+    if out.dtype == torch.bfloat16 or not out.is_floating_point():
+        return (
+            f"{str(out.dtype).removeprefix('torch.')} logits, which the runtimes cannot give back"
+        )
+    return None
 
 
 def count_parameters(model: nn.Module) -> int:

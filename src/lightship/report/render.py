@@ -176,7 +176,8 @@ def markdown(r: dict[str, Any]) -> str:
         *_threads_line(r),
         *_split_line(r["variants"]),
         f"- accuracy gate: a variant keeps >= {gate_percent(r['gate'])} of fp32 accuracy "
-        f"({r['fp32_accuracy']:.4f}), compared as counts of test images right",
+        f"({r['fp32_accuracy']:.4f}), compared as counts of test images right"
+        + (", or is an fp32 format that scores as eager does" if r["gate"] > 1 else ""),
     ]
     few = few_images_warning(r["fp32_accuracy"], r["gate"], r["test_images"])
     if few is not None:

@@ -21,7 +21,6 @@ import pytorch_lightning as pl
 import torch
 import yaml
 from pytorch_lightning.callbacks import Callback, EarlyStopping, Timer
-from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -33,6 +32,7 @@ from lightship.callbacks import (
     RandomState,
     StaysStopped,
     WarmupEMA,
+    early_stopped,
     evaluate,
     fit_trainer,
     progress,
@@ -643,12 +643,8 @@ def _probe(model: torch.nn.Module, what: str, cfg: Config, num_classes: int) -> 
             ) from None
         if not isinstance(out, torch.Tensor) or list(out.shape) != [n, num_classes]:
             raise _wrong_output(what, cfg, out, n, num_classes, mode)
-        if not training and out.dtype != torch.float32:  # the logits every artifact gives
-            raise ConfigError(
-                f"{what} outputs {str(out.dtype).removeprefix('torch.')} logits, expected "
-                "float32 (what the exported models and the server give): end its forward with "
-                "`.float()`"
-            )
+        if not training and (why := models.unusable_logits(out)) is not None:
+            raise ConfigError(f"{what} outputs {why}: end its forward with `.float()`")
 
 
 def _wrong_output(
@@ -1198,7 +1194,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
         _warn_diverged_after_best(run, checked[0], cfg, trainer)
     # Stopped from here on (evaluating, copying best.ckpt), the epochs are done: resuming
     # trains none again (one that early stopping ended too: `StaysStopped`) and writes best.ckpt
-    stopped = early is not None and early.stopping_reason != EarlyStoppingReason.NOT_STOPPED
+    # early stopping ended it before its last epoch: training on is then possible
+    stopped = early is not None and early_stopped(early) and trainer.current_epoch < t.max_epochs
     note_interrupt(
         f"the training finished; resume with {run.train_command(env=pythonpath)} to evaluate "
         "it and write best.ckpt"
