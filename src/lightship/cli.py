@@ -540,8 +540,11 @@ def main() -> None:
     except KeyboardInterrupt:
         print(interrupt_message(), file=sys.stderr)
         sys.exit(interrupt_exit_code())
-    except ImportError:  # Ctrl-C or SIGTERM in a C extension's import (numpy: "initialization
-        if not interrupted():  # failed"): a stop, not a bug
+    except Exception:  # after a Ctrl-C or SIGTERM: a stop, not a bug. One in a C extension's
+        # import is numpy's "initialization failed" ImportError; one while dynamo imported sympy
+        # left it half-imported, and the next import of it (torch's, as the stage restored its
+        # caller's state) raised AttributeError over the KeyboardInterrupt: exit 1, a traceback
+        if not interrupted():
             raise
         print(interrupt_message(), file=sys.stderr)
         sys.exit(interrupt_exit_code())

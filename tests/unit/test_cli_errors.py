@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -256,6 +258,38 @@ def _said_failing_with(
         cli.main()
     assert stop.value.code == 1
     return capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_any_error_after_a_stop_signal_is_the_stop(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ctrl-C while dynamo imported sympy: the next import of it raised AttributeError over the
+    # KeyboardInterrupt, and export exited 1 with a 125-line traceback
+    def invoke() -> int:
+        runs.note_interrupt("export again with `lightship export --run r`")
+        with contextlib.suppress(KeyboardInterrupt):  # raised in an import it left half done
+            os.kill(os.getpid(), signal.SIGINT)
+        raise AttributeError("module 'sympy' has no attribute 'core'")
+
+    monkeypatch.setattr(cli, "_invoke", invoke)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == (
+        "interrupted: export again with `lightship export --run r`\n"
+    )
+
+
+def test_an_error_without_a_stop_signal_keeps_its_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def invoke() -> int:
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(cli, "_invoke", invoke)
+    with pytest.raises(AttributeError, match="a bug"):
+        cli.main()
 
 
 def test_other_os_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -176,7 +176,13 @@ def caller_state_kept() -> Iterator[None]:
         if torch is not None and modes is not None:
             grad, deterministic, warn_only = modes
             torch.set_grad_enabled(grad)
-            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+            # only where the stage changed it: the call imports torch._inductor, which a stop
+            # during dynamo's import of sympy left unimportable
+            if (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ) != (deterministic, warn_only):
+                torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         for name, value in env.items():
             if value is None:
                 os.environ.pop(name, None)
