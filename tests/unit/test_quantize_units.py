@@ -698,9 +698,12 @@ def split_accuracy(q: quantize_core.Quantizer, val: float, test: float) -> objec
     return accuracy
 
 
-def test_the_thin_first_conv_is_kept_on_the_validation_split_not_the_test(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def first_conv_ab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, val: float, test: float, img_per_s: float
+) -> tuple[quantize_core.Quantizer, Path]:
+    """A quantizer whose thin first conv in fp32 scores `val` on the validation split and
+    `test` on the test split, timed at `img_per_s` against 1000 all-int8; and the all-int8
+    model's file (`current`), which a kept candidate replaces."""
     from lightship.report.measure import Timing
 
     q = bare_quantizer(tmp_path)
@@ -710,10 +713,17 @@ def test_the_thin_first_conv_is_kept_on_the_validation_split_not_the_test(
     monkeypatch.setattr(ptq, "copy_metadata", lambda *args: None)
     monkeypatch.setattr(q, "_static", lambda out, scheme, exclude: out.write_bytes(b"fp32 conv"))
     monkeypatch.setattr(quantize_core, "load_predictor", lambda *a, **kw: _Recording())
+    monkeypatch.setattr(quantize_core, "_accuracy", split_accuracy(q, val=val, test=test))
+    timed = (Timing(throughput=[1000.0] * 4), Timing(throughput=[img_per_s] * 4))
+    monkeypatch.setattr(q, "_time_candidate", lambda *args, **kwargs: timed)
+    return q, current
+
+
+def test_the_thin_first_conv_is_kept_on_the_validation_split_not_the_test(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # as accurate as fp32 on validation; a test split that would fail the gate decides nothing
-    monkeypatch.setattr(quantize_core, "_accuracy", split_accuracy(q, val=1.0, test=0.5))
-    faster = (Timing(throughput=[1000.0] * 4), Timing(throughput=[1200.0] * 4))
-    monkeypatch.setattr(q, "_time_candidate", lambda *args, **kwargs: faster)
+    q, current = first_conv_ab(tmp_path, monkeypatch, val=1.0, test=0.5, img_per_s=1200.0)
     speed = q._first_conv_in_fp32(current, [], val_acc=1.0)
     assert speed is not None and speed["kept"] and current.read_bytes() == b"fp32 conv"
     assert speed["accuracy"] == speed["accuracy_all_int8"] == speed["accuracy_fp32"] == 1.0
@@ -736,18 +746,7 @@ def test_a_thin_first_conv_not_kept_says_why(
     why: str,
 ) -> None:
     # "not kept" alone, of a model 1.2x faster that failed the gate
-    from lightship.report.measure import Timing
-
-    q = bare_quantizer(tmp_path)
-    current = tmp_path / "current.onnx"
-    current.write_bytes(b"all int8")
-    monkeypatch.setattr(ptq, "thin_first_conv", lambda model: ["conv0"])
-    monkeypatch.setattr(ptq, "copy_metadata", lambda *args: None)
-    monkeypatch.setattr(q, "_static", lambda out, scheme, exclude: out.write_bytes(b"fp32 conv"))
-    monkeypatch.setattr(quantize_core, "load_predictor", lambda *a, **kw: _Recording())
-    monkeypatch.setattr(quantize_core, "_accuracy", split_accuracy(q, val=val, test=1.0))
-    timed = (Timing(throughput=[1000.0] * 4), Timing(throughput=[after] * 4))
-    monkeypatch.setattr(q, "_time_candidate", lambda *args, **kwargs: timed)
+    q, current = first_conv_ab(tmp_path, monkeypatch, val=val, test=1.0, img_per_s=after)
     with caplog.at_level(logging.INFO, "lightship.quantize.core"):
         speed = q._first_conv_in_fp32(current, [], val_acc=1.0)
     assert speed is not None and not speed["kept"] and current.read_bytes() == b"all int8"
