@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -66,6 +67,7 @@ def test_export_prints_each_artifact_once_then_the_next_stage(
     progress = [x for x in proc.stderr.splitlines() if "export.core: exporting" in x]
     started = [x.split(": ", 1)[1].split(" and ")[0] for x in progress]
     assert started == ["exporting onnx (1 of 2)", "exporting torchscript (2 of 2)"]
+    assert "depend on the other images" not in proc.stderr  # the digits CNN's do not
 
 
 def artifacts(run: Path) -> dict:
@@ -626,13 +628,23 @@ def test_bad_export_arguments_from_python_are_config_errors(
 
 
 def test_parity_compares_each_batch_with_eager_on_the_same_batch(
-    small_cnn_run: Path, tmp_path: Path
+    small_cnn_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # logits minus the batch's mean: right in every artifact, though eager on the whole split at
     # once (one batch of 269) differs from them at batch 1 and 64
     run = as_model(small_cnn_run, tmp_path / "centred", "SubtractsBatchMean")
-    for art in export(RunDir(run), "onnx,torchscript,pt2"):
-        assert art.parity.max_abs_diff <= 1e-4 and art.parity.batches == (1, 64)
+    with caplog.at_level(logging.WARNING, "lightship.export.core"):
+        for art in export(RunDir(run), "onnx,torchscript,pt2"):
+            assert art.parity.max_abs_diff <= 1e-4 and art.parity.batches == (1, 64)
+    # served, an answer would move with the traffic batched with it: said once, before export
+    (said,) = [m for m in caplog.messages if "depend on the other images" in m]
+    assert said.startswith(
+        "the model's logits for an image depend on the other images in its batch: max |Δlogit| "
+    )
+    assert said.endswith(
+        "served, an answer changes with the requests batched with it (`lightship serve "
+        "--max-batch-rows 1` for answers independent of traffic)"
+    )
 
 
 def test_parity_runs_the_batch_eager_ran_however_the_load_timed_a_split(

@@ -241,6 +241,30 @@ def _accuracy_as_trained(
     return float(np.mean(eager_logits(loaded.model, x, (batch,))[batch].argmax(1) == y))
 
 
+def _warn_batch_dependent(references: dict[int, np.ndarray], atol: float) -> None:
+    """A warning when the eager model's logits for an image depend on the others in its batch
+    (batch statistics in eval: BatchNorm without running statistics): each format is held to
+    eager at the same batch and passes, but the server batches requests of different clients
+    together, so an answer would change with the traffic."""
+    batches = list(references)  # batch 1, then the parity batch (alone where that is 1)
+    if len(batches) < 2:
+        return
+    one, many = batches[0], batches[-1]
+    diff, agree = compare(references[one], references[many])
+    # past float noise (another kernel at another batch: ~1e-6 for a ResNet-18), whatever --atol
+    if diff > max(atol, 1e-3):
+        log.warning(
+            "the model's logits for an image depend on the other images in its batch: max "
+            "|Δlogit| %.2e between batch %d and %d on the same images (labels agree on %.1f%%); "
+            "served, an answer changes with the requests batched with it (`lightship serve "
+            "--max-batch-rows 1` for answers independent of traffic)",
+            diff,
+            one,
+            many,
+            100 * agree,
+        )
+
+
 def _check_deterministic(
     loaded: LoadedCheckpoint, x: np.ndarray, reference: np.ndarray, atol: float
 ) -> None:
@@ -331,6 +355,7 @@ def _export(
         )
     check_reference(references, len(x_test))
     _check_deterministic(loaded, x_test[:parity_batch], reference[:parity_batch], atol)
+    _warn_batch_dependent(references, atol)
     if y_test is not None:  # the code that trained: else every format matches another model
         accuracy = _accuracy_as_trained(run, loaded, x_test, y_test, references)
         code = module_file(loaded.model_spec["name"])
