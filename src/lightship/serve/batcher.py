@@ -375,7 +375,8 @@ class Batcher:
                     error = f"inference failed: {type(exc).__name__}: {exc}"
                 compute_s = time.perf_counter() - start
                 # rows of NaN or infinite logits, found here, off the event loop (None: none)
-                bad = None if y is None or np.isfinite(y).all() else ~np.isfinite(y).all(axis=1)
+                finite = None if y is None else np.isfinite(y).all(axis=1)
+                bad = None if finite is None or finite.all() else ~finite
                 if y is not None and compute_s > 0:
                     rate = len(x) / compute_s
                     self._rows_per_s = (
