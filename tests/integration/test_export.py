@@ -26,6 +26,7 @@ from lightship.export import core
 from lightship.export import onnx as onnx_export
 from lightship.export.core import export
 from lightship.export.parity import check_parity
+from lightship.quantize.core import quantize
 from lightship.runs import RunDir, interrupt_message, sha256_file
 from lightship.runtime import load_predictor
 from tests.conftest import (
@@ -68,6 +69,7 @@ def test_export_prints_each_artifact_once_then_the_next_stage(
     started = [x.split(": ", 1)[1].split(" and ")[0] for x in progress]
     assert started == ["exporting onnx (1 of 2)", "exporting torchscript (2 of 2)"]
     assert "depend on the other images" not in proc.stderr  # the digits CNN's do not
+    assert not [v for v, e in artifacts(run).items() if "batch_dependent" in e]
 
 
 def artifacts(run: Path) -> dict:
@@ -645,6 +647,16 @@ def test_parity_compares_each_batch_with_eager_on_the_same_batch(
         "served, an answer changes with the requests batched with it (`lightship serve "
         "--max-batch-rows 1` for answers independent of traffic)"
     )
+    # recorded, for `serve` to say again where it batches: in each export's entry, and in the
+    # int8 model's made from model.onnx
+    assert [v.method for v in quantize(RunDir(run), "dynamic")] == ["dynamic"]
+    recorded = {k: e.get("batch_dependent") for k, e in artifacts(run).items()}
+    measured = recorded["onnx-fp32"]
+    assert measured["batches"] == [1, 64] and measured["max_abs_logit_diff"] > 1e-3
+    assert 0 <= measured["label_agreement"] <= 1 and f"{measured['max_abs_logit_diff']:.2e}" in said
+    assert recorded == dict.fromkeys(
+        ("onnx-fp32", "torchscript", "pt2", "onnx-int8-dynamic"), measured
+    ) | {"checkpoint": None}
 
 
 def test_parity_runs_the_batch_eager_ran_however_the_load_timed_a_split(

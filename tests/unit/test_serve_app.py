@@ -2487,6 +2487,33 @@ def test_dynamic_int8_is_known_by_its_variant_or_its_manifest_entry(tmp_path: Pa
     assert warning(static, settings) is None
 
 
+def test_a_model_export_found_batch_dependent_is_warned_about_where_it_batches(
+    tmp_path: Path,
+) -> None:
+    """BatchNorm without running statistics: export measured an image's logits moving with
+    its batch and recorded it; the server, which batches clients together, says so again."""
+    measured = {"batches": [1, 64], "max_abs_logit_diff": 0.1234, "label_agreement": 0.9}
+    static = ServedModel(
+        "d", "onnx-int8-static", tmp_path / "m.onnx", {"quantization": "static",
+        "batch_dependent": measured},
+    )  # fmt: skip
+    assert serve_app._batch_dependent(static, ServeSettings(run=tmp_path, max_batch_rows=8)) == (
+        "onnx-int8-static's logits for an image depend on the other images in its batch "
+        "(export measured max |Δlogit| 1.23e-01 between batch 1 and 64): served, a request's "
+        "answer changes with the requests batched with it (--max-batch-rows 8); serve with "
+        "--max-batch-rows 1 for answers independent of traffic"
+    )
+    alone = ServeSettings(run=tmp_path, max_batch_rows=1)
+    assert serve_app._batch_dependent(static, alone) is None  # no other client's rows
+    # a lone file of a run, named by its file; an entry edited by hand, without the figures
+    lone = ServedModel("d", "file", tmp_path / "d.ts", {"batch_dependent": {"batches": "x"}})
+    assert serve_app._batch_dependent(lone, ServeSettings(run=tmp_path)) == (
+        "d.ts's logits for an image depend on the other images in its batch: served, a "
+        "request's answer changes with the requests batched with it (--max-batch-rows 64); "
+        "serve with --max-batch-rows 1 for answers independent of traffic"
+    )
+
+
 ONE_ROW = np.full((1, 1, 2, 2), 3, np.uint8)
 
 

@@ -241,14 +241,15 @@ def _accuracy_as_trained(
     return float(np.mean(eager_logits(loaded.model, x, (batch,))[batch].argmax(1) == y))
 
 
-def _warn_batch_dependent(references: dict[int, np.ndarray], atol: float) -> None:
-    """A warning when the eager model's logits for an image depend on the others in its batch
-    (batch statistics in eval: BatchNorm without running statistics): each format is held to
-    eager at the same batch and passes, but the server batches requests of different clients
-    together, so an answer would change with the traffic."""
+def _batch_dependence(references: dict[int, np.ndarray], atol: float) -> dict[str, Any] | None:
+    """A warning, and what was measured for each artifact's manifest entry (`serve` repeats
+    the warning from it), when the eager model's logits for an image depend on the others in
+    its batch (batch statistics in eval: BatchNorm without running statistics): each format is
+    held to eager at the same batch and passes, but the server batches requests of different
+    clients together, so an answer would change with the traffic. None when they do not."""
     batches = list(references)  # batch 1, then the parity batch (alone where that is 1)
     if len(batches) < 2:
-        return
+        return None
     one, many = batches[0], batches[-1]
     diff, agree = compare(references[one], references[many])
     # past float noise (another kernel at another batch: ~1e-6 for a ResNet-18), whatever --atol
@@ -263,6 +264,8 @@ def _warn_batch_dependent(references: dict[int, np.ndarray], atol: float) -> Non
             many,
             100 * agree,
         )
+        return {"batches": [one, many], "max_abs_logit_diff": diff, "label_agreement": agree}
+    return None
 
 
 def _check_deterministic(
@@ -355,7 +358,7 @@ def _export(
         )
     check_reference(references, len(x_test))
     _check_deterministic(loaded, x_test[:parity_batch], reference[:parity_batch], atol)
-    _warn_batch_dependent(references, atol)
+    batch_dependent = _batch_dependence(references, atol)
     if y_test is not None:  # the code that trained: else every format matches another model
         accuracy = _accuracy_as_trained(run, loaded, x_test, y_test, references)
         code = module_file(loaded.model_spec["name"])
@@ -418,6 +421,7 @@ def _export(
                     "labels": loaded.labels,
                     "source_checkpoint_sha256": source_sha,
                     "parity": parity.as_dict(),
+                    **({"batch_dependent": batch_dependent} if batch_dependent else {}),
                     **info,
                     "versions": {"lightship": __version__, "torch": torch.__version__},
                 }

@@ -942,6 +942,9 @@ class Quantizer:
             "gate": {"min_ratio": self.settings.gate, "passed": self._gate(acc)},
             "flags": self.repeat,  # the options that make it again
             "versions": {"lightship": __version__, "onnxruntime": ort.__version__},
+            # export found the fp32 model's logits moving with its batch: quantized, it still
+            # computes the same batch statistics, and `serve` warns of it from this entry
+            **{k: v for k, v in self.fp32_entry.items() if k == "batch_dependent"},
         }
 
 

@@ -1774,7 +1774,28 @@ def _oversubscribed(settings: ServeSettings, cores: int, threads: int) -> str | 
 def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None:
     """A warning when the answers depend on the batch: dynamic int8 quantizes activations with
     a scale computed from each batch, and the batcher puts requests of different clients in
-    one (digits: logits moved by up to 0.1 beside other clients' rows; no label changed)."""
+    one (digits: logits moved by up to 0.1 beside other clients' rows; no label changed); a
+    model that computes batch statistics in eval, which export measured and recorded in the
+    entry (`batch_dependent`), does so at any precision."""
+    if settings.max_batch_rows == 1:
+        return None
+    lone = served.variant == "file"  # --variant is ignored then
+    what = served.path.name if lone else served.variant
+    measured = (served.entry or {}).get("batch_dependent")
+    if isinstance(measured, dict):
+        try:
+            one, many = (int(b) for b in measured["batches"])
+            diff = float(measured["max_abs_logit_diff"])
+        except (KeyError, TypeError, ValueError):  # an entry edited by hand: said without figures
+            moved = ""
+        else:
+            moved = f" (export measured max |Δlogit| {diff:.2e} between batch {one} and {many})"
+        return (
+            f"{what}'s logits for an image depend on the other images in its batch{moved}: "
+            "served, a request's answer changes with the requests batched with it "
+            f"(--max-batch-rows {settings.max_batch_rows}); serve with --max-batch-rows 1 for "
+            "answers independent of traffic"
+        )
     if served.entry is not None:
         dynamic = (
             served.entry.get("quantization") == "dynamic" or served.variant == "onnx-int8-dynamic"
@@ -1784,11 +1805,10 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
             served.path.suffix == ".onnx"
             and file_metadata(served.path).get(QUANTIZATION) == "dynamic"
         )
-    if not dynamic or settings.max_batch_rows == 1:
+    if not dynamic:
         return None
-    lone = served.variant == "file"  # --variant is ignored then
     return (
-        f"{served.path.name if lone else served.variant} is dynamic int8: it scales activations "
+        f"{what} is dynamic int8: it scales activations "
         "per batch, so a request's logits shift slightly with the other requests batched with "
         f"it (--max-batch-rows {settings.max_batch_rows}); for answers independent of traffic "
         + (
