@@ -629,6 +629,38 @@ def test_bad_export_arguments_from_python_are_config_errors(
     assert not list((run / "export").glob("*"))
 
 
+def test_a_later_training_that_never_chose_its_best_is_warned_of(tmp_path: Path) -> None:
+    """Killed between its last epoch and its new best.ckpt, a resumed training leaves its
+    last.ckpt beside the earlier training's best.ckpt and entry, which export exported without
+    a word; `train --resume` is what finishes it."""
+    run = tmp_path / "run"
+    # a schedule that more epochs may stretch (onecycle's may not)
+    two = ("--set", "trainer.max_epochs=2", "--set", "optim.scheduler=none")
+    run_cli("train", "--run", str(run), "--config", str(CONFIGS / "tiny.yaml"), *two, check=True)
+    export_args = ("export", "--run", str(run), "--formats", "onnx")
+    assert "stopped before it chose" not in run_cli(*export_args, check=True).stderr
+    before = {p: (run / p).read_bytes() for p in ("best.ckpt", "manifest.json")}
+    ended = artifacts(run)["checkpoint"]["global_step"]
+    more = ("--resume", "--set", "trainer.max_epochs=4", "--set", "early_stopping.enabled=false")
+    run_cli("train", "--run", str(run), *more, check=True)
+    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert step > ended
+    for p, data in before.items():  # as the kill found them
+        (run / p).write_bytes(data)
+    proc = run_cli(*export_args, check=True)
+    (warned,) = [x for x in proc.stderr.splitlines() if "stopped before" in x]
+    assert warned.endswith(
+        f"best.ckpt is from a training that ended at step {ended}, but checkpoints/last.ckpt "
+        f"reached step {step}: a later training of this run stopped before it chose its best "
+        f"checkpoint; exporting the earlier best.ckpt ({RunDir(run).train_command()} finishes "
+        "that training and writes best.ckpt from it)"
+    ), warned
+    # and it does: the resume, as said, records the later training's best
+    run_cli("train", "--run", str(run), "--resume", check=True)
+    assert artifacts(run)["checkpoint"]["global_step"] == step
+    assert "stopped before it chose" not in run_cli(*export_args, check=True).stderr
+
+
 def test_parity_compares_each_batch_with_eager_on_the_same_batch(
     small_cnn_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -268,6 +268,30 @@ def _batch_dependence(references: dict[int, np.ndarray], atol: float) -> dict[st
     return None
 
 
+def _warn_unfinished_training(run: RunDir, recorded: dict[str, Any]) -> None:
+    """A warning when checkpoints/last.ckpt trained past the step best.ckpt's entry ended at:
+    a later training of the run (a resume, more epochs) stopped before it chose and recorded
+    its best checkpoint (killed, Ctrl-C, a crash), so best.ckpt is the earlier training's. Read
+    with mmap: the step alone, not the weights."""
+    try:
+        ended = int(recorded["global_step"])
+        last = torch.load(run.last_ckpt, map_location="cpu", weights_only=True, mmap=True)
+        step = int(last["global_step"])
+    except Exception:  # no last.ckpt, or one unreadable: nothing to say of it here
+        return
+    if step > ended:
+        log.warning(
+            "best.ckpt is from a training that ended at step %d, but %s reached step %d: a "
+            "later training of this run stopped before it chose its best checkpoint; "
+            "exporting the earlier best.ckpt (%s finishes that training and writes best.ckpt "
+            "from it)",
+            ended,
+            run.relative(run.last_ckpt),
+            step,
+            run.train_command(),
+        )
+
+
 def _check_deterministic(
     loaded: LoadedCheckpoint, x: np.ndarray, reference: np.ndarray, atol: float
 ) -> None:
@@ -341,6 +365,7 @@ def _export(
     if recorded is None:  # quantize and report read its data split from that entry
         raise run.unrecorded("export")
     source_sha = run.check_checkpoint(recorded)
+    _warn_unfinished_training(run, recorded)
     loaded = load_checkpoint(ckpt)
     x_test, y_test = parity_inputs(loaded)
     on_test_split = y_test is not None
