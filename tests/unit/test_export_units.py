@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,42 @@ def contents(path: Path) -> list[bytes]:
         return [path.read_bytes()]
     with zipfile.ZipFile(path) as z:
         return [name.encode() for name in z.namelist()] + [z.read(n) for n in z.namelist()]
+
+
+def test_torchscript_traced_again_in_one_process_is_the_same_bytes(tmp_path: Path) -> None:
+    """torch numbers a class type traced again under a taken name (`___torch_mangle_N`) by all
+    the types the process made: a notebook's second export got another sha256, which dropped
+    the report. The names are numbered from 0 in the file, which loads and runs as before."""
+    model, x = Tiny().eval(), torch.rand(2, 1, 4, 4)
+    paths = [tmp_path / f"{i}.ts" for i in range(3)]
+    for path in paths:
+        ts_export.write(model, x, path, {"lightship.labels": "[]"})
+    assert len({p.read_bytes() for p in paths}) == 1
+    (names,) = {tuple(zipfile.ZipFile(p).namelist()) for p in paths}
+    (mangled,) = [n for n in names if "mangle" in n]
+    assert mangled.endswith("/___torch_mangle_0.py"), names
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.load(paths[-1])(x), model(x))
+
+
+def test_mangled_names_are_left_where_a_pickle_holds_them_as_strings() -> None:
+    """Only a GLOBAL opcode's text may change length: a name in a pickled string keeps the
+    whole archive as torch wrote it."""
+    records = {
+        "data.pkl": b"\x80\x02c__torch__.___torch_mangle_7\nM\nq\x00.",
+        "code/__torch__/___torch_mangle_7.py": b"def f(self: __torch__.___torch_mangle_7.M): ...",
+        "constants/0": b"___torch_mangle_7",  # tensor bytes: never read as names
+    }
+    renamed = ts_export.canonical_names(records)
+    assert renamed == {
+        "data.pkl": b"\x80\x02c__torch__.___torch_mangle_0\nM\nq\x00.",
+        "code/__torch__/___torch_mangle_0.py": b"def f(self: __torch__.___torch_mangle_0.M): ...",
+        "constants/0": b"___torch_mangle_7",
+    }
+    in_a_string = {**records, "constants.pkl": pickle.dumps("__torch__.___torch_mangle_7")}
+    assert ts_export.canonical_names(in_a_string) == in_a_string
+    unreadable = {**records, "data.pkl": b"no pickle: ___torch_mangle_7"}
+    assert ts_export.canonical_names(unreadable) == unreadable
 
 
 @pytest.mark.parametrize("suffix", list(WRITERS))
