@@ -150,6 +150,28 @@ class Broken(nn.Module):
         self.head = nn.Linaer(8, num_classes)  # type: ignore[attr-defined]
 
 
+class NeedsDepth(nn.Module):
+    def __init__(self, depth: int, num_classes: int, *, width: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(depth * width, num_classes)
+
+
+def test_a_model_argument_lightship_does_not_pass_is_named_with_how_to_give_it() -> None:
+    # called without it, Python's TypeError pointed at lightship's own call as the line to fix
+    with pytest.raises(ConfigError) as err:
+        models.create(spec(f"{__name__}:NeedsDepth"))
+    assert str(err.value) == (
+        f"model {__name__}:NeedsDepth requires 'depth', 'width', which lightship does not pass "
+        "(it passes in_channels, num_classes, image_size to a model that takes them, and "
+        "model.kwargs): give them in model.kwargs, e.g. --set model.kwargs.depth=VALUE, or a "
+        "default in the model"
+    )
+    with pytest.raises(ConfigError, match=r"requires 'width', .* give it in model.kwargs, e"):
+        models.create(spec(f"{__name__}:NeedsDepth", kwargs={"depth": 2}))
+    built = models.create(spec(f"{__name__}:NeedsDepth", kwargs={"depth": 2, "width": 3}))
+    assert built.net.head.in_features == 6  # type: ignore[union-attr]
+
+
 def test_bad_model_kwargs_say_which() -> None:
     with pytest.raises(ConfigError, match="check model.kwargs"):
         models.create(spec("digits_cnn", kwargs={"depth": 3}))

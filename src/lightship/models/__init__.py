@@ -232,6 +232,25 @@ def _arguments(builder: Builder) -> tuple[list[str] | None, bool]:
     )
 
 
+def _required_beyond(builder: Builder, given: dict[str, Any]) -> list[str]:
+    """The arguments `builder` requires that `given` lacks ([] where its signature is not
+    read): those without a default, keyword or positional-only."""
+    try:
+        params = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    required = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    return [
+        p.name
+        for p in params
+        if p.kind in required and p.default is inspect.Parameter.empty and p.name not in given
+    ]
+
+
 def takes_argument(name: str, argument: str) -> bool:
     """Whether model `name` is called with `argument` (one of the standard ones)."""
     named, takes_any = _arguments(resolve(name))
@@ -249,6 +268,16 @@ def _call_with_known(
             raise UnknownModelArguments(name, unknown, named)
     kwargs = {k: v for k, v in standard.items() if takes_any or k in (named or [])}
     kwargs.update(extra)
+    needed = _required_beyond(builder, kwargs)
+    if needed:
+        # called, it failed in lightship's own call, which the message named as the line to fix
+        them = "it" if len(needed) == 1 else "them"
+        raise ConfigError(
+            f"model {name} requires {', '.join(repr(n) for n in needed)}, which lightship does "
+            f"not pass (it passes {', '.join(standard)} to a model that takes them, and "
+            f"model.kwargs): give {them} in model.kwargs, e.g. --set "
+            f"model.kwargs.{needed[0]}=VALUE, or a default in the model"
+        )
     try:
         model = builder(**kwargs)
     except Exception as exc:  # a value the model refuses (an assert, a format of it...)
