@@ -443,8 +443,11 @@ def _invoke(argv: list[str] | None = None) -> int:
                 f"`lightship {option.group(1)} {where.removeprefix('lightship ')} ...`"
             )
         extra = re.fullmatch(r"Got unexpected extra argument(?:\(s\)|s)? \((\S+)\)", message)
-        takes_run = ctx is not None and any("--run" in p.opts for p in ctx.command.params)
-        if extra and takes_run and not extra.group(1).startswith("-"):
+        takes = {o for p in ctx.command.params for o in p.opts} if ctx is not None else set()
+        if extra and "--set" in takes and re.fullmatch(r"[A-Za-z_][\w.]*=.*", extra.group(1)):
+            # `lightship train --run r data.image_size=32`: an override without its --set
+            message += f": a setting goes after --set, `--set {shlex.quote(extra.group(1))}`"
+        elif extra and "--run" in takes and not extra.group(1).startswith("-"):
             # `lightship serve runs/default`: the run is an option's value
             message += f": a run goes after --run, `{where} --run {shlex.quote(extra.group(1))}`"
         print(f"error: {message}; see `{where} --help`", file=sys.stderr)

@@ -642,6 +642,12 @@ def test_a_run_given_without_run_says_where_it_goes(capsys: pytest.CaptureFixtur
         "error: Got unexpected extra argument(s) (runs/default): a run goes after --run, "
         "`lightship serve --run runs/default`; see `lightship serve --help`\n"
     )
+    # a setting without its --set was given as the run to use
+    assert cli._invoke(["train", "--run", "r", "data.image_size=32"]) == 2
+    assert capsys.readouterr().err == (
+        "error: Got unexpected extra argument(s) (data.image_size=32): a setting goes after "
+        "--set, `--set data.image_size=32`; see `lightship train --help`\n"
+    )
     assert cli._invoke(["export", "runs/default", "x"]) == 2  # two: no guess
     assert capsys.readouterr().err == (
         "error: Got unexpected extra argument(s) (runs/default x); see `lightship export --help`\n"
