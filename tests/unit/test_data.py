@@ -915,8 +915,14 @@ def write_npy(path: Path) -> None:
         ),
         (
             lambda p: np.savez(p, x=np.zeros((20, 6, 6, 5), np.uint8), y=np.repeat([0, 1], 10)),
-            r"x \(20, 6, 6, 5\) holds 6-channel images; store gray \(1\), RGB \(3\) or RGBA \(4\) "
-            r"images as \[N,C,H,W\] or \[N,H,W,C\]",
+            r"x \(20, 6, 6, 5\) holds 6-channel images as \[N,C,H,W\], or 5-channel ones as "
+            r"\[N,H,W,C\]; store gray \(1\), RGB \(3\) or RGBA \(4\) images as \[N,C,H,W\] or "
+            r"\[N,H,W,C\]",
+        ),
+        (  # two channels last: it said 32-channel images
+            lambda p: np.savez(p, x=np.zeros((20, 8, 8, 2), np.uint8), y=np.repeat([0, 1], 10)),
+            r"x \(20, 8, 8, 2\) holds 8-channel images as \[N,C,H,W\], or 2-channel ones as "
+            r"\[N,H,W,C\]; store gray",
         ),
         (
             lambda p: np.savez(p, x=X20, y=np.repeat([0, 1], 10), labels=np.array("a")),
@@ -942,6 +948,7 @@ def write_npy(path: Path) -> None:
         "float-x-normalised",
         "int-x-beyond-255",
         "five-channels",
+        "two-channels-last",
         "labels-scalar",
         "labels-twice",
     ],
@@ -1013,6 +1020,19 @@ def test_a_flat_folder_of_images_is_told_to_make_class_folders(tmp_path: Path) -
     assert str(err.value) == (
         f"image folder {tmp_path} has no images: expected {tmp_path}/<class>/*.png|jpg (found "
         "classes: []); 3 images lie directly in it: move them into class sub-folders"
+    )
+    # one class's folder given, beside the others: its parent is the likelier fix
+    (tmp_path / "square").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "square" / "0.png")
+    circle = tmp_path / "circle"
+    circle.mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(circle / f"{i}.png")
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="folder", path=str(circle)))
+    assert str(err.value).endswith(
+        "3 images lie directly in it: move them into class sub-folders, or, if circle is one "
+        f"class, set data.path to the folder of the classes, {tmp_path}"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -376,6 +377,23 @@ def _refuse_classes_in_file_names(
     )
 
 
+def _sibling_folders(root: Path) -> bool:
+    """Whether a folder beside `root` holds images of its own, as another class's would (the
+    first 20 folders, 50 entries of each, looked at)."""
+    try:
+        itself = root.resolve()  # and not a link to it (pytest's `...current`)
+        siblings = [
+            p for p in itertools.islice(root.parent.iterdir(), 200) if p.resolve() != itself
+        ]
+        return any(
+            f.suffix.lower() in images.SUFFIXES and f.is_file()
+            for folder in [p for p in siblings if p.is_dir()][:20]
+            for f in itertools.islice(folder.iterdir(), 50)
+        )
+    except OSError:
+        return False
+
+
 def _image_files(
     root: Path,
 ) -> tuple[list[str], list[tuple[Path, int]], list[Path], list[Path]]:
@@ -445,6 +463,11 @@ def _folder_files(
             if loose
             else ""
         )
+        if loose and _sibling_folders(root):  # `data.path=shapes/circle`: one class's folder
+            there += (
+                f", or, if {root.name} is one class, set data.path to the folder of the "
+                f"classes, {root.parent}"
+            )
         raise DataError(
             f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "
             f"(found classes: {classes}){there}"
@@ -596,9 +619,15 @@ def _npz(path: Path, trained: bool = False) -> tuple[np.ndarray, np.ndarray, lis
             f"got {x.shape} and {y.shape}"
         )
     if x.shape[1] not in (1, 3, 4):
+        # neither axis 1 nor the last is a channel count read: say what both would be
+        held = (
+            f"{x.shape[1]}-channel images as [N,C,H,W], or {x.shape[-1]}-channel ones as [N,H,W,C]"
+            if x.shape[-1] != x.shape[1]
+            else f"{x.shape[1]}-channel images"
+        )
         raise DataError(
-            f"{path}: x {x.shape} holds {x.shape[1]}-channel images; store gray (1), RGB (3) "
-            "or RGBA (4) images as [N,C,H,W] or [N,H,W,C]"
+            f"{path}: x {x.shape} holds {held}; store gray (1), RGB (3) or RGBA (4) images as "
+            "[N,C,H,W] or [N,H,W,C]"
         )
     if x.shape[1] == 4:
         x = x[:, :3]  # RGBA: the alpha goes, as the image folder's convert("RGB") drops it
