@@ -1227,11 +1227,14 @@ RunLike = RunDir | str | os.PathLike[str]
 
 
 def as_run(run: RunLike) -> RunDir:
-    """A stage's run given as a RunDir or as its path (a str or a Path, as a script passes it)."""
+    """A stage's run given as a RunDir or as its path (a str or a Path, as a script passes it),
+    checked as the CLI's --run is (`run_dir_parser`): a `~` expanded (Lightning expanded it
+    for the checkpoints alone, and a folder named `~` got the rest), and a file or a run's own
+    folder refused, naming the run it lies in, where a stage would make a run inside a run."""
     if isinstance(run, RunDir):
         return run
     if not isinstance(run, (str, os.PathLike)) or not str(run).strip():
         raise RunError(  # not pathlib's TypeError, which no `except LightshipError` catches
             f"a run is its directory's path or a RunDir, got {run!r}: e.g. 'runs/default'"
         )
-    return RunDir(Path(run))
+    return RunDir(run_dir_parser("run")(Path(run)))

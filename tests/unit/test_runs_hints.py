@@ -152,3 +152,29 @@ def test_a_run_that_is_no_path_is_a_lightship_error(given: object) -> None:
 
     with pytest.raises(RunError, match=r"a run is its directory's path or a RunDir, got "):
         as_run(given)  # type: ignore[arg-type]
+
+
+def test_a_run_given_from_python_is_checked_as_the_cli_checks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fit(cfg, "~/x")` made a folder named `~` (Lightning expanded it for the checkpoints
+    alone), and `fit(cfg, "runs/r/export")` trained a run inside a run, which `--run` refuses."""
+    from lightship.runs import as_run
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert as_run("~/x").root == tmp_path / "x"
+    run = tmp_path / "r"
+    (run / "export").mkdir(parents=True)
+    (run / "manifest.json").write_text('{"schema": 1, "artifacts": {}}')
+    (run / "export" / "model.onnx").write_bytes(b"onnx")
+    with pytest.raises(RunError) as err:
+        as_run(run / "export")
+    assert str(err.value) == (
+        f"run takes a run directory: {run / 'export'} is run {run}'s export folder; give run {run}"
+    )
+    with pytest.raises(RunError) as err:
+        as_run(str(run / "export" / "model.onnx"))
+    assert str(err.value) == (
+        f"run takes a run directory, not a file ({run / 'export' / 'model.onnx'}): give run {run}"
+    )
+    assert as_run(run).root == run
