@@ -360,6 +360,7 @@ def _export(
     parity_batch = int(parity_batch)  # numpy's too
     if "onnx" in chosen:
         onnx_export.check_opset(opset)
+        opset = int(opset)  # numpy's too
     ckpt = run.require_checkpoint()
     recorded = run.artifact("checkpoint")
     if recorded is None:  # quantize and report read its data split from that entry
@@ -408,7 +409,7 @@ def _export(
             final = run.export_dir / FILENAMES[fmt]
             fix = _fix(run, loaded, fmt, chosen, _flags(opset, atol))
             if final.exists():  # a failure keeps an earlier export: say so, not just "not written"
-                fix = f"the earlier {final.name} stays as it was; {fix}"
+                fix = f"{fix} (the earlier {final.name} stays as it was)"
             with then_held() as then, atomic_path(final) as tmp:
                 with _failure(f"torch cannot export this model to {fmt}", fix):
                     info = writers[fmt](loaded.model, example, tmp, meta)

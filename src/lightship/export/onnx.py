@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,14 @@ def opset_range() -> tuple[int, int]:
 
 
 def check_opset(opset: int) -> None:
+    """ConfigError for an opset this torch cannot write; an integer of any kind (numpy's too),
+    as 18.0 or "18" from Python failed deep in the exporter, blamed on the model."""
     low, high = opset_range()
+    if isinstance(opset, bool) or not isinstance(opset, Integral):
+        raise ConfigError(
+            f"export's opset must be a whole number, got {opset!r}: choose an ONNX opset from "
+            f"{low} to {high}"
+        )
     if not low <= opset <= high:
         raise ConfigError(
             f"export --opset {opset} is not supported: choose an ONNX opset from {low} to {high}"
