@@ -4,6 +4,12 @@ Raise these for mistakes a user can fix (bad config, missing run, corrupt file);
 says what is wrong and how to fix it. Anything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import dataclasses
+from numbers import Integral, Real
+from typing import Any
+
 
 class LightshipError(Exception):
     exit_code = 1
@@ -44,3 +50,28 @@ class RunBusyError(LightshipError):
     """Another process holds the run directory's lock (a stage is writing it)."""
 
     exit_code = 7
+
+
+# A settings dataclass's annotations (strings, under `from __future__ import annotations`), as
+# the values they take: numpy's integers and floats too; a bool only where it says bool.
+_KINDS: dict[str, type] = {"int": Integral, "float": Real, "bool": bool, "str": str}
+
+
+def check_settings(settings: Any, cls: Any, what: str) -> None:
+    """ConfigError unless `settings` is a `cls` (a settings dataclass) whose fields hold values
+    of their annotated kinds: a dict, or `rounds=2.5`, ran into Python's AttributeError or
+    TypeError deep in a stage, past a caller's `except LightshipError`."""
+    if not isinstance(settings, cls):
+        example = ", ".join(f"{f.name}=..." for f in dataclasses.fields(cls)[:2])
+        raise ConfigError(
+            f"{what}'s settings must be a {cls.__name__}, got {type(settings).__name__}: e.g. "
+            f"{cls.__name__}({example})"
+        )
+    for f in dataclasses.fields(settings):
+        names = [name.strip() for name in str(f.type).split("|")]
+        value = getattr(settings, f.name)
+        kinds = [_KINDS[name] for name in names if name in _KINDS]
+        if (value is None and "None" in names) or len(kinds) < len(names) - ("None" in names):
+            continue  # None where allowed; a kind not read here
+        if (isinstance(value, bool) and "bool" not in names) or not isinstance(value, tuple(kinds)):
+            raise ConfigError(f"{what}'s {f.name} must be {' or '.join(names)}, got {value!r}")

@@ -762,3 +762,44 @@ def test_running_out_of_memory_is_one_line_not_a_traceback(
         f"error: out of memory{said}: use smaller settings (data.image_size, data.batch_size, "
         "--calibration-samples, --batch) or a machine with more memory\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda s: s.ReportSettings(rounds=2.5), "report's rounds must be int, got 2.5"),
+        (lambda s: s.ReportSettings(batch=True), "report's batch must be int, got True"),
+        (lambda s: s.ReportSettings(gate="x"), "report's gate must be float or None, got 'x'"),
+        (lambda s: s.QuantizeSettings(gate="0.9"), "quantize's gate must be float, got '0.9'"),
+        (lambda s: s.QuantizeSettings(per_channel=1), "quantize's per_channel must be bool, got 1"),
+    ],
+)
+def test_settings_of_the_wrong_kind_from_python_are_config_errors(make: Any, message: str) -> None:
+    # `ReportSettings(rounds=2.5)` was a TypeError from range() deep in the report
+    from lightship.quantize import core as quantize_core
+    from lightship.report import core as report_core
+
+    module = report_core if "report" in message else quantize_core
+    with pytest.raises(ConfigError) as err:
+        make(module)
+    assert str(err.value) == message
+
+
+def test_settings_given_as_a_dict_say_which_class_makes_them(tmp_path: Path) -> None:
+    # report(run, {"rounds": 3}): AttributeError 'dict' object has no attribute 'threads'
+    import numpy as np
+
+    from lightship.quantize.core import QuantizeSettings, quantize
+    from lightship.report.core import ReportSettings, report
+
+    with pytest.raises(ConfigError) as err:
+        report(tmp_path, {"rounds": 3})  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "report's settings must be a ReportSettings, got dict: e.g. ReportSettings(threads=..., "
+        "rounds=...)"
+    )
+    with pytest.raises(ConfigError, match="quantize's settings must be a QuantizeSettings, got"):
+        quantize(tmp_path, "dynamic", settings={"gate": 0.9})  # type: ignore[arg-type]
+    # numpy's numbers are numbers
+    assert ReportSettings(rounds=np.int64(3), seconds=np.float32(0.5)).rounds == 3  # type: ignore[arg-type]
+    assert QuantizeSettings(gate=np.float64(0.9)).gate == 0.9

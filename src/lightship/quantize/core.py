@@ -29,7 +29,14 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
 from lightship import __version__
 from lightship.config import parse_choices
 from lightship.data import DataSpec, Splits, check_as_trained, load_splits
-from lightship.errors import ConfigError, LightshipError, QuantizeError, RunError, first_line
+from lightship.errors import (
+    ConfigError,
+    LightshipError,
+    QuantizeError,
+    RunError,
+    check_settings,
+    first_line,
+)
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits, other_input
 from lightship.report.measure import NOISE_RULE, Timing, measure
@@ -125,6 +132,7 @@ class QuantizeSettings:
         return out
 
     def __post_init__(self) -> None:
+        check_settings(self, QuantizeSettings, "quantize")
         fallback.check_gate(self.gate, "quantize")
         for name, low in (("fallback_budget", 0), ("qat_epochs", 1)):
             value = getattr(self, name)
@@ -1011,6 +1019,7 @@ def quantize(
     run = as_run(run)
     chosen = parse_methods(methods)
     settings = settings or QuantizeSettings()
+    check_settings(settings, QuantizeSettings, "quantize")
     if settings.calibration_method not in ptq.CALIBRATION_METHODS:
         raise ConfigError(
             f"unknown calibration method '{settings.calibration_method}': "

@@ -18,7 +18,7 @@ import numpy as np
 
 from lightship import __version__
 from lightship.data import DataSpec, check_as_trained, load_splits
-from lightship.errors import ConfigError, RunError
+from lightship.errors import ConfigError, RunError, check_settings
 from lightship.quantize import isa
 from lightship.quantize.fallback import DEFAULT_GATE, check_gate, passes_gate, sqnr_db
 from lightship.report import render
@@ -59,6 +59,7 @@ class ReportSettings:
     gate: float | None = None  # None: the gate quantize judged the int8 variants by
 
     def __post_init__(self) -> None:
+        check_settings(self, ReportSettings, "report")
         # Above these, onnxruntime crashes (more threads than any CPU has) or memory runs out.
         for name, low, high in (("rounds", 1, None), ("batch", 1, 4096), ("threads", 1, 256)):
             value = getattr(self, name)
@@ -112,6 +113,7 @@ def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, An
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
     run = as_run(run)
+    check_settings(settings or ReportSettings(), ReportSettings, "report")
     with lock_run(run.root, "lightship report"), caller_state_kept():
         made = not run.report_dir.exists()  # by `check_writable`, before the measuring
         try:
