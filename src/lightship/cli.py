@@ -184,7 +184,12 @@ def export(
     formats: Annotated[
         str, typer.Option("--formats", "-f", help="comma-separated: onnx,torchscript,pt2")
     ] = "onnx,torchscript,pt2",
-    opset: Annotated[int, typer.Option(help="ONNX opset version")] = 18,
+    opset: Annotated[
+        int,
+        typer.Option(
+            help="ONNX opset version (torch 2.13 writes 17 to 28; another torch's range is checked)"
+        ),
+    ] = 18,
     atol: Annotated[
         float, typer.Option(help="parity limit: max |logit difference| against eager")
     ] = 1e-4,

@@ -33,7 +33,9 @@ def load_predictor(
     """The predictor for an artifact, chosen by its file type. `split`: an ONNX model on CPU
     runs long batches as one slice per thread on one-thread sessions (`OrtPredictor`).
     `isa_check`: warn when an int8 ONNX model was quantized for a CPU that computes it
-    differently from this one (its answers here drift)."""
+    differently from this one (its answers here drift). A torch model (.ts, .pt2, .ckpt) sets
+    torch's thread count for the process to `threads` (None: one per physical core), as
+    torch has one."""
     path = Path(path)
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")

@@ -119,8 +119,16 @@ def serve(
     device: Annotated[
         str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE; cpu)")
     ] = None,
-    host: Annotated[str | None, typer.Option(help=f"({ENV}HOST; default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help=f"({ENV}PORT; default 8000)")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help=f"address to listen on; 0.0.0.0 for every interface, as in a container "
+            f"({ENV}HOST; default 127.0.0.1)"
+        ),
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help=f"TCP port to listen on ({ENV}PORT; default 8000)")
+    ] = None,
     model_name: Annotated[
         str | None,
         typer.Option(help=f"name under /v2/models/ (default: the run's name) ({ENV}MODEL_NAME)"),
@@ -189,7 +197,11 @@ def serve(
         ),
     ] = None,
     access_log: Annotated[
-        bool | None, typer.Option("--access-log/--no-access-log", help=f"({ENV}ACCESS_LOG; off)")
+        bool | None,
+        typer.Option(
+            "--access-log/--no-access-log",
+            help=f"a log line per request, uvicorn's ({ENV}ACCESS_LOG; off)",
+        ),
     ] = None,
     log_level: Annotated[
         str | None,
