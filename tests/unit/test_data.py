@@ -242,6 +242,14 @@ def test_data_changed_since_training_is_refused(tmp_path: Path) -> None:
     Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(root / "cat" / "1.png")
     with pytest.raises(DataError, match=r"\(12 images, not the same\)"):
         load_splits(trained, recorded=True)
+    # a file damaged since: changed data, to put back ("remove or replace those files" was
+    # then refused as changed data), where data of no run is told to remove it
+    (root / "cat" / "1.png").write_bytes(b"garbage")
+    with pytest.raises(DataError, match=r"\(12 images, not the same\): .* put the data back"):
+        load_splits(trained, recorded=True)
+    with pytest.raises(DataError, match=r"cannot read 1 of 12 images: .*remove or replace those"):
+        load_splits(spec)
+    Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(root / "cat" / "1.png")
     # a run recorded before fingerprints were kept is not checked
     assert load_splits(spec, recorded=True).labels == ["cat", "dog"]
 

@@ -12,7 +12,7 @@ import shlex
 import warnings
 import zipfile
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -485,10 +485,13 @@ def _decode_folder(
     size: int,
     rows: np.ndarray,
     digest: hashlib._Hash | None = None,
+    unchanged: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """The images of `files` at `rows` (sorted indices), decoded in that order. `digest` (a
     hashlib object) takes every image file's path, class and the sha256 of its bytes, those
-    not decoded too: the fingerprint is of the whole data set."""
+    not decoded too: the fingerprint is of the whole data set. `unchanged` runs before files
+    that cannot be read are refused: a run's recorded data damaged since is said to have
+    changed, with the fix to put it back, not to remove the files (then refused as changed)."""
     x = np.empty((len(rows), channels, size, size), dtype=np.uint8)
     wanted = np.zeros(len(files), dtype=bool)
     wanted[rows] = True
@@ -531,6 +534,8 @@ def _decode_folder(
             "copies, or the link that makes them",
         )
     if unreadable:
+        if unchanged is not None:
+            unchanged()
         if len(unreadable) > 3:  # the error names 3: every one, to remove them in one go
             for bad in unreadable:
                 log.warning("cannot read %s", bad)
@@ -881,6 +886,7 @@ def load_splits(
             spec.image_size,
             sorted_rows,
             digest,
+            lambda: _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}"),
         )
         _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
     else:
