@@ -68,7 +68,8 @@ def check_settings(settings: Any, cls: Any, what: str) -> None:
             f"{cls.__name__}({example})"
         )
     for f in dataclasses.fields(settings):
-        names = [name.strip() for name in str(f.type).split("|")]
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type)
+        names = [name.strip() for name in str(annotation).split("|")]
         value = getattr(settings, f.name)
         kinds = [_KINDS[name] for name in names if name in _KINDS]
         if (value is None and "None" in names) or len(kinds) < len(names) - ("None" in names):
