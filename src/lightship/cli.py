@@ -187,7 +187,7 @@ def export(
     opset: Annotated[
         int,
         typer.Option(
-            help="ONNX opset version (torch 2.13 writes 17 to 28; another torch's range is checked)"
+            help="ONNX opset version (17 to 28 with the pinned torch and onnx; others are checked)"
         ),
     ] = 18,
     atol: Annotated[
@@ -452,7 +452,12 @@ def _invoke(argv: list[str] | None = None) -> int:
         if extra and "--set" in takes and re.fullmatch(r"[A-Za-z_][\w.]*=.*", extra.group(1)):
             # `lightship train --run r data.image_size=32`: an override without its --set
             message += f": a setting goes after --set, `--set {shlex.quote(extra.group(1))}`"
-        elif extra and "--run" in takes and not extra.group(1).startswith("-"):
+        elif (
+            extra
+            and "--run" in takes
+            and not extra.group(1).startswith("-")
+            and not any(a == "--run" or a.startswith("--run=") for a in argv or sys.argv[1:])
+        ):
             # `lightship serve runs/default`: the run is an option's value
             message += f": a run goes after --run, `{where} --run {shlex.quote(extra.group(1))}`"
         print(f"error: {message}; see `{where} --help`", file=sys.stderr)

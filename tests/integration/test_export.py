@@ -694,6 +694,15 @@ def test_parity_compares_each_batch_with_eager_on_the_same_batch(
     assert recorded == dict.fromkeys(
         ("onnx-fp32", "torchscript", "pt2", "onnx-int8-dynamic"), measured
     ) | {"checkpoint": None}
+    # best.ckpt served itself: found in the entries of what export made from it
+    from lightship.serve import app as serve_app
+    from lightship.serve.model import choose
+    from lightship.serve.settings import ServeSettings
+
+    for given in ({"run": run, "variant": "checkpoint"}, {"run": run / "best.ckpt"}):
+        settings = ServeSettings(**given, max_batch_rows=8)
+        warned = serve_app._batch_dependent(choose(settings), settings) or ""
+        assert f"(export measured max |Δlogit| {measured['max_abs_logit_diff']:.2e} " in warned
 
 
 def test_parity_runs_the_batch_eager_ran_however_the_load_timed_a_split(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -648,6 +649,11 @@ def test_a_run_given_without_run_says_where_it_goes(capsys: pytest.CaptureFixtur
         "error: Got unexpected extra argument(s) (data.image_size=32): a setting goes after "
         "--set, `--set data.image_size=32`; see `lightship train --help`\n"
     )
+    # a stray word beside --run given: the run goes nowhere else
+    assert cli._invoke(["export", "--run", "r", "opset=18"]) == 2
+    assert capsys.readouterr().err == (
+        "error: Got unexpected extra argument(s) (opset=18); see `lightship export --help`\n"
+    )
     assert cli._invoke(["export", "runs/default", "x"]) == 2  # two: no guess
     assert capsys.readouterr().err == (
         "error: Got unexpected extra argument(s) (runs/default x); see `lightship export --help`\n"
@@ -800,6 +806,21 @@ def test_settings_given_as_a_dict_say_which_class_makes_them(tmp_path: Path) -> 
     )
     with pytest.raises(ConfigError, match="quantize's settings must be a QuantizeSettings, got"):
         quantize(tmp_path, "dynamic", settings={"gate": 0.9})  # type: ignore[arg-type]
+    empties: list[Any] = [{}, []]
+    for empty in empties:  # no settings, not the defaults
+        with pytest.raises(ConfigError, match=r"report's settings must be a ReportSettings, got"):
+            report(tmp_path, empty)
+        with pytest.raises(ConfigError, match="quantize's settings must be a QuantizeSettings"):
+            quantize(tmp_path, "dynamic", settings=empty)
+    # a field's annotation given as the type itself (no `from __future__ import annotations`)
+    from lightship.errors import check_settings
+
+    typed = dataclasses.make_dataclass("Typed", [("rounds", int, 1), ("gate", float | None, None)])
+    check_settings(typed(rounds=np.int64(2), gate=None), typed, "x")
+    with pytest.raises(ConfigError, match=r"^x's rounds must be int, got 2.5$"):
+        check_settings(typed(rounds=2.5), typed, "x")
+    with pytest.raises(ConfigError, match=r"^x's gate must be float or None, got 'a'$"):
+        check_settings(typed(gate="a"), typed, "x")
     # numpy's numbers are numbers
     assert ReportSettings(rounds=np.int64(3), seconds=np.float32(0.5)).rounds == 3  # type: ignore[arg-type]
     assert QuantizeSettings(gate=np.float64(0.9)).gate == 0.9

@@ -1020,7 +1020,9 @@ def test_images_beside_the_class_folders_are_said_once(
     ]
 
 
-def test_a_flat_folder_of_images_is_told_to_make_class_folders(tmp_path: Path) -> None:
+def test_a_flat_folder_of_images_is_told_to_make_class_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for i in range(3):
         Image.new("RGB", (8, 8)).save(tmp_path / f"{i}.jpg")
     with pytest.raises(DataError) as err:
@@ -1041,6 +1043,12 @@ def test_a_flat_folder_of_images_is_told_to_make_class_folders(tmp_path: Path) -
     assert str(err.value).endswith(
         "3 images lie directly in it: move them into class sub-folders, or, if circle is one "
         f"class, set data.path to the folder of the classes, {tmp_path}"
+    )
+    monkeypatch.chdir(circle)  # given as `.`: named as it is
+    with pytest.raises(DataError) as err:
+        load_splits(DataSpec(source="folder", path="."))
+    assert str(err.value).endswith(
+        f"if circle is one class, set data.path to the folder of the classes, {tmp_path}"
     )
 
 

@@ -170,6 +170,15 @@ def test_a_model_argument_lightship_does_not_pass_is_named_with_how_to_give_it()
         models.create(spec(f"{__name__}:NeedsDepth", kwargs={"depth": 2}))
     built = models.create(spec(f"{__name__}:NeedsDepth", kwargs={"depth": 2, "width": 3}))
     assert built.net.head.in_features == 6  # type: ignore[union-attr]
+    # positional-only: no model.kwargs can give it, so that is not the advice
+    with pytest.raises(ConfigError, match="missing 1 required positional argument: 'depth'"):
+        models.create(spec(f"{__name__}:PositionalOnly"))
+
+
+class PositionalOnly(nn.Module):
+    def __init__(self, depth: int, /, num_classes: int = 2) -> None:
+        super().__init__()
+        self.head = nn.Linear(depth, num_classes)
 
 
 def test_bad_model_kwargs_say_which() -> None:

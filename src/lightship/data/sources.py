@@ -383,7 +383,9 @@ def _sibling_folders(root: Path) -> bool:
     try:
         itself = root.resolve()  # and not a link to it (pytest's `...current`)
         siblings = [
-            p for p in itertools.islice(root.parent.iterdir(), 200) if p.resolve() != itself
+            p
+            for p in itertools.islice(Path(os.path.abspath(root)).parent.iterdir(), 200)
+            if p.resolve() != itself and not p.name.startswith(".")  # as `_image_files` skips
         ]
         return any(
             f.suffix.lower() in images.SUFFIXES and f.is_file()
@@ -464,9 +466,10 @@ def _folder_files(
             else ""
         )
         if loose and _sibling_folders(root):  # `data.path=shapes/circle`: one class's folder
+            where = Path(os.path.abspath(root))  # `.` has no name, and its parent is `.`
             there += (
-                f", or, if {root.name} is one class, set data.path to the folder of the "
-                f"classes, {root.parent}"
+                f", or, if {where.name} is one class, set data.path to the folder of the "
+                f"classes, {where.parent}"
             )
         raise DataError(
             f"image folder {root} has no images: expected {root}/<class>/*.png|jpg "

@@ -234,16 +234,13 @@ def _arguments(builder: Builder) -> tuple[list[str] | None, bool]:
 
 def _required_beyond(builder: Builder, given: dict[str, Any]) -> list[str]:
     """The arguments `builder` requires that `given` lacks ([] where its signature is not
-    read): those without a default, keyword or positional-only."""
+    read): those without a default that a keyword can give (a positional-only one cannot be
+    given in model.kwargs: Python's own error says it lacks)."""
     try:
         params = inspect.signature(builder).parameters.values()
     except (TypeError, ValueError):
         return []
-    required = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.KEYWORD_ONLY,
-    )
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return [
         p.name
         for p in params

@@ -1018,7 +1018,7 @@ def quantize(
     naming them all (a script would otherwise go on as if it had quantized)."""
     run = as_run(run)
     chosen = parse_methods(methods)
-    settings = settings or QuantizeSettings()
+    settings = QuantizeSettings() if settings is None else settings  # `{}` is no settings
     check_settings(settings, QuantizeSettings, "quantize")
     if settings.calibration_method not in ptq.CALIBRATION_METHODS:
         raise ConfigError(

@@ -113,11 +113,12 @@ def report(run: RunLike, settings: ReportSettings | None = None) -> dict[str, An
     # The run lock, for the CLI and a call from Python alike: no other stage may replace a
     # variant while it is measured, and the report's files would then describe the old one.
     run = as_run(run)
-    check_settings(settings or ReportSettings(), ReportSettings, "report")
+    settings = ReportSettings() if settings is None else settings  # `{}` is no settings
+    check_settings(settings, ReportSettings, "report")
     with lock_run(run.root, "lightship report"), caller_state_kept():
         made = not run.report_dir.exists()  # by `check_writable`, before the measuring
         try:
-            return _report(run, settings or ReportSettings())
+            return _report(run, settings)
         except BaseException:  # a report that failed (its data gone, say) leaves no empty folder
             if made:
                 with contextlib.suppress(OSError):  # not empty: not ours to remove

@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import math
+import pathlib
 import platform
 import re
 import signal
@@ -47,8 +48,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.logging import AccessFormatter
 
 from lightship import __version__
-from lightship.errors import ConfigError, RunError
+from lightship.errors import ConfigError, LightshipError, RunError
 from lightship.quantize.isa import host_cpu
+from lightship.runs import RunDir
 from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import physical_cores, trim_heap
 from lightship.runtime.ort import QUANTIZATION, file_metadata
@@ -1782,6 +1784,8 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
     lone = served.variant == "file"  # --variant is ignored then
     what = served.path.name if lone else served.variant
     measured = (served.entry or {}).get("batch_dependent")
+    if measured is None and (served.entry or {}).get("format") == "lightning-checkpoint":
+        measured = _measured_by_export(served.path, (served.entry or {}).get("sha256"))
     if isinstance(measured, dict):
         try:
             one, many = (int(b) for b in measured["batches"])
@@ -1817,6 +1821,21 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
             else "serve --variant onnx-int8-static, onnx-int8-qat or onnx-fp32"
         )
     )
+
+
+def _measured_by_export(checkpoint: pathlib.Path, sha256: object) -> Any:
+    """What export measured of the batch dependence of a run's best.ckpt (`--variant
+    checkpoint`, or the file itself): export records it in the entries of the files it made
+    from that checkpoint, not in the checkpoint's own. None where none says so."""
+    try:
+        artifacts = RunDir(checkpoint.resolve().parent).manifest()["artifacts"]
+    except (LightshipError, OSError):
+        return None
+    for entry in artifacts.values():
+        made_from_it = isinstance(entry, dict) and entry.get("source_checkpoint_sha256") == sha256
+        if made_from_it and entry.get("batch_dependent") is not None:
+            return entry["batch_dependent"]
+    return None
 
 
 def _listen(host: str, port: int) -> socket.socket:
