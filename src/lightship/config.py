@@ -479,10 +479,16 @@ def _explain(err: ValidationError, sources: Sources) -> str:
     others = len(err.errors()) - len(here)
     more = f" (and {others} more)" if others else ""
     where = f"in {sources.file} or " if sources.file and sources.file in source else ""
-    return (
-        f"{source}: '{key}' = {first.get('input')!r}: {message}{more}; "
-        f"fix it {where}with --set {key}=..."
-    )
+    given = first.get("input")
+    fix = f"{key}=..."
+    if first["type"] == "list_type" and isinstance(given, int | float | str):
+        fix = f"'{key}=[{given}]'"  # `model.mean=0.5`: a list, one value per channel
+    elif first["type"] == "string_type" and isinstance(given, dict) and len(given) == 1:
+        # `model.name=mynet:`: YAML read the colon as a mapping's key, {'mynet': None}
+        (name, value), *_ = given.items()
+        text = f"{name}:" if value is None else f"{name}: {value}"
+        message += f" (YAML read {text!r} as a mapping: quote it, --set '{key}=\"{text}\"')"
+    return f"{source}: '{key}' = {given!r}: {message}{more}; fix it {where}with --set {fix}"
 
 
 def _field_at(loc: tuple[int | str, ...]) -> tuple[tuple[str, ...], Any]:

@@ -183,6 +183,25 @@ def test_an_accelerator_lightship_cannot_use_lists_the_ones_it_can() -> None:
     )
 
 
+def test_a_value_yaml_read_otherwise_than_meant_says_how_to_write_it() -> None:
+    # `model.mean=0.5`: a list is wanted, one value per channel
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.mean=0.5"])
+    assert str(err.value) == (
+        "--set: 'model.mean' = 0.5: Input should be a valid list; fix it with --set "
+        "'model.mean=[0.5]'"
+    )
+    # `model.name=mynet:`: YAML read the colon as a mapping
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.name=mynet:"])
+    assert str(err.value) == (
+        "--set: 'model.name' = {'mynet': None}: Input should be a valid string (YAML read "
+        "'mynet:' as a mapping: quote it, --set 'model.name=\"mynet:\"'); fix it with --set "
+        "model.name=..."
+    )
+    assert load_config(None, ['model.name="mynet:"']).model.name == "mynet:"
+
+
 def test_a_bad_value_is_named_by_its_own_source_not_every_override(tmp_path: Path) -> None:
     # it said "configs/tiny.yaml + --set + --set + --set + --set:", whichever gave the value
     tiny = str(CONFIGS / "tiny.yaml")
