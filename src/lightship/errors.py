@@ -10,6 +10,8 @@ import dataclasses
 from numbers import Integral, Real
 from typing import Any
 
+import numpy as np
+
 
 class LightshipError(Exception):
     exit_code = 1
@@ -53,8 +55,13 @@ class RunBusyError(LightshipError):
 
 
 # A settings dataclass's annotations (strings, under `from __future__ import annotations`), as
-# the values they take: numpy's integers and floats too; a bool only where it says bool.
-_KINDS: dict[str, type] = {"int": Integral, "float": Real, "bool": bool, "str": str}
+# the values they take: numpy's integers, floats and bools too; a bool only where it says bool.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (Integral,),
+    "float": (Real,),
+    "bool": (bool, np.bool_),
+    "str": (str,),
+}
 
 
 def check_settings(settings: Any, cls: Any, what: str) -> None:
@@ -74,5 +81,6 @@ def check_settings(settings: Any, cls: Any, what: str) -> None:
         kinds = [_KINDS[name] for name in names if name in _KINDS]
         if (value is None and "None" in names) or len(kinds) < len(names) - ("None" in names):
             continue  # None where allowed; a kind not read here
-        if (isinstance(value, bool) and "bool" not in names) or not isinstance(value, tuple(kinds)):
+        wrong_bool = isinstance(value, bool | np.bool_) and "bool" not in names
+        if wrong_bool or not isinstance(value, tuple(t for kind in kinds for t in kind)):
             raise ConfigError(f"{what}'s {f.name} must be {' or '.join(names)}, got {value!r}")

@@ -824,3 +824,7 @@ def test_settings_given_as_a_dict_say_which_class_makes_them(tmp_path: Path) -> 
     # numpy's numbers are numbers
     assert ReportSettings(rounds=np.int64(3), seconds=np.float32(0.5)).rounds == 3  # type: ignore[arg-type]
     assert QuantizeSettings(gate=np.float64(0.9)).gate == 0.9
+    numpy_bool = QuantizeSettings(per_channel=np.bool_(False))  # type: ignore[arg-type]
+    assert numpy_bool.flags() == ["--no-per-channel"]  # the command that repeats it
+    with pytest.raises(ConfigError, match=r"^report's rounds must be int, got np.True_$"):
+        ReportSettings(rounds=np.bool_(True))  # type: ignore[arg-type]

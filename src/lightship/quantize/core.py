@@ -125,7 +125,7 @@ class QuantizeSettings:
             if name in ("calibration_chunk", "seed") or value == getattr(default, name):
                 continue
             option = name.replace("_", "-")
-            if isinstance(value, bool):
+            if isinstance(value, bool | np.bool_):
                 out.append(f"--{option}" if value else f"--no-{option}")
             else:
                 out += [f"--{option}", repr(value) if isinstance(value, float) else str(value)]
