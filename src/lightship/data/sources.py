@@ -881,6 +881,10 @@ def load_splits(
     rows = np.concatenate(wanted)
     sorted_rows = np.sort(rows)  # x holds the rows wanted only, in file order
     if folder_files is not None:  # decoded so
+
+        def unchanged() -> None:  # once the whole folder is hashed, unreadable files or not
+            _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
+
         x = _decode_folder(
             Path(str(spec.path)).expanduser(),
             folder_files,
@@ -889,9 +893,9 @@ def load_splits(
             spec.image_size,
             sorted_rows,
             digest,
-            lambda: _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}"),
+            unchanged,
         )
-        _check_unchanged(spec, f"{len(y)}:{digest.hexdigest()}")
+        unchanged()
     else:
         x = resize_uint8(x, spec.image_size, spec.channels)
         if len(rows) < len(x):

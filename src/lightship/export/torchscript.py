@@ -66,13 +66,14 @@ def canonical_names(records: dict[str, bytes]) -> dict[str, bytes]:
     for name in text:
         if name.endswith(".pkl") and not _only_in_globals(records[name]):
             return records
+
+    def renumbered(text: bytes) -> bytes:
+        return MANGLED.sub(lambda m: b"___torch_mangle_" + numbers[m.group(1)], text)
+
     renamed: dict[str, bytes] = {}
     for name, data in records.items():
         if name in text:
-            data = MANGLED.sub(lambda m: b"___torch_mangle_" + numbers[m.group(1)], data)
-            name = MANGLED.sub(
-                lambda m: b"___torch_mangle_" + numbers[m.group(1)], name.encode()
-            ).decode()
+            name, data = renumbered(name.encode()).decode(), renumbered(data)
         renamed[name] = data
     return renamed
 

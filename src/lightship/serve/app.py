@@ -1783,9 +1783,10 @@ def _batch_dependent(served: ServedModel, settings: ServeSettings) -> str | None
         return None
     lone = served.variant == "file"  # --variant is ignored then
     what = served.path.name if lone else served.variant
-    measured = (served.entry or {}).get("batch_dependent")
-    if measured is None and (served.entry or {}).get("format") == "lightning-checkpoint":
-        measured = _measured_by_export(served.path, (served.entry or {}).get("sha256"))
+    entry = served.entry or {}
+    measured = entry.get("batch_dependent")
+    if measured is None and entry.get("format") == "lightning-checkpoint":
+        measured = _measured_by_export(served.path, entry.get("sha256"))
     if isinstance(measured, dict):
         try:
             one, many = (int(b) for b in measured["batches"])
