@@ -1905,6 +1905,8 @@ class _DatedState(uvicorn.server.ServerState):
         self._config = config
         self._second = -1
         self._headers: list[tuple[bytes, bytes]] = []
+        # SIGTERM came: every answer from now on closes its connection (`closing_answers`)
+        self.stopping = False
         super().__init__()
 
     @property
@@ -1925,6 +1927,8 @@ class _DatedState(uvicorn.server.ServerState):
 
 class _Server(uvicorn.Server):
     """uvicorn's server, which on SIGTERM also turns not-ready and lets the batcher drain."""
+
+    server_state: _DatedState
 
     def __init__(self, config: uvicorn.Config, service: Service) -> None:
         super().__init__(config)
@@ -1957,9 +1961,23 @@ class _Server(uvicorn.Server):
             loop.call_soon_threadsafe(stop.set)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.server_state.stopping = True
         self.service.begin_shutdown()
         super().handle_exit(sig, frame)
         self._wake()
+        if (loop := self._loop) is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._close_after_answers)
+
+    def _close_after_answers(self) -> None:
+        """The requests under way at SIGTERM (queued for their batch, say) are answered with
+        Connection: close, as those read from now on are: the queue ran at once, and their
+        answers went out kept alive, their connections closed idle half a second later. A
+        connection's last request read, as `shutdown` does: those pipelined before it are
+        answered first, kept alive."""
+        for connection in self.server_state.connections:
+            cycle = getattr(connection, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False
 
     def stop_failed(self) -> None:
         """Stop serving a model that failed its warm-up: no request was taken (not ready)."""

@@ -594,6 +594,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self.flow = _HeldFlow(self._out, self)
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
 
+        @property
+        def closing_answers(self) -> bool:
+            """Every answer closes its connection: the server got SIGTERM. Its state says so
+            at once (`stopping`, set by `app._Server`); `shutdown` comes a grace later."""
+            return self._draining or getattr(self.server_state, "stopping", False)
+
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             self._running = cycle
             HttpToolsProtocol._start_asgi_task(self, cycle, app)
@@ -863,7 +869,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     return
             if routes is None or not self._answer_here(version):
                 HttpToolsProtocol.on_headers_complete(self)
-                if self._draining and self.cycle is not None:  # answered, then closed
+                if self.closing_answers and self.cycle is not None:  # answered, then closed
                     self.cycle.keep_alive = False
             if self._draining:  # a request read while the server stops: its body too
                 self._arm_body_stop()
@@ -979,7 +985,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 head=routes.read_head(self.headers),
                 target=target,
                 version=version,
-                keep_alive=version != "1.0" and parser.should_keep_alive() and not self._draining,
+                keep_alive=(
+                    version != "1.0" and parser.should_keep_alive() and not self.closing_answers
+                ),
                 expect_100=self.expect_100_continue,
                 client=client,
             )
