@@ -242,6 +242,8 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
         # "unexpected content after document" (or "not valid UTF-8") said nothing of the header
         (binary_request(X)[0], None, f"{v2.HEADER_LENGTH} header"),
         (binary_request(X + 200)[0], None, f"{v2.HEADER_LENGTH} header"),
+        # no body and no header: it said "Inference-Header-Content-Length is 0, so ..."
+        (b"", None, r'^the body is empty: send an infer request \(\{"inputs": \[\{"name": "input"'),
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2]) + b"\0\0",
             str(len(json_request([1, 2, 3, 4], [1, 1, 2, 2]))),
@@ -365,7 +367,10 @@ def test_v1_instances_and_predictions() -> None:
     [
         (b'{"instances": [}', "malformed JSON"),
         (b'{"instances": [[[[0, NaN]]]]}', r"contains NaN \(line 1 column 22\).*finite numbers"),
-        (b'{"images": []}', "instances"),
+        # {} is a JSON object: it said "body must be a JSON object {"instances": ...}"
+        (b'{"images": []}', re.escape('the body has no "instances": send {"instances": [image')),
+        (b"{}", '^the body has no "instances"'),
+        (b"[[1, 2], [3, 4]]", re.escape('the body is a JSON list: send {"instances": [image')),
         (b'{"instances": []}', "empty batch"),
         (b'{"instances": [[[1, 2], [3]]]}', "ragged"),
         (b'{"instances": [[["a", "b"], ["c", "d"]]]}', "numbers"),

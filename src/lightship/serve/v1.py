@@ -41,7 +41,12 @@ def decode_instances(
             if isinstance(doc, dict) and "inputs" in doc
             else ""
         )
-        raise ProtocolError(f'body must be a JSON object {{"instances": [image, ...]}}{v2_hint}')
+        what = (
+            'the body has no "instances"'
+            if isinstance(doc, dict)
+            else f"the body is a JSON {type(doc).__name__.replace('dict', 'object')}"
+        )
+        raise ProtocolError(f'{what}: send {{"instances": [image, ...]}}{v2_hint}')
     instances = doc["instances"]
     if not isinstance(instances, list):
         raise ProtocolError("instances must be a list of images (nested lists of pixels)")

@@ -250,12 +250,15 @@ def _no_inputs(doc: dict[str, Any], input_name: str) -> str:
         if inputs is None
         else f"inputs must be a list, got {type(inputs).__name__}"
     )
-    example = (
+    v1_hint = '; for {"instances": [...]} use /v1/predict' if "instances" in doc else ""
+    return f"{what} (V2 format: {_example(input_name)}){v1_hint}"
+
+
+def _example(input_name: str) -> str:
+    return (
         f'{{"inputs": [{{"name": "{input_name}", "shape": [...], "datatype": "UINT8", '
         '"data": [...]}]}'
     )
-    v1_hint = '; for {"instances": [...]} use /v1/predict' if "instances" in doc else ""
-    return f"{what} (V2 format: {example}){v1_hint}"
 
 
 def json_length(body: bytes, header_length: str | None) -> int:
@@ -288,6 +291,8 @@ def decode_request(
     """Parse an infer request (JSON, or JSON header + binary tensors) for a one-input model;
     a batch over `max_rows` of images of the model's `chw` is refused (`TooManyRows`) before
     its JSON data becomes an array."""
+    if not body and header_length is None:  # not "Inference-Header-Content-Length is 0"
+        raise ProtocolError(f"the body is empty: send an infer request ({_example(input_name)})")
     json_end = json_length(body, header_length)
     if json_end == 0:
         return raw_request(body, outputs, max_rows, chw)
