@@ -289,6 +289,40 @@ def quantize(
     print(f"next: {next_command('report', run, RunDir(run).pythonpath())}")
 
 
+def report_table(r: dict[str, Any], run: Path, batch: int) -> Any:
+    """`report`'s table of report.json `r`, a rich Table: p50 is at batch 1, img/s at
+    `batch`, each on the threads it ran on."""
+    from rich.table import Table
+
+    from lightship.quantize.isa import describe
+    from lightship.report.render import threads_note
+
+    table = Table(title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads{threads_note(r)}")
+    # a variant's name is never wrapped: squeezed into 80 columns (a log, `pass*` in the gate
+    # column), the star stood alone on the figures' row and the name below them
+    table.add_column("variant", justify="right", no_wrap=True)
+    for col in (
+        "accuracy",
+        "p50 ms",
+        f"img/s @{batch}",
+        "x eager",
+        "x ONNX\nfp32",  # two lines: the table fits 80 columns
+        "gate",
+    ):
+        table.add_column(col, justify="right")
+    for v in r["variants"]:
+        table.add_row(
+            ("★ " if v["recommended"] else "") + v["name"],
+            f"{v['accuracy']:.4f}",
+            f"{v['latency_ms']['p50']:.3f}",
+            f"{v['throughput_per_s']:.0f}",
+            f"{v['speedup_vs_eager']:.2f}",
+            "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
+            ("pass*" if _held_back(v) else "pass") if v["gate_passed"] else "FAIL",
+        )
+    return table
+
+
 def _held_back(variant: dict[str, Any]) -> bool:
     """A variant never recommended however fast (dynamic int8 on a conv net), not the eager
     reference, which is measured to compare with and is no served variant."""
@@ -314,41 +348,17 @@ def report(
     ] = None,
 ) -> None:
     """Measure every variant of RUN; write report/report.md, report.json and pareto.png."""
-    from lightship.quantize.isa import describe
     from lightship.report import ReportSettings
     from lightship.report import report as report_run
-    from lightship.report.render import speedup, threads_note, tie_note, why_none
+    from lightship.report.render import speedup, tie_note, why_none
     from lightship.runs import RunDir
 
     r = report_run(  # takes the run lock
         RunDir(run), ReportSettings(threads=threads, rounds=rounds, batch=batch, gate=gate)
     )
     from rich.console import Console
-    from rich.table import Table
 
-    # p50 is at batch 1, img/s at --batch: each on the threads it ran on
-    table = Table(title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads{threads_note(r)}")
-    for col in (
-        "variant",
-        "accuracy",
-        "p50 ms",
-        f"img/s @{batch}",
-        "x eager",
-        "x ONNX\nfp32",  # two lines: the table fits 80 columns
-        "gate",
-    ):
-        table.add_column(col, justify="right")
-    for v in r["variants"]:
-        table.add_row(
-            ("★ " if v["recommended"] else "") + v["name"],
-            f"{v['accuracy']:.4f}",
-            f"{v['latency_ms']['p50']:.3f}",
-            f"{v['throughput_per_s']:.0f}",
-            f"{v['speedup_vs_eager']:.2f}",
-            "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
-            ("pass*" if _held_back(v) else "pass") if v["gate_passed"] else "FAIL",
-        )
-    Console().print(table)
+    Console().print(report_table(r, run, batch))
     if any(v["gate_passed"] and _held_back(v) for v in r["variants"]):
         print("* passes the gate, and is not recommended (report.md says why)")
     print(f"report: {run}/report/report.md (+ report.json, pareto.png)")

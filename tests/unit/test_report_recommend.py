@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lightship.quantize.fallback import passes_gate
+from lightship.quantize.fallback import DEFAULT_GATE, passes_gate
 from lightship.report import render
 from lightship.report.core import recommend
 from lightship.report.measure import Timing
@@ -523,3 +524,39 @@ def test_the_console_marks_a_variant_held_back_but_not_the_eager_reference() -> 
     assert not _held_back(variant("eager", False))
     assert _held_back(variant("onnx-int8-dynamic", False))
     assert not _held_back(variant("onnx-int8-static", True))
+
+
+def test_the_cli_table_keeps_a_variants_name_on_its_row_in_80_columns() -> None:
+    """Squeezed into 80 columns (a log; `pass*` widening the gate column), the variant column
+    wrapped: the star stood alone beside the figures and the name on a row of its own."""
+    import io
+
+    from rich.console import Console
+
+    from lightship.cli import report_table
+
+    r = report_dict()
+    r["cpu"]["model"] = "AMD EPYC"
+    for v, eager in zip(r["variants"], (7.62, 7.40), strict=True):
+        v |= {"speedup_vs_eager": eager, "speedup_vs_onnx_fp32": eager / 2.6}
+    dynamic = {**r["variants"][1], "name": "onnx-int8-dynamic", "recommendable": False}
+    r["variants"].append(dynamic)  # its gate column says pass*
+    out = io.StringIO()
+    Console(file=out, width=80).print(report_table(r, Path("runs/default"), 64))
+    rows = [line for line in out.getvalue().splitlines() if "0.9900" in line]
+    assert len(rows) == 3, out.getvalue()
+    assert "★ onnx-int8-static" in rows[0] and "onnx-int8-dynamic" in rows[2], out.getvalue()
+    assert rows[2].rstrip().endswith("pass* │")
+
+
+def test_a_recorded_gate_quantize_never_writes_is_ignored_out_loud(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An edited manifest's gate of inf (or 1e400) ended the report in a traceback after all
+    its timing; one of 50 would have failed every int8 variant without a word."""
+    from lightship.report.core import _recorded_gate
+
+    entries = [{"gate": {"min_ratio": g}} for g in (math.inf, 50.0, 0.98, -1, "0.5")]
+    assert _recorded_gate(entries) == 0.98
+    assert "int8 gates quantize never writes (inf, 50, -1): ignored" in caplog.text
+    assert _recorded_gate([{"gate": {"min_ratio": math.inf}}]) == DEFAULT_GATE

@@ -20,7 +20,13 @@ from lightship import __version__
 from lightship.data import DataSpec, check_as_trained, load_splits
 from lightship.errors import ConfigError, RunError, check_settings
 from lightship.quantize import isa
-from lightship.quantize.fallback import DEFAULT_GATE, check_gate, passes_gate, sqnr_db
+from lightship.quantize.fallback import (
+    DEFAULT_GATE,
+    GATE_MAX,
+    check_gate,
+    passes_gate,
+    sqnr_db,
+)
 from lightship.report import render
 from lightship.report.evaluate import FP32_VARIANTS, candidates, logits
 from lightship.report.measure import (
@@ -131,7 +137,13 @@ def _recorded_gate(entries: list[dict[str, Any]]) -> float:
     report judges them alike: the strictest where they were quantized with different gates
     (said), quantize's default where none was recorded."""
     recorded = [e["gate"].get("min_ratio") for e in entries if isinstance(e.get("gate"), dict)]
-    gates = sorted({float(g) for g in recorded if type(g) in (float, int) and g > 0})
+    numbers = [float(g) for g in recorded if type(g) in (float, int)]
+    gates = sorted({g for g in numbers if math.isfinite(g) and 0 < g <= GATE_MAX})
+    if odd := [g for g in numbers if g not in gates]:  # an edited manifest's (inf: a traceback)
+        log.warning(
+            "the manifest records int8 gates quantize never writes (%s): ignored",
+            ", ".join(f"{g:g}" for g in odd),
+        )
     if len(gates) > 1:
         log.warning(
             "the int8 variants were quantized with different --gate values (%s): the report "
