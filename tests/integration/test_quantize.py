@@ -30,7 +30,7 @@ from lightship.quantize.core import (
 from lightship.quantize.fallback import passes_gate
 from lightship.report import ReportSettings, report
 from lightship.report.evaluate import logits
-from lightship.runs import RunDir
+from lightship.runs import RunDir, sha256_file
 from lightship.runtime import load_predictor
 from lightship.runtime.ort import DISABLED_OPTIMIZERS, file_metadata
 from tests.conftest import ROOT, last_line, run_cli
@@ -231,6 +231,8 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     for v in r["variants"][3:]:  # what quantize recorded (and gated) is what the report shows
         assert v["accuracy"] == recorded[v["name"]]["accuracy"], v["name"]
     eager = r["variants"][0]
+    for v in r["variants"][1:]:  # the file measured, which `serve` tells a remade one by
+        assert v["sha256"] == recorded[v["name"]]["sha256"] == sha256_file(quantized / v["file"])
     assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
     n = r["test_images"]
     assert eager["answers_changed"] == 0
@@ -733,7 +735,6 @@ def test_an_interrupt_while_static_measures_leaves_the_manifest_true_to_the_file
     place beside the old manifest entry: the report then refused it as "changed after
     `lightship` wrote it"."""
     from lightship.quantize.core import Quantizer
-    from lightship.runs import sha256_file
 
     run = tmp_path / "interrupted"
     shutil.copytree(quantized, run)

@@ -307,6 +307,28 @@ def measured(run: Path, **bytes_of: int) -> list[dict[str, Any]]:
     return [{"name": n, "file": f"export/{n}.onnx", "bytes": b} for n, b in bytes_of.items()]
 
 
+def test_a_variant_made_again_to_the_same_size_is_not_the_one_the_report_measured(
+    tmp_path: Path,
+) -> None:
+    """Told by name and size alone, an int8 model quantized again (other calibration: other
+    scales, the same 165,950 bytes) was served as the report's recommendation, the report's
+    figures belonging to the file before it."""
+    run = make_run(tmp_path, {"onnx-fp32": {"bytes": 100}, "onnx-int8-static": {"bytes": 50}})
+    entries = RunDir(run).manifest()["artifacts"]
+    report = run / "report" / "report.json"
+    report.parent.mkdir()
+    rows = measured(run, **{"onnx-fp32": 100, "onnx-int8-static": 50})
+    for row in rows:
+        row["sha256"] = entries[row["name"]]["sha256"]
+    report.write_text(json.dumps({"recommended": "onnx-int8-static", "variants": rows}))
+    assert choose(ServeSettings(run=run)).variant == "onnx-int8-static"
+
+    rows[1]["sha256"] = "0" * 64  # the file it measured, before the one listed now
+    report.write_text(json.dumps({"recommended": "onnx-int8-static", "variants": rows}))
+    with pytest.raises(RunError, match="recommends onnx-int8-static, made again after it was"):
+        choose(ServeSettings(run=run))
+
+
 def test_a_report_older_than_the_manifest_says_what_changed_and_how_to_serve(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

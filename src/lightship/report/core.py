@@ -222,6 +222,9 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "name": c.name,
                 "file": c.entry["file"],
                 "bytes": c.path.stat().st_size,
+                # the file measured (`candidates` checked it against its entry): `serve` tells
+                # a file made again since, even to the same size, by it
+                "sha256": c.entry.get("sha256"),
                 "accuracy": acc,
                 "delta_vs_fp32": acc - ref_acc,
                 # answers unlike eager fp32's: a net +1 image can hide 3 changed (entropy

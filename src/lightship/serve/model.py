@@ -103,7 +103,8 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
         recommended = report.get("recommended")
         if "variants" not in report:  # `{}`: not "older than" every variant, as it was called
             raise ValueError("it lists no measured variants")
-        measured = {(str(v["file"]), v["bytes"]) for v in report["variants"]}
+        # a report older than its sha256 (None) tells a file by its name and size alone
+        measured = {(str(v["file"]), v["bytes"], v.get("sha256")) for v in report["variants"]}
         left_out = report.get("not_measured")  # why each listed variant was not measured
         left_out = left_out if isinstance(left_out, dict) else {}
         left_as = report.get("not_measured_files")  # their files' sha256 as left out
@@ -120,13 +121,18 @@ def recommended_variant(run: RunDir, artifacts: dict[str, Any]) -> str:
     if report != f"`{cli}`" and not make_elsewhere():
         report += f" (or `{cli}`)"
     fix = f"re-run {report}, or serve without it: --variant {DEFAULT_VARIANT}"
-    # Recorded after the report: no variant it measured had their file and size. (A file that
-    # differs from its manifest entry is for `verify` to say.)
+    # Recorded after the report: no variant it measured had their file, size and sha256 (a
+    # file made again to the same size was taken for the one measured). (A file that differs
+    # from its manifest entry is for `verify` to say.)
     unmeasured = [  # (a listed file that is gone cannot be measured, nor served)
         name
         for name, entry in artifacts.items()
         if "bytes" in entry
-        and (str(entry.get("file")), entry["bytes"]) not in measured
+        and not {
+            (str(entry.get("file")), entry["bytes"], entry.get("sha256")),
+            (str(entry.get("file")), entry["bytes"], None),
+        }
+        & measured
         and (run.root / str(entry.get("file"))).is_file()
     ]
     # Left out by the report (its file gone, changed, or unloadable), and its file as it was
