@@ -314,6 +314,26 @@ def test_qat_without_best_ckpt_says_how_to_get_it_back(exported_run: Path, tmp_p
     no_leftovers(run)
 
 
+def test_qat_of_a_damaged_best_ckpt_is_said_before_the_other_methods(
+    exported_run: Path, tmp_path: Path
+) -> None:
+    """A best.ckpt cut short was found by QAT after the other methods: a warning, and exit 0,
+    which `make quantize` took for done and went on to the report."""
+    run = tmp_path / "cut"
+    shutil.copytree(exported_run, run)
+    ckpt = run / "best.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    proc = run_cli("quantize", "--run", str(run), "--methods", "dynamic,qat")
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {ckpt} differs from its manifest entry (sha256): it is not the checkpoint "
+        f"`lightship train` wrote for this run; train it again (`make train RESUME=1 RUN={run}`"
+        "), or export the run that made it, or quantize without QAT: --methods dynamic"
+    )
+    assert not (run / "quantize").exists() or not list((run / "quantize").iterdir())
+    no_leftovers(run)
+
+
 def test_qat_of_a_model_this_shell_cannot_import_is_said_before_the_other_methods(
     exported_run: Path, tmp_path: Path
 ) -> None:

@@ -340,10 +340,12 @@ def _import_qat() -> Callable[..., dict[str, Any]]:
 
 def _check_qat_can_load(run: RunDir, checkpoint: dict[str, Any]) -> None:
     """QAT builds best.ckpt's model in torch: a user model whose module this process cannot
-    import (run without its PYTHONPATH) is said now, not after static and dynamic."""
+    import (run without its PYTHONPATH), or a best.ckpt that is not the one trained (cut
+    short, replaced), is said now, not as a warning after static and dynamic, exit 0."""
     from lightship.models import resolve  # torch: QAT imports it anyway
 
     ckpt = run.require_checkpoint()
+    run.check_checkpoint(checkpoint)
     spec = checkpoint.get("model") or {}
     if isinstance(spec, dict) and ":" in str(spec.get("name", "")):
         try:
