@@ -104,6 +104,7 @@ def test_static_and_dynamic_variants_are_recorded(quantized: Path) -> None:
     assert convs and all(weights[n.input[1]] == onnx.TensorProto.UINT8 for n in convs)
     # and the manifest says so (it said the target's static scheme: QInt8 on VNNI)
     assert (dyn["scheme"]["weight_type"], dyn["scheme"]["activation_type"]) == ("QUInt8", "QUInt8")
+    assert dyn["scheme"]["why"].startswith("uint8 weights: ONNX Runtime's ConvInteger ran")
     assert not list((quantized / "quantize").glob(".*"))  # no temporary files left
     assert not list(quantized.glob(".quantize.*"))
 
@@ -230,9 +231,9 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     recorded = entries(quantized)
     for v in r["variants"][3:]:  # what quantize recorded (and gated) is what the report shows
         assert v["accuracy"] == recorded[v["name"]]["accuracy"], v["name"]
-    eager = r["variants"][0]
     for v in r["variants"][1:]:  # the file measured, which `serve` tells a remade one by
         assert v["sha256"] == recorded[v["name"]]["sha256"] == sha256_file(quantized / v["file"])
+    eager = r["variants"][0]
     assert eager["speedup_vs_eager"] == pytest.approx(1.0) and eager["delta_vs_fp32"] == 0.0
     n = r["test_images"]
     assert eager["answers_changed"] == 0

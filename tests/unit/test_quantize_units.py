@@ -496,6 +496,26 @@ def _dynamic_int8(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    ("target", "conv_heavy", "weights", "why"),
+    [
+        ("vnni", True, "QUInt8", "uint8 weights: ONNX Runtime's ConvInteger ran"),
+        ("avx2", False, "QUInt8", "uint8 weights: without VNNI"),
+        ("vnni", False, "QInt8", isa.SCHEMES["vnni"].why),  # the static scheme's, as it is
+    ],
+)
+def test_a_dynamic_models_scheme_says_why_its_weights_have_their_type(
+    tmp_path: Path, target: str, conv_heavy: bool, weights: str, why: str
+) -> None:
+    """The manifest's dynamic entry gave the static scheme's why ("full-range weights are
+    exact", of int8 ones) beside its uint8 weights."""
+    fp32 = _dynamic_int8(tmp_path / "m.onnx").with_suffix(".fp32.onnx")
+    scheme = isa.SCHEMES[target]
+    made = ptq.quantize_dynamic_onnx(fp32, tmp_path / "d.onnx", scheme, conv_heavy)
+    assert made == weights
+    assert ptq.dynamic_weights_why(scheme, conv_heavy).startswith(why)
+
+
 def test_accuracy_of_a_dynamic_int8_model_is_the_same_on_any_core_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

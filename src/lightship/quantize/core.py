@@ -817,18 +817,23 @@ class Quantizer:
         final = self.run.quantize_dir / FILENAMES["dynamic"]
         flops = ptq.flop_share(self.pre)
         suits = flops["matmul"] >= 0.5
+        conv_heavy = flops["conv"] > 0.5
         with then_held() as then, atomic_path(final) as tmp, made_here("dynamic", tmp):
-            weights = ptq.quantize_dynamic_onnx(
-                self.pre, tmp, self.scheme, conv_heavy=flops["conv"] > 0.5
-            )
+            weights = ptq.quantize_dynamic_onnx(self.pre, tmp, self.scheme, conv_heavy=conv_heavy)
             ptq.copy_metadata(self.fp32, tmp, self._meta("dynamic"))
             acc, _ = _accuracy(tmp, self.splits.test_x, self.splits.test_y)
             made = self._entry(tmp, final, "dynamic", acc)
             entry = {
                 **made,
                 # what the file holds: uint8 weights for a conv net on every target, and
-                # activations quantized to uint8 as it runs (DynamicQuantizeLinear)
-                "scheme": {**made["scheme"], "weight_type": weights, "activation_type": "QUInt8"},
+                # activations quantized to uint8 as it runs (DynamicQuantizeLinear); and why
+                # (it said the static scheme's why of int8 weights beside uint8 ones)
+                "scheme": {
+                    **made["scheme"],
+                    "weight_type": weights,
+                    "activation_type": "QUInt8",
+                    "why": ptq.dynamic_weights_why(self.scheme, conv_heavy),
+                },
                 "flop_share": flops,
                 "int8_ops": int8_share(tmp),
                 "recommendable": suits,
