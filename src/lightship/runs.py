@@ -989,6 +989,11 @@ class RunDir:
     def manifest(self) -> dict[str, Any]:
         path = self.manifest_path
         if not path.exists():
+            if path.is_symlink():  # not "no manifest": its fix, training again, lost the run
+                raise RunError(
+                    f"{path} is a symbolic link to {os.readlink(path)}, which cannot be read "
+                    "(gone, or a loop): put the run's manifest.json back in its place"
+                )
             return {"schema": MANIFEST_SCHEMA, "artifacts": {}}
         try:
             data = json.loads(path.read_text())

@@ -360,6 +360,25 @@ def test_malformed_manifest_is_a_run_error(tmp_path: Path, text: str) -> None:
         run.manifest()
 
 
+@pytest.mark.parametrize("target", ["manifest.json", "../elsewhere/manifest.json"])
+def test_a_manifest_link_that_leads_nowhere_is_no_missing_manifest(
+    tmp_path: Path, target: str
+) -> None:
+    """Taken for no manifest, a link to itself or to a file gone had every stage say to train
+    again, which made a new manifest and deleted the run's exports and report."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.manifest_path.symlink_to(target)
+    for call in (run.manifest, lambda: run.record("onnx-fp32", {"file": "export/model.onnx"})):
+        with pytest.raises(RunError) as err:
+            call()
+        assert str(err.value) == (
+            f"{run.manifest_path} is a symbolic link to {target}, which cannot be read (gone, "
+            "or a loop): put the run's manifest.json back in its place"
+        )
+    assert run.manifest_path.is_symlink()  # left as it was
+
+
 def test_check_writable_makes_missing_folders(tmp_path: Path) -> None:
     out = tmp_path / "a" / "b" / "out.json"
     check_writable(out)
