@@ -1040,6 +1040,29 @@ class RunDir:
         entry = self.manifest()["artifacts"].get(key)
         return dict(entry) if entry is not None else None
 
+    def made_elsewhere(self, key: str, artifacts: dict[str, Any] | None = None) -> str | None:
+        """What `key`'s entry says its file was made from where that is not this run's model
+        (an entry copied in from another run with its file; export and train drop the ones
+        they outdate): an export of another checkpoint than best.ckpt's, an int8 model
+        quantized from another model.onnx. None where it is this run's, or does not say."""
+        artifacts = self.manifest()["artifacts"] if artifacts is None else artifacts
+        entry = artifacts.get(key)
+        if not isinstance(entry, dict):
+            return None
+        for field, parent, what in (
+            (
+                "source_checkpoint_sha256",
+                "checkpoint",
+                "another checkpoint than the run's best.ckpt",
+            ),
+            ("source_sha256", "onnx-fp32", "another model.onnx than the run's"),
+        ):
+            made_from = entry.get(field)
+            recorded = (artifacts.get(parent) or {}).get("sha256")
+            if made_from and recorded and made_from != recorded:
+                return f"made from {what} (its {field} is not {parent}'s sha256)"
+        return None
+
     def file_sha256(self, key: str) -> str | None:
         """The sha256 of the file the manifest lists for `key` as it is now (not as recorded);
         None where it lists none, or that is not a file."""

@@ -479,6 +479,29 @@ def test_a_model_of_another_shape_recorded_in_the_run_is_left_out_of_the_report(
     assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text
 
 
+def test_a_model_of_another_run_of_the_same_shape_is_left_out_of_the_report(
+    run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another run's model.onnx of the same input, copied in with its manifest entry: measured
+    as this run's ONNX fp32 (0.90 against 0.99, FAIL), and the baseline of every x ONNX fp32.
+    Its entry says it was exported from another checkpoint."""
+    rd = RunDir(run)
+    entry = rd.artifact("onnx-fp32")
+    assert entry is not None and entry["source_checkpoint_sha256"]
+    rd.record("onnx-fp32", {**entry, "source_checkpoint_sha256": "b" * 64})
+
+    left_out: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING):
+        found = candidates(rd, threads=1, left_out=left_out)
+
+    assert [c.name for c in found] == ["eager", "torchscript"]
+    assert left_out == {
+        "onnx-fp32": "export/model.onnx was made from another checkpoint than the run's "
+        "best.ckpt (its source_checkpoint_sha256 is not checkpoint's sha256); "
+        f"`make export RUN={run} EXPORT_ARGS='--formats onnx'` makes it again"
+    }
+
+
 def test_a_report_that_fails_before_measuring_leaves_no_empty_folder(
     run: Path, tmp_path: Path
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from lightship.errors import RunError
 from lightship.quantize.isa import CpuInfo
-from lightship.runs import RunDir
+from lightship.runs import RunDir, sha256_file
 from lightship.serve.model import choose, verify
 from lightship.serve.settings import ServeSettings
 from tests.handmade import handmade_onnx
@@ -238,3 +238,36 @@ def test_a_model_replaced_while_it_loads_is_not_served(
         f"{run}/export/model.onnx differs from its manifest entry (sha256): it was replaced "
         "while it loaded; start the server again"
     )
+
+
+def test_a_variant_made_from_another_runs_model_is_not_served(tmp_path: Path) -> None:
+    """Another run's model.onnx of the same input, copied in with its manifest entry, passed
+    every check (the sha256 is its entry's, the shape the run's) and was served as this run's.
+    Its entry says what it was made from, which is not this run's best.ckpt."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "quantize").mkdir()
+    model = handmade_onnx(run / "export" / "model.onnx")
+    rd = RunDir(run)
+    rd.record("checkpoint", {"file": "best.ckpt", "sha256": "a" * 64})
+    entry = {"file": "export/model.onnx", "sha256": sha256_file(model), "format": "onnx"}
+    rd.record("onnx-fp32", {**entry, "source_checkpoint_sha256": "a" * 64})
+    verify(choose(ServeSettings(run=run, variant="onnx-fp32")))  # this run's: served
+    int8 = handmade_onnx(run / "quantize" / "model.int8-static.onnx", bias=1.0)
+    rd.record(
+        "onnx-int8-static",
+        {"file": "quantize/model.int8-static.onnx", "sha256": sha256_file(int8),
+         "source_sha256": "c" * 64},
+    )  # fmt: skip
+    rd.record("onnx-fp32", {**entry, "source_checkpoint_sha256": "b" * 64})
+    for variant, made_from in (
+        ("onnx-fp32", "another checkpoint than the run's best.ckpt (its source_checkpoint_sha256 "
+         "is not checkpoint's sha256)"),
+        ("onnx-int8-static", "another model.onnx than the run's (its source_sha256 is not "
+         "onnx-fp32's sha256)"),
+    ):  # fmt: skip
+        with pytest.raises(RunError) as err:
+            verify(choose(ServeSettings(run=run, variant=variant)))
+        assert str(err.value).startswith(
+            f"{variant} is not this run's model: it was made from {made_from}; "
+        ), str(err.value)

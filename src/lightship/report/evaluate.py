@@ -91,6 +91,11 @@ def candidates(
             why = f"{changed} after `lightship` wrote it; {run.remake_command(name)} makes it again"
             _leave_out(left_out, name, why)
             continue
+        elsewhere = run.made_elsewhere(MANIFEST_KEY.get(name, name), artifacts)
+        if elsewhere is not None:  # another run's model of the same input: its figures lie
+            why = f"{run.relative(path)} was {elsewhere}; {run.remake_command(name)} makes it again"
+            _leave_out(left_out, name, why)
+            continue
         try:
             # an int8 model made for another CPU: the report says it, by the entry's target
             predictor = load_predictor(path, threads=threads, isa_check=False)

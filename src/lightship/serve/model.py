@@ -348,6 +348,8 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
         variant = variant_of(model.path.resolve()) if model.variant == "file" else model.variant
         remake = RunDir(root).remake_hint(variant) if root else "re-run the stage that wrote it"
         check_recorded(model.path, entry, f"it changed after it was recorded; {remake}")
+        if root is not None and (elsewhere := RunDir(root).made_elsewhere(variant)) is not None:
+            raise RunError(f"{what} is not this run's model: it was {elsewhere}; {remake}")
         made_for = entry.get("target")
         gemm = entry.get("gemm_convs")
         if root is not None:
