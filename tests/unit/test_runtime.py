@@ -819,3 +819,21 @@ def test_qats_own_checkpoint_is_named_with_what_to_load_instead(tmp_path: Path) 
         f"not a trained model: load what QAT made, {path.parent / 'model.int8-qat.onnx'}, or "
         "the run's best.ckpt"
     )
+
+
+def test_a_runtimes_long_line_is_cut_at_a_word_and_marked() -> None:
+    """torch's 300-character error was cut mid-sentence at 200 ("...your checkpoint file is"),
+    read as the whole of it."""
+    from lightship.runtime.base import LoadError
+
+    words = "PytorchStreamReader failed reading zip archive: failed finding central directory "
+    err = LoadError(Path("m.ts"), "TorchScript", "torch", RuntimeError(words * 5), "re-export")
+    reason = err.reason()
+    assert len(reason) <= 200 and reason.endswith("…") and reason[:-1] == reason[:-1].rstrip()
+    assert (words * 5).startswith(reason[:-1] + " ")  # whole words, then the mark
+    short = LoadError(Path("m.ts"), "TorchScript", "torch", RuntimeError("bad file"), "fix")
+    assert short.reason() == "bad file"
+    assert (
+        str(short.with_fix("re-run it"))
+        == "cannot load TorchScript model m.ts (bad file): re-run it"
+    )

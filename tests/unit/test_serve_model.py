@@ -271,3 +271,18 @@ def test_a_variant_made_from_another_runs_model_is_not_served(tmp_path: Path) ->
         assert str(err.value).startswith(
             f"{variant} is not this run's model: it was made from {made_from}; "
         ), str(err.value)
+
+
+def test_a_run_model_onnxruntime_cannot_load_names_the_runs_command(tmp_path: Path) -> None:
+    """Its fix was the runtime's, which knows no run: "make it again (`lightship export`, or
+    `lightship quantize` for an int8 model)", with no --run and no format."""
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "best.ckpt").write_bytes(b"weights")
+    (run / "export" / "model.onnx").write_bytes(b"\x08\x01garbage" * 300)
+    RunDir(run).record("onnx-fp32", {"file": "export/model.onnx", "format": "onnx"})
+    with pytest.raises(RunError) as err:
+        choose(ServeSettings(run=run, variant="onnx-fp32")).load()
+    message = str(err.value)
+    assert message.startswith(f"cannot load ONNX model {run}/export/model.onnx (")
+    assert message.endswith(f"): re-run `lightship export --run {run} --formats onnx`")

@@ -86,16 +86,30 @@ class LoadError(RunError):
 
     def __init__(self, path: Path, kind: str, runtime: str, exc: Exception, fix: str) -> None:
         self.runtime = runtime
+        self.path, self.kind = path, kind
         self._line = first_line(exc, limit=1000) or type(exc).__name__
         super().__init__(f"cannot load {kind} model {path} ({self.reason()}): {fix}")
 
+    def with_fix(self, fix: str) -> LoadError:
+        """The same error with the fix of a caller that knows more (the run and variant)."""
+        again = LoadError.__new__(LoadError)
+        again.__dict__.update(self.__dict__)
+        RunError.__init__(
+            again, f"cannot load {self.kind} model {self.path} ({self.reason()}): {fix}"
+        )
+        return again
+
     def reason(self, names: dict[str, str] | None = None) -> str:
         """The runtime's first line, each key of `names` (a temporary path) replaced by its
-        value before it is cut to 200 characters, which a long path would otherwise fill."""
+        value before it is cut to 200 characters, which a long path would otherwise fill: at
+        a word, marked (torch's "...your checkpoint file is" read as the whole of it)."""
         line = self._line
         for old, new in (names or {}).items():
             line = line.replace(old, new)
-        return line[:200]
+        if len(line) <= 200:
+            return line
+        cut = line[:199]
+        return (cut.rsplit(" ", 1)[0] if " " in cut[100:] else cut) + "…"
 
 
 class InputError(ValueError):

@@ -29,6 +29,7 @@ from lightship.runs import (
     variant_of,
 )
 from lightship.runtime import Predictor, load_predictor
+from lightship.runtime.base import LoadError
 from lightship.runtime.ort import TARGET, file_metadata
 from lightship.serve.settings import MODEL_NAME, ServeSettings
 
@@ -65,9 +66,16 @@ class ServedModel:
         self, device: str = "cpu", threads: int | None = None, split: bool = True
     ) -> Predictor:
         # `verify` checked the CPU it was quantized for, by the --isa-check policy
-        predictor = load_predictor(
-            self.path, device=device, threads=threads, split=split, isa_check=False
-        )
+        try:
+            predictor = load_predictor(
+                self.path, device=device, threads=threads, split=split, isa_check=False
+            )
+        except LoadError as exc:  # its fix knows no run: "make it again (`lightship export`"
+            root = enclosing_run(self.path) if self.entry is not None else None
+            if root is None:
+                raise
+            variant = variant_of(self.path.resolve()) if self.variant == "file" else self.variant
+            raise exc.with_fix(RunDir(root).remake_hint(variant)) from None
         log.info(
             "loaded %s (%s) from %s on %s%s",
             self.name,
