@@ -1149,21 +1149,24 @@ class RunDir:
 
     def _remove(self, *patterns: str) -> None:
         """Delete the files matching each run-relative pattern, and the folders that leaves
-        empty (export/, quantize/, report/ after a retrain); never outside the run, never a
-        folder holding anything."""
+        empty (export/, quantize/, report/ after a retrain); never outside the run (a folder
+        linked in from elsewhere), never a folder holding anything. A link in the run is
+        deleted, not what it points at: left, it stood unlisted where its stage writes, said
+        to be deleted, and `make`, which sees files, took the stage for done."""
         root = self.root.resolve()
         for pattern in patterns:
             if not pattern or Path(pattern).is_absolute():
                 continue
             for path in sorted(self.root.glob(pattern)):
-                real = path.resolve()
-                if path.is_file() and root in real.parents:
+                folder = path.parent.resolve()
+                inside = folder == root or root in folder.parents
+                if inside and (path.is_symlink() or path.is_file()) and not path.is_dir():
                     path.unlink(missing_ok=True)
-                    for folder in real.parents:
-                        if folder == root:
+                    for parent in (folder, *folder.parents):
+                        if parent == root:
                             break
                         try:
-                            folder.rmdir()  # refused unless empty
+                            parent.rmdir()  # refused unless empty
                         except OSError:
                             break
 

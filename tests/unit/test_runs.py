@@ -623,8 +623,7 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
         "config.yaml",
         "export/notes.txt",
         "manifest.json",
-        "model.int8-static.onnx",  # the link stays: what it points at is not the run's
-    ]
+    ]  # the link went, not what it points at: left, it stood unlisted where quantize writes
     # the folders it emptied go, not export/ with the user's file in it, nor empty logs/
     assert sorted(p.name for p in run.root.iterdir() if p.is_dir()) == [
         "checkpoints",
@@ -633,6 +632,20 @@ def test_discard_derived_leaves_only_the_checkpoint_on_disk_and_listed(tmp_path:
     ]
     assert outside.is_file()  # never a file outside the run
     assert run.discard_derived() == []  # nothing left to discard
+
+
+def test_discard_never_deletes_in_a_folder_linked_in_from_outside(tmp_path: Path) -> None:
+    """A file inside the run's tree through a linked folder is another's: left, with the link."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "model.int8-static.onnx").write_text("someone's")
+    run = RunDir(tmp_path / "r")
+    run.root.mkdir()
+    (run.root / "quantize").symlink_to(shared, target_is_directory=True)
+    run.record("onnx-int8-static", {"file": "quantize/model.int8-static.onnx"})
+    assert run.discard_derived() == ["onnx-int8-static"]
+    assert (shared / "model.int8-static.onnx").read_text() == "someone's"
+    assert (run.root / "quantize").is_symlink()
 
 
 def test_a_checkpoint_that_cannot_be_written_raises_the_os_error(tmp_path: Path) -> None:
