@@ -1142,3 +1142,15 @@ def test_training_says_what_it_reads_and_its_smallest_classes(
         f"data folder {tmp_path / 'imgs'}: 23 images, 3 classes: train 15, val 4, test 4 "
         "(fewest: 'emu' 3, 'cat' 10, 'dog' 10)"
     ]
+
+
+@pytest.mark.parametrize("acc", [-1.0, 1.5, float("nan")])
+def test_a_recorded_accuracy_no_training_writes_is_a_malformed_manifest(acc: float) -> None:
+    """An edited test_acc of -1 (or NaN) was said to be changed data: "put the data back"."""
+    from lightship.data.sources import check_as_trained
+    from lightship.errors import RunError
+
+    y = np.zeros(10, np.int64)
+    with pytest.raises(RunError, match=r"^the manifest's checkpoint entry is malformed: it "):
+        check_as_trained({"test_samples": 10, "test_acc": acc}, y, 1.0, "best.ckpt")
+    check_as_trained({"test_samples": 10, "test_acc": 1.0}, y, 1.0, "best.ckpt")  # as trained

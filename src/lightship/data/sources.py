@@ -22,7 +22,7 @@ from PIL import Image
 
 from lightship.config import set_arg
 from lightship.data import images
-from lightship.errors import DataError
+from lightship.errors import DataError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -762,6 +762,12 @@ def check_as_trained(
     then_n, then_acc = entry.get("test_samples"), entry.get("test_acc")
     if not (isinstance(then_n, int) and isinstance(then_acc, float | int)):
         return  # an entry from before they were recorded
+    if not (0 <= then_acc <= 1 and then_n >= 0):  # NaN too: not "the data changed"
+        raise RunError(
+            f"the manifest's checkpoint entry is malformed: it records test_acc {then_acc!r} "
+            f"on {then_n} images, which training never writes: put manifest.json back as "
+            "lightship wrote it"
+        )
     n = len(test_y)
     if then_n == n and abs(accuracy - then_acc) * n <= max(1.0, 0.01 * n):
         return
