@@ -334,7 +334,10 @@ def check_writable(*paths: Path) -> None:
             raise RunError(f"{path} is a folder where a file goes: move it away and run again")
         blocker = next((p for p in path.parents if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
-            raise RunError(f"cannot write {path}: {blocker} is a file, not a folder")
+            raise RunError(
+                f"cannot write {path}: {blocker} is a file, not a folder: move it away and run "
+                "again"
+            )
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=path.parent):

@@ -385,7 +385,8 @@ def test_bench_train_checks_out_before_measuring(tmp_path: Path) -> None:
     proc = run_cli("bench", "train", "--steps", "1", "--out", str(out))
     assert proc.returncode == 4
     assert last_line(proc.stderr) == (
-        f"error: cannot write {out}: {out.parent} is a file, not a folder"
+        f"error: cannot write {out}: {out.parent} is a file, not a folder: move it away and "
+        "run again"
     )
     assert "float32" not in proc.stderr + proc.stdout  # no benchmark row was measured
 

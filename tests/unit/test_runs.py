@@ -393,7 +393,9 @@ def test_check_writable_refuses_a_folder_in_place_of_the_file(tmp_path: Path) ->
 
 def test_check_writable_names_a_file_in_the_way(tmp_path: Path) -> None:
     (tmp_path / "runs").write_text("")
-    with pytest.raises(RunError, match=r"runs is a file, not a folder$"):
+    with pytest.raises(
+        RunError, match=r"runs is a file, not a folder: move it away and run again$"
+    ):
         check_writable(tmp_path / "runs" / "r" / "manifest.json")
 
 
