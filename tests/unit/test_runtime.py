@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -642,6 +643,7 @@ def test_cuda_n_stays_on_gpu_n_when_tensorrt_cannot_load(
     monkeypatch.setattr(onnxruntime, "InferenceSession", TensorrtMissing)
     monkeypatch.setattr(TensorrtMissing, "asked", [])
     monkeypatch.delenv("LIGHTSHIP_TENSORRT", raising=False)
+    caplog.set_level(logging.INFO, "lightship")
     p = OrtPredictor(handmade_onnx(tmp_path / "m.onnx"), device="cuda:1")
     assert p.session.get_provider_options()["CUDAExecutionProvider"]["device_id"] == "1"
     assert TensorrtMissing.asked[-1] == [
@@ -651,6 +653,38 @@ def test_cuda_n_stays_on_gpu_n_when_tensorrt_cannot_load(
     assert "TensorRT could not be used" in caplog.text
     x = np.array([[[[1, 2], [3, 4]]]], np.uint8)
     np.testing.assert_array_equal(p.predict(x), expected_logits(x))
+    # a run failing in CUDA would rebuild the session on GPU 0, options dropped: it fails
+    assert p.session._enable_fallback is False
+    # what runs it is logged, not the setting only
+    assert (
+        f"{tmp_path / 'm.onnx'} runs on cuda:1 (CUDAExecutionProvider, CPUExecutionProvider)"
+        in (caplog.text)
+    )
+
+
+def test_tensorrt_engines_are_cached_by_the_models_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """onnxruntime names a cached engine by the graph's names and the versions, not its
+    weights: a model trained again was served with the engine of the one before."""
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: gpu)
+    monkeypatch.delenv("LIGHTSHIP_TENSORRT", raising=False)
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    first = handmade_onnx(tmp_path / "a" / "model.onnx", bias=1.0)
+    again = handmade_onnx(tmp_path / "b" / "model.onnx", bias=2.0)  # same names, other weights
+    twin = handmade_onnx(tmp_path / "c" / "model.onnx", bias=1.0)
+
+    cache = tmp_path / "cache" / "tensorrt"  # its parent too is made: onnxruntime makes one
+
+    def folder(model: Path) -> str:
+        options = providers_for("cuda", cache_dir=cache, model=model)[0][1]
+        return str(options["trt_engine_cache_path"])
+
+    assert folder(first) == f"{cache}/{hashlib.sha256(first.read_bytes()).hexdigest()[:32]}"
+    assert folder(again) != folder(first) and folder(twin) == folder(first)
+    assert Path(folder(first)).is_dir()
 
 
 # -- threads under a CPU quota -------------------------------------------------------------------

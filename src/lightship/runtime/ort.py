@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import mmap
@@ -231,27 +232,31 @@ def _load_error(path: Path, exc: Exception) -> LoadError:
     )
 
 
-def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
+def providers_for(
+    device: str, cache_dir: Path | None = None, model: Path | None = None
+) -> list[Any]:
     """TensorRT, then CUDA, then CPU on a GPU host, both on the GPU `device` names; CPU alone
-    otherwise."""
+    otherwise. TensorRT's engines are cached in a folder of `model`'s own (`engine_folder`)."""
     if device == "cpu":
         return ["CPUExecutionProvider"]
     available = ort.get_available_providers()
     gpu = device_index(device)
     chosen: list[Any] = []
     if "TensorrtExecutionProvider" in available and _tensorrt_wanted():
-        cache = str(
+        cache = Path(
             cache_dir
             or os.environ.get("LIGHTSHIP_TRT_CACHE", "").strip()
             or "/tmp/lightship-trt-cache"
         )  # empty or blank: the default, as for every LIGHTSHIP_ variable
+        if model is not None:
+            cache = engine_folder(cache, model)
         chosen.append(
             (
                 "TensorrtExecutionProvider",
                 {
                     "device_id": gpu,
                     "trt_engine_cache_enable": True,
-                    "trt_engine_cache_path": cache,
+                    "trt_engine_cache_path": str(cache),
                     "trt_fp16_enable": True,
                 },
             )
@@ -264,6 +269,27 @@ def providers_for(device: str, cache_dir: Path | None = None) -> list[Any]:
             "install onnxruntime-gpu or serve with --device cpu"
         )
     return [*chosen, "CPUExecutionProvider"]
+
+
+def engine_folder(cache: Path, model: Path) -> Path:
+    """The folder of `cache` that holds TensorRT's engines for `model`: named by the file's
+    sha256. onnxruntime names an engine by the graph's name, its input, initializer and node
+    names and the versions, never the weights: a model trained again (the same names, other
+    weights) was served with the engine of the one before, without a word, and so was
+    another run of the same architecture sharing the cache (a volume)."""
+    digest = hashlib.sha256()
+    with model.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    folder = cache / digest.hexdigest()[:32]
+    try:  # onnxruntime makes only the last folder of its cache path
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunError(
+            f"cannot make TensorRT's engine cache {folder} ({exc.strerror}): set "
+            "LIGHTSHIP_TRT_CACHE to a folder this user can write, or LIGHTSHIP_TENSORRT=0"
+        ) from None
+    return folder
 
 
 def _tensorrt_wanted() -> bool:
@@ -472,7 +498,7 @@ class OrtPredictor(Predictor):
         CPU. Nor does it keep the GPU asked for when TensorRT fails to load (its libraries
         missing): it retries on CUDA without the provider options, so on GPU 0; then the
         session is made again without TensorRT, on the GPU asked for."""
-        providers = providers_for(device)
+        providers = providers_for(device, model=self.path)
         session = self._open(threads, spinning, providers)
         wanted = {str(device_index(device))}
         if _gpu_ids(session) not in (set(), wanted):
@@ -489,6 +515,11 @@ class OrtPredictor(Predictor):
                 "(its log above says why): run the container with `--gpus all` and check the "
                 "NVIDIA driver and CUDA libraries (`nvidia-smi`), or serve with --device cpu"
             )
+        # A run that fails in TensorRT or CUDA (EP_FAIL) would rebuild the session on CUDA
+        # without its provider options, so on GPU 0 whatever `device` says, while other
+        # threads run it: such a run fails instead, and the batch's requests get their 500.
+        session.disable_fallback()
+        log.info("%s runs on %s (%s)", self.path, device, ", ".join(session.get_providers()))
         return session
 
     def _plan_lanes(self, threads: int, spinning: bool) -> None:
