@@ -281,3 +281,28 @@ def test_a_resume_keeps_the_metrics_its_checkpoints_and_patience_were_judged_on(
         return
     assert said is not None and said.startswith(f"cannot resume {run.root}: {refused}")
     assert said.endswith("or train afresh without --resume")
+
+
+def test_a_manifest_link_that_leads_nowhere_stops_training_before_it_begins(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """Found only when best.ckpt was recorded, after every epoch: by then the new training's
+    checkpoints had replaced the run's, and its best.ckpt was the old one."""
+    from tests.conftest import last_line, run_cli
+
+    run = tmp_path / "linked"
+    shutil.copytree(tiny_run, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    (run / "manifest.json").unlink()
+    (run / "manifest.json").symlink_to(tmp_path / "gone" / "manifest.json")
+    config = shutil.copy(run / "config.yaml", tmp_path / "again.yaml")  # a training again
+    proc = run_cli(
+        "train", "--run", str(run), "--config", str(config), "--set", "trainer.max_epochs=1"
+    )
+    assert proc.returncode == 4, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: {run / 'manifest.json'} is a symbolic link to {tmp_path / 'gone' / 'manifest.json'}, "
+        "which cannot be read (gone, or a loop): put the run's manifest.json back in its place"
+    )
+    assert "Epoch" not in proc.stdout + proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

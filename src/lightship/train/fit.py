@@ -1090,7 +1090,10 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if cfg.trainer.compile:
         lit.model.compile()
 
-    # Fail now, not after the last epoch, when an output cannot be written.
+    # Fail now, not after the last epoch, when an output cannot be written, or the manifest
+    # that records best.ckpt cannot be read (a link to a file gone: the epochs were trained,
+    # then refused, the run's checkpoints already replaced)
+    run.manifest()
     check_writable(
         run.config,
         run.manifest_path,
