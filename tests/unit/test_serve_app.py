@@ -25,6 +25,7 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -3597,20 +3598,21 @@ def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: 
 
 
 @pytest.mark.parametrize("third", ["whole", "body arriving"])
-def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(
+def test_a_request_read_during_the_drain_is_answered_and_closes_the_connection(
     tmp_path: Path, third: str
 ) -> None:
-    """At SIGTERM the request under way is answered with Connection: close; one pipelined
-    behind it is answered too, and one read after that is dropped with the close, as uvicorn
-    drops it: not counted 499, as if its client had left. With its body still arriving, the
-    close lingers (reads until the client closes), and was counted so."""
+    """At SIGTERM the request under way is marked to close its connection; one read behind it
+    during the drain takes the mark over, and is answered: it was read, then dropped with the
+    close (not counted 499: its client had not left). With its body still arriving, it is
+    answered 503 when the drain stops bodies, as any body still arriving is."""
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
     assert gate is not None
     gate.open.set()
     body = json.dumps(v2_json(X[:1])).encode()
 
     async def main() -> tuple[list[Any], str]:
-        async with raw_http(app) as (connect, counting, client):
+        # a drain of 7 s stops bodies still arriving 1 s after it begins (LINGER_S 5, 1 s kept)
+        async with raw_http(app, timeout_graceful_shutdown=7) as (connect, counting, client):
             held = await hold_inference(client, gate)
             reader, writer = await connect()
             writer.write(post(INFER, body) + post(INFER, body))
@@ -3626,18 +3628,62 @@ def test_a_request_dropped_by_the_drains_close_is_not_counted_as_left(
                     connection.shutdown()
             gate.open.set()
             await held
-            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(2)]
-            rest = await asyncio.wait_for(reader.read(), 5)
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
+            left = await asyncio.wait_for(reader.read(), 5)
             writer.close()
             await asyncio.sleep(0.1)
             got = [(status, headers.get("connection")) for status, headers, _ in answers]
-            return [*got, rest], (await client.get("/metrics")).text
+            return [*got, left], (await client.get("/metrics")).text
 
     answers, text = run(main())
-    assert answers == [(200, None), (200, "close"), b""]
+    last = (200, "close") if third == "whole" else (503, "close")
+    assert answers == [(200, None), (200, None), last, b""]
     infer = 'lightship_requests_total{route="/v2/models/{model_name}/infer",status='
-    assert metric(text, f'{infer}"200"}}') == 3  # the gate's and the first two
+    assert metric(text, f'{infer}"200"}}') == (4 if third == "whole" else 3)
     assert f'{infer}"499"}}' not in text
+
+
+def sigterm_here(counting: CountingApp) -> None:
+    """What `_Server.handle_exit` does to the connections at SIGTERM, on `over_http`'s."""
+    state = next(iter(counting.connections)).server_state
+    state.stopping = True
+    serve_app._Server._close_after_answers(SimpleNamespace(server_state=state))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("origin", [False, True], ids=["protocol", "asgi"])
+def test_a_request_pipelined_around_sigterm_is_answered_and_the_last_closes(
+    tmp_path: Path, after: bool, origin: bool
+) -> None:
+    """SIGTERM marks the request under way to close its connection. One pipelined behind it
+    after the signal was read, then lost when that answer closed the connection: the close
+    passes on to the last request read."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0, cors_origins="*")
+    assert gate is not None
+    gate.open.set()
+    extra = ("origin: http://a.example",) if origin else ()  # through ASGI (CORS)
+    request = post(INFER, json.dumps(v2_json(X[:1])).encode(), *extra)
+
+    async def main() -> list[tuple[int, str | None]]:
+        async with raw_http(app) as (connect, counting, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(request)
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            if after:
+                sigterm_here(counting)
+            writer.write(request)  # pipelined behind the queued one
+            await asyncio.sleep(0.05)
+            if not after:
+                sigterm_here(counting)
+            gate.open.set()
+            await held
+            answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(2)]
+            writer.close()
+            return [(status, headers.get("connection")) for status, headers, _ in answers]
+
+    assert run(main()) == [(200, None), (200, "close")]
 
 
 # 1.5 MB an answer: a few fill the socket's buffers of a client that reads slowly or not at all

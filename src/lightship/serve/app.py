@@ -1977,7 +1977,11 @@ class _Server(uvicorn.Server):
         for connection in self.server_state.connections:
             cycle = getattr(connection, "cycle", None)
             if cycle is not None and not cycle.response_complete:
-                cycle.keep_alive = False
+                mark = getattr(connection, "mark_closing", None)  # the server's own protocol
+                if mark is not None:
+                    mark(cycle)
+                else:
+                    cycle.keep_alive = False
 
     def stop_failed(self) -> None:
         """Stop serving a model that failed its warm-up: no request was taken (not ready)."""

@@ -572,6 +572,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # The server is stopping (`shutdown`): every request is answered with Connection:
         # close; an idle connection closes after DRAIN_IDLE_S with no request (`_drain_timer`)
         _draining = False
+        _stop_marked: Any = None  # the request the server marked to close with (`mark_closing`)
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
@@ -593,6 +594,27 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             super().connection_made(self._out)  # type: ignore[arg-type]
             self.flow = _HeldFlow(self._out, self)
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def mark_closing(self, cycle: Any) -> None:
+            """The server stops: `cycle`, the last request read, is answered with Connection:
+            close. Remembered as the server's mark, which `_close_with` passes on; a client's
+            own close is not the server's to take back."""
+            if cycle.keep_alive:
+                cycle.keep_alive = False
+                self._stop_marked = cycle
+
+        def _close_with(self, cycle: Any, previous: Any) -> None:
+            """A request read while the server stops: the close passes to it from `previous`
+            where the server marked that one and its answer has not begun. Left, a request
+            pipelined after SIGTERM behind the one the signal marked was read, then lost when
+            that one's answer closed the connection."""
+            if (
+                previous is not None
+                and previous is self._stop_marked
+                and not (previous.response_complete or getattr(previous, "response_started", 0))
+            ):
+                previous.keep_alive = True
+            self.mark_closing(cycle)
 
         @property
         def closing_answers(self) -> bool:
@@ -708,7 +730,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.loop.call_at(self._writes_end_at, self._stalled_if_unsent)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
-                cycle.keep_alive = False
+                self.mark_closing(cycle)
                 self._arm_body_stop()
             elif not (self._in_head and self._head_bytes):  # no head arriving: idle
                 self._drain_timer = self.loop.call_later(DRAIN_IDLE_S, self._drain_idle)
@@ -867,10 +889,11 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     )
                 if self._broken:
                     return
+            previous = self.cycle
             if routes is None or not self._answer_here(version):
                 HttpToolsProtocol.on_headers_complete(self)
-                if self.closing_answers and self.cycle is not None:  # answered, then closed
-                    self.cycle.keep_alive = False
+            if self.closing_answers and self.cycle not in (None, previous):
+                self._close_with(self.cycle, previous)  # answered, then closed
             if self._draining:  # a request read while the server stops: its body too
                 self._arm_body_stop()
 
@@ -985,9 +1008,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 head=routes.read_head(self.headers),
                 target=target,
                 version=version,
-                keep_alive=(
-                    version != "1.0" and parser.should_keep_alive() and not self.closing_answers
-                ),
+                keep_alive=version != "1.0" and parser.should_keep_alive(),  # `_close_with`
                 expect_100=self.expect_100_continue,
                 client=client,
             )
