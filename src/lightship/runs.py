@@ -1064,6 +1064,14 @@ class RunDir:
             recorded = (artifacts.get(parent) or {}).get("sha256")
             if made_from and recorded and made_from != recorded:
                 return f"made from {what} (its {field} is not {parent}'s sha256)"
+            # made from this run's model.onnx as listed, which is another run's: both came in
+            if (
+                made_from
+                and recorded
+                and parent != "checkpoint"
+                and (parents := self.made_elsewhere(parent, artifacts)) is not None
+            ):
+                return f"made from {parent}, which was {parents}"
         return None
 
     def file_sha256(self, key: str) -> str | None:

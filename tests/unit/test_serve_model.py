@@ -271,6 +271,24 @@ def test_a_variant_made_from_another_runs_model_is_not_served(tmp_path: Path) ->
         assert str(err.value).startswith(
             f"{variant} is not this run's model: it was made from {made_from}; "
         ), str(err.value)
+    # both copied in: the int8 model was made from the model.onnx listed, another run's
+    entries = rd.manifest()["artifacts"]
+    rd.record("onnx-int8-static", {**entries["onnx-int8-static"], "source_sha256": entry["sha256"]})
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=run, variant="onnx-int8-static")))
+    assert str(err.value).startswith(
+        "onnx-int8-static is not this run's model: it was made from onnx-fp32, which was made "
+        "from another checkpoint than the run's best.ckpt"
+    ), str(err.value)
+    # served as a lone file of the run, it is said by its path, not as "file"
+    with pytest.raises(RunError) as err:
+        verify(choose(ServeSettings(run=int8)))
+    assert str(err.value).startswith(f"{int8} is not this run's model: "), str(err.value)
+    # nor does a manifest.json link that leads nowhere let the lone file go unchecked
+    (run / "manifest.json").unlink()
+    (run / "manifest.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(RunError, match="manifest.json is a symbolic link to .*gone.json"):
+        choose(ServeSettings(run=int8))
 
 
 def test_a_run_model_onnxruntime_cannot_load_names_the_runs_command(tmp_path: Path) -> None:

@@ -207,7 +207,8 @@ def _manifest_entry_for(path: Path) -> dict[str, Any] | None:
     on it, with the fix to delete it."""
     resolved = path.resolve()
     for root in (resolved.parent, resolved.parent.parent):
-        if not (root / "manifest.json").is_file():
+        listed = root / "manifest.json"
+        if not (listed.is_file() or listed.is_symlink()):  # a link to nowhere: the run's, said
             continue
         run = RunDir(root)
         try:
@@ -357,7 +358,8 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
         remake = RunDir(root).remake_hint(variant) if root else "re-run the stage that wrote it"
         check_recorded(model.path, entry, f"it changed after it was recorded; {remake}")
         if root is not None and (elsewhere := RunDir(root).made_elsewhere(variant)) is not None:
-            raise RunError(f"{what} is not this run's model: it was {elsewhere}; {remake}")
+            said = model.path if model.variant == "file" else what  # not "file is not ..."
+            raise RunError(f"{said} is not this run's model: it was {elsewhere}; {remake}")
         made_for = entry.get("target")
         gemm = entry.get("gemm_convs")
         if root is not None:
