@@ -2049,8 +2049,14 @@ def test_gzip_members_are_read_in_pieces_and_counted() -> None:
     assert str(refused.value) == (
         f"body has more than {serve_app.MAX_GZIP_MEMBERS} gzip members: compress it as one stream"
     )
+    # a larger body limit takes bgzip's members for it (one every 65,280 bytes of data)
+    assert serve_app._decode_content(body + empty, "gzip", 2**30) == b"".join(parts)
     with pytest.raises(serve_app.ProtocolError, match="^body is gzip data cut short"):
         serve_app._decode_content(body[:-30], "gzip", limit)
+    # a gzip member whose data is damaged is said so, not "bytes that are not a member"
+    damaged = gzip.compress(b"ok", mtime=0) + gzip.compress(b"x" * 100, mtime=0)[:-8] + b"\0" * 8
+    with pytest.raises(serve_app.ProtocolError, match=r"^member 2 of the body is not valid gzip"):
+        serve_app._decode_content(damaged, "gzip", limit)
 
 
 def test_gzip_bodies_are_decoded_whole_or_refused(tmp_path: Path, via: str) -> None:

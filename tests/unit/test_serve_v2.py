@@ -370,7 +370,11 @@ def test_v1_instances_and_predictions() -> None:
         # {} is a JSON object: it said "body must be a JSON object {"instances": ...}"
         (b'{"images": []}', re.escape('the body has no "instances": send {"instances": [image')),
         (b"{}", '^the body has no "instances"'),
-        (b"[[1, 2], [3, 4]]", re.escape('the body is a JSON list: send {"instances": [image')),
+        (b"[[1, 2], [3, 4]]", re.escape('the body is a JSON array: send {"instances": [image')),
+        (b"null", re.escape('the body is a JSON null: send {"instances": [image')),
+        (b"true", "^the body is a JSON boolean: "),
+        (b'"x"', "^the body is a JSON string: "),
+        (b"7", "^the body is a JSON number: "),
         (b'{"instances": []}', "empty batch"),
         (b'{"instances": [[[1, 2], [3]]]}', "ragged"),
         (b'{"instances": [[["a", "b"], ["c", "d"]]]}', "numbers"),

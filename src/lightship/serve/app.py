@@ -666,9 +666,15 @@ class BodyLimit:
 # (`unused_data`), and a body of many members fed whole was copied once a member: 4 MiB of
 # empty 20-byte members took 27 s of a core. In pieces each copy is at most a piece.
 INFLATE_PIECE = 16 * 1024
-# gzip members one body may hold: more than any compressor writes (bgzip, which starts one
-# every 64 KiB of data, writes 256 for a 16 MiB body), few enough that their setup is cheap.
+# gzip members one body may hold, at the least: more than any compressor writes (bgzip, which
+# starts one every 65,280 bytes of data, writes 257 for a 16 MiB body), few enough that their
+# setup is cheap; a larger body limit allows bgzip's count for it (`_most_members`).
 MAX_GZIP_MEMBERS = 1024
+BGZIP_BLOCK = 65_280
+
+
+def _most_members(limit: int) -> int:
+    return max(MAX_GZIP_MEMBERS, limit // BGZIP_BLOCK + 2)
 
 
 def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
@@ -698,12 +704,13 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
         try:
             inflated = d.decompress(piece, limit + 1 - size)
         except zlib.error as exc:
-            if members > 1:  # the members before ended well: what follows is no member
+            if members > 1 and body[start : start + 2] != b"\x1f\x8b":  # no gzip header
                 raise ProtocolError(
                     f"body has {len(body) - start} bytes after its gzip data that are not a "
                     "gzip member: send the compressed stream alone"
                 ) from None
-            raise ProtocolError(f"body is not valid {encoding} data ({exc})") from None
+            which = f"member {members} of the " if members > 1 else ""
+            raise ProtocolError(f"{which}body is not valid {encoding} data ({exc})") from None
         out.append(inflated)
         size += len(inflated)
         if size > limit or d.unconsumed_tail:
@@ -718,9 +725,9 @@ def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
         if encoding == "deflate":
             raise ProtocolError(f"body has {len(body) - pos} bytes after its deflate data")
         members += 1
-        if members > MAX_GZIP_MEMBERS:
+        if members > (most := _most_members(limit)):
             raise ProtocolError(
-                f"body has more than {MAX_GZIP_MEMBERS} gzip members: compress it as one stream"
+                f"body has more than {most} gzip members: compress it as one stream"
             )
         start = pos
         d = zlib.decompressobj(wbits=wbits)

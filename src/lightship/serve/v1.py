@@ -26,6 +26,17 @@ MAX_IMAGE_PIXELS = 40_000_000
 MAX_REQUEST_PIXELS = 100_000_000
 
 
+# JSON's names of what orjson reads a document as, by its exact type (a bool is no number)
+_JSON_KINDS: dict[type, str] = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+}
+
+
 def decode_instances(
     body: bytes, chw: tuple[int, int, int], default_top_k: int, max_rows: int | None = None
 ) -> tuple[np.ndarray, int]:
@@ -44,7 +55,7 @@ def decode_instances(
         what = (
             'the body has no "instances"'
             if isinstance(doc, dict)
-            else f"the body is a JSON {type(doc).__name__.replace('dict', 'object')}"
+            else f"the body is a JSON {_JSON_KINDS.get(type(doc), 'value')}"
         )
         raise ProtocolError(f'{what}: send {{"instances": [image, ...]}}{v2_hint}')
     instances = doc["instances"]
