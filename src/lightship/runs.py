@@ -979,14 +979,15 @@ class RunDir:
             raise RunError(f"no best.ckpt in {self.root}: run {self.train_command()} first")
         return self.best_ckpt
 
-    def check_checkpoint(self, recorded: dict[str, Any]) -> str:
+    def check_checkpoint(self, recorded: dict[str, Any], stage: str = "export") -> str:
         """best.ckpt's sha256, where it is the file its manifest entry `recorded` says; else a
-        RunError that says how to get it back (a truncated or replaced checkpoint)."""
+        RunError that says how to get it back (a truncated or replaced checkpoint), or to run
+        `stage` on the run that made it."""
         return check_recorded(
             self.best_ckpt,
             recorded,
             "it is not the checkpoint `lightship train` wrote for this run; train it again "
-            f"({self.train_command()}), or export the run that made it",
+            f"({self.train_command()}), or {stage} the run that made it",
         )
 
     def manifest(self) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def test_a_swapped_checkpoint_stops_qat_before_any_method(
     differs = (
         f"error: {run / 'best.ckpt'} differs from its manifest entry (sha256): it is not the "
         f"checkpoint `lightship train` wrote for this run; train it again (`make train "
-        f"RESUME=1 RUN={run}`), or export the run that made it"
+        f"RESUME=1 RUN={run}`), or quantize the run that made it"
     )
     proc = run_cli("quantize", "--run", str(run), "--methods", "qat")
     assert proc.returncode == 4, proc.stderr
@@ -183,7 +183,7 @@ def test_qat_refuses_a_checkpoint_the_export_was_not_made_from(
         assert last_line(proc.stderr) == (
             f"error: {run / 'best.ckpt'} differs from its manifest entry (sha256): it is not "
             "the checkpoint `lightship train` wrote for this run; train it again "
-            f"(`make train RESUME=1 RUN={run}`), or export the run that made it"
+            f"(`make train RESUME=1 RUN={run}`), or quantize the run that made it"
         )
     assert not (run / "quantize" / "model.int8-qat.onnx").exists()
 

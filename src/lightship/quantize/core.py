@@ -345,7 +345,7 @@ def _check_qat_can_load(run: RunDir, checkpoint: dict[str, Any]) -> None:
     from lightship.models import resolve  # torch: QAT imports it anyway
 
     ckpt = run.require_checkpoint()
-    run.check_checkpoint(checkpoint)
+    run.check_checkpoint(checkpoint, stage="quantize")
     spec = checkpoint.get("model") or {}
     if isinstance(spec, dict) and ":" in str(spec.get("name", "")):
         try:
@@ -861,7 +861,7 @@ class Quantizer:
         # fine-tunes and is gated against, the Quantizer checked as it started.
         if recorded and self.run.best_ckpt.is_file():
             try:
-                self.run.check_checkpoint(recorded)
+                self.run.check_checkpoint(recorded, stage="quantize")
             except RunError as exc:
                 raise QuantizeError(str(exc)) from None
         # the model is measured before it is renamed into place (see `static`), together with
