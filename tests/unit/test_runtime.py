@@ -871,3 +871,58 @@ def test_a_runtimes_long_line_is_cut_at_a_word_and_marked() -> None:
         str(short.with_fix("re-run it"))
         == "cannot load TorchScript model m.ts (bad file): re-run it"
     )
+
+
+def test_a_pt2_program_is_moved_to_a_gpu_with_the_device_its_graph_asserts() -> None:
+    """`.module().to("cuda")` moved the weights only: the graph still asserted its input was on
+    the CPU it was exported on, and every batch on a GPU failed "Tensor device mismatch". The
+    pass that moves both is shown here with the meta device, which a CPU build has."""
+    import torch
+
+    from lightship.runtime.torch_backends import on_device
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.to(torch.float32).flatten(1))
+
+    program = torch.export.export(Net(), (torch.zeros(2, 1, 2, 2, dtype=torch.uint8),))
+
+    def asserted(ep: Any) -> set[str]:
+        return {
+            str(node.kwargs["device"])
+            for node in ep.graph_module.graph.nodes
+            if node.target == torch.ops.aten._assert_tensor_metadata.default
+        }
+
+    assert asserted(program) == {"cpu"}
+    assert on_device(program, "cpu") is program
+    moved = on_device(program, "meta")
+    assert asserted(moved) == {"meta"}
+    assert {p.device.type for p in moved.module().parameters()} == {"meta"}
+
+
+def test_a_cuda_device_is_named_with_its_index_and_checked_against_the_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from lightship.runtime.torch_backends import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert [_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:1")] == [
+        "cpu",
+        "cuda:1",
+        "cuda:0",
+        "cuda:1",
+    ]
+    with pytest.raises(RunError) as err:
+        _device("cuda:2")  # was found as a load error that said to re-export the model
+    assert str(err.value) == (
+        "device=cuda:2 but torch sees 2 CUDA devices (cuda:0..cuda:1): name one of them"
+    )

@@ -50,9 +50,32 @@ class TorchPredictor(Predictor):
 
 
 def _device(device: str) -> str:
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    """`device` as torch names it with its index (`cuda` is `cuda:0`, the current one): a
+    .pt2 program checks its input's device against the one it was moved to, and `cuda` (index
+    -1) is not `cuda:0`."""
+    if not device.startswith("cuda"):
+        return device
+    if not torch.cuda.is_available():
         raise RunError(f"device={device} but torch sees no CUDA device: use --device cpu")
-    return device
+    index = torch.device(device).index
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise RunError(
+            f"device={device} but torch sees {count} CUDA device{'s' * (count != 1)} "
+            f"(cuda:0..cuda:{count - 1}): name one of them"
+        )
+    return f"cuda:{torch.cuda.current_device() if index is None else index}"
+
+
+def on_device(program: Any, device: str) -> Any:
+    """An exported program (.pt2) moved to `device`. `.module().to(device)` moves its weights
+    but not the device its graph asserts its input is on (`_assert_tensor_metadata`, the CPU
+    it was exported on): every batch on a GPU failed 'Tensor device mismatch'."""
+    if device == "cpu":
+        return program
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(program, device)
 
 
 def _read_meta(extra: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -86,7 +109,7 @@ def load(path: Path, kind: str, device: str = "cpu", threads: int | None = None)
             # which would bury the one-line error we print for it
             with quiet_loggers("torch.export"):
                 program = torch.export.load(str(path), extra_files=extra)
-            module = program.module().to(device)
+            module = on_device(program, device).module()
             meta = _read_meta(extra, path)
         else:
             from lightship.models.checkpoint import load_checkpoint
