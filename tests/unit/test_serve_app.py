@@ -4475,3 +4475,33 @@ def test_a_model_whose_output_does_not_follow_its_batch_is_a_500_not_a_short_ans
     for r in (two, v1_two):
         assert r.status_code == 500, r.text
         assert "gave logits [1, 2] for 2 images, expected [2, 2]" in r.json()["error"]
+
+
+@pytest.mark.parametrize(("device", "sizes"), [("cpu", [1]), ("cuda:0", [1, 8])])
+def test_on_a_gpu_the_warm_up_runs_the_largest_batch_too(
+    tmp_path: Path, device: str, sizes: list[int]
+) -> None:
+    """TensorRT builds its engine for the batch sizes it has seen: warmed up on one row, it
+    built again in the batcher's thread for the first larger batch, the server ready and its
+    queue waiting past deadlines. (A CPU model here, said to be on the GPU.)"""
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    predictor = load_predictor(path)
+    predictor.device = device
+    batch = predictor._run
+    seen: list[int] = []
+
+    def counted(x: np.ndarray) -> np.ndarray:
+        seen.append(len(x))
+        return batch(x)
+
+    predictor._run = counted  # type: ignore[method-assign]
+    settings = ServeSettings(run=path, max_batch_rows=8)
+    app = create_app(predictor, ServedModel("hand", "file", path, None), settings)
+
+    async def main() -> bool:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(service(app).settled.wait(), 10)
+            return service(app).ready
+
+    assert run(main()) is True
+    assert seen == sizes

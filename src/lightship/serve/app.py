@@ -218,14 +218,24 @@ class Service:
         self.batcher.start()
 
     async def warm_up(self) -> None:
-        """One batch through the whole path; ready only if it answers as the labels say."""
+        """One batch through the whole path; ready only if it answers as the labels say. On a
+        GPU, a second of --max-batch-rows rows: TensorRT builds its engine for the batch sizes
+        it has seen, and built it again, in the batcher's thread, for the first batch past
+        them, while the server was ready and queued requests waited out their deadlines (and
+        cuDNN searches each new shape's algorithms). With the smallest and the largest seen,
+        every batch to come is within the engine's range."""
         rows = min(self.settings.warmup_rows, self.settings.max_batch_rows)
-        x = np.zeros((rows, *self.chw), np.uint8)
+        sizes = [rows]
+        if self.predictor.device != "cpu" and self.settings.max_batch_rows > rows:
+            sizes.append(self.settings.max_batch_rows)
         try:
-            # Generous: a TensorRT engine is built on the first batch and may take minutes.
-            # Its shape is checked as it runs (`Predictor.logits`), its values as the batcher
-            # delivers them (NaN or infinite logits fail the request)
-            await self.batcher.infer(x, max(self.settings.timeout_ms / 1000, 900.0), wait=False)
+            for n in sizes:
+                # Generous: a TensorRT engine is built on the first batch and may take minutes.
+                # Its shape is checked as it runs (`Predictor.logits`), its values as the
+                # batcher delivers them (NaN or infinite logits fail the request)
+                x = np.zeros((n, *self.chw), np.uint8)
+                timeout_s = max(self.settings.timeout_ms / 1000, 900.0)
+                await self.batcher.infer(x, timeout_s, wait=False)
         except Exception as exc:
             self.failed = f"model failed its warm-up batch: {exc}"
             log.error("%s; not ready", self.failed)
