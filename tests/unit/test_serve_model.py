@@ -206,6 +206,24 @@ def test_a_lone_int8_file_is_checked_against_this_cpu_by_its_metadata(
     verify(fp32, "refuse", cpu=AVX2)  # no target in its metadata: runs anywhere
 
 
+def test_on_a_gpu_an_int8_model_is_judged_by_tensorrt_not_this_cpu(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On --device cuda the CPU check refused a model quantized for TensorRT ("re-quantize it
+    for this CPU"), and passed one made for a CPU, whose asymmetric int8 TensorRT does not run."""
+    trt = choose(ServeSettings(run=int8_file(tmp_path / "trt.onnx", "tensorrt")))
+    with pytest.raises(RunError, match="quantized for TensorRT"):
+        verify(trt, "refuse", cpu=VNNI)  # on the CPU: refused, as before
+    with caplog.at_level(logging.WARNING):
+        verify(trt, "refuse", cpu=AVX2, device="cuda:0")
+        assert caplog.text == ""
+        cpu_made = choose(ServeSettings(run=int8_file(tmp_path / "vnni.onnx", "vnni")))
+        verify(cpu_made, "refuse", cpu=AVX2, device="cuda")  # not refused for this CPU's sake
+    assert "was quantized for a CPU (vnni: asymmetric int8, which TensorRT does not run)" in (
+        caplog.text
+    )
+
+
 def test_a_model_replaced_while_it_loads_is_not_served(
     exported_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1708,7 +1708,7 @@ def _serve_on(sock: socket.socket, settings: ServeSettings) -> tuple[Service, Se
     from lightship.serve.model import choose, verify
 
     served = choose(settings)
-    verify(served, settings.isa_check)
+    verify(served, settings.isa_check, device=settings.device)
     cores = physical_cores()
     threads = settings.model_threads(served.path)
     if warning := _oversubscribed(settings, cores, threads):  # before the sessions open them

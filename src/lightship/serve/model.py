@@ -340,9 +340,12 @@ def _safe_name(name: str) -> str:
     )
 
 
-def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = None) -> None:
-    """The file is the one the manifest describes, and an int8 model suits this CPU: the CPU it
-    was made for is its manifest entry's, or for a lone ONNX file its own metadata's."""
+def verify(
+    model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = None, device: str = "cpu"
+) -> None:
+    """The file is the one the manifest describes, and an int8 model suits this CPU, or on a
+    GPU `device`, TensorRT: the target it was made for is its manifest entry's, or for a lone
+    ONNX file its own metadata's."""
     entry = model.entry
     redo = requantize_in_its_run
     if entry is None:
@@ -365,6 +368,18 @@ def verify(model: ServedModel, isa_check: str = "refuse", cpu: CpuInfo | None = 
         if root is not None:
             redo = functools.partial(RunDir(root).requantize, variant, flags=entry.get("flags"))
     if not made_for:
+        return
+    if device != "cpu":  # the GPU runs it: this CPU's instructions are no matter
+        if made_for != "tensorrt":
+            log.warning(
+                "%s was quantized for a CPU (%s: asymmetric int8, which TensorRT does not run): "
+                "on %s its int8 nodes run as CUDA's quantize/dequantize pairs, correct but "
+                "slower than fp32 may be; serve --variant onnx-fp32 on a GPU, or quantize "
+                "with --target tensorrt",
+                what,
+                made_for,
+                device,
+            )
         return
     cpu = cpu or host_cpu()  # read once, for both checks
     if isinstance(gemm, dict) and gemm.get("kept") and "amx_int8" not in cpu.flags:
