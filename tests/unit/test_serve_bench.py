@@ -385,10 +385,17 @@ def test_the_gpu_is_named_by_nvidia_smi_or_not_at_all(
     smi.write_text('#!/bin/sh\n[ "$2" = 1 ] && exit 6\necho "NVIDIA Test $2"\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert bench.gpu_name("cuda") == "NVIDIA Test 0"  # -i 0
     assert bench.gpu_name("cuda:2") == "NVIDIA Test 2"
     assert bench.gpu_name("cuda:1") is None  # nvidia-smi failed: no name, no error
     assert bench.gpu_name("cpu") is None
+    # CUDA's cuda:0 is the first GPU listed, which nvidia-smi numbers among them all
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 2")
+    assert bench.gpu_name("cuda") == "NVIDIA Test 3"
+    assert bench.gpu_name("cuda:1") == "NVIDIA Test 2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2c")
+    assert bench.gpu_name("cuda:0") == "NVIDIA Test GPU-8f2c"  # a UUID, as nvidia-smi takes it
 
 
 def test_a_ceiling_not_measured_prints_as_a_dash() -> None:

@@ -850,6 +850,11 @@ def gpu_name(device: str) -> str | None:
     if device == "cpu" or shutil.which("nvidia-smi") is None:
         return None
     index = device.partition(":")[2] or "0"
+    # CUDA numbers only the GPUs CUDA_VISIBLE_DEVICES lists, in its order; nvidia-smi numbers
+    # them all (it takes the listed index or UUID as they are)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if visible != [""] and index.isdigit() and int(index) < len(visible):
+        index = visible[int(index)]
     query = ["nvidia-smi", "-i", index, "--query-gpu=name", "--format=csv,noheader"]
     try:
         done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
