@@ -3692,6 +3692,134 @@ def test_a_request_pipelined_around_sigterm_is_answered_and_the_last_closes(
     assert run(main()) == [(200, None), (200, "close")]
 
 
+def test_a_client_pipelining_through_the_drain_is_closed_after_a_bound(tmp_path: Path) -> None:
+    """Each request read took over the close from the one before: a client that kept two in
+    flight was answered kept-alive to the end of the drain, and its request under way then
+    cancelled unanswered. The close is taken back MAX_PIPELINED times at most."""
+    from lightship.serve.protocol import MAX_PIPELINED
+
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    request = post(INFER, json.dumps(v2_json(X[:1])).encode())
+
+    async def main() -> tuple[list[tuple[int, str | None]], bytes]:
+        async with raw_http(app) as (connect, counting, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(request * 3)
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            sigterm_here(counting)
+            gate.open.set()
+            await held
+            seen = []
+            for _ in range(MAX_PIPELINED + 10):
+                status, headers, _ = await asyncio.wait_for(read_answer(reader), 5)
+                seen.append((status, headers.get("connection")))
+                if headers.get("connection") == "close":
+                    break
+                writer.write(request)  # one more, keeping the pipeline full
+            left = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return seen, left
+
+    seen, left = run(main())
+    assert seen[-1] == (200, "close") and len(seen) <= MAX_PIPELINED + 3, len(seen)
+    assert {status for status, _ in seen} == {200} and left == b""
+
+
+def test_a_streamed_answer_under_way_at_sigterm_leaves_no_request_behind_it_unanswered() -> None:
+    """Its head had gone out saying keep-alive when SIGTERM marked it to close, so the close
+    stayed on it: a request read behind it was dropped when it closed the connection."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from lightship.serve.protocol import http_protocol
+
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"4")],
+        }
+        await send(start)
+        if scope["path"] == "/stream":
+            await release.wait()
+        await send({"type": "http.response.body", "body": b"done"})
+
+    async def main() -> tuple[bytes, bytes]:
+        config = uvicorn.Config(
+            app, http=http_protocol(None), lifespan="off", log_level="warning", access_log=False
+        )
+        config.load()
+        state = ServerState()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),  # type: ignore[call-arg]
+            "127.0.0.1",
+            0,
+        )
+        try:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", server.sockets[0].getsockname()[1]
+            )
+            writer.write(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # kept alive
+            state.stopping = True  # SIGTERM
+            serve_app._Server._close_after_answers(SimpleNamespace(server_state=state))  # type: ignore[arg-type]
+            writer.write(b"GET /fast HTTP/1.1\r\nhost: t\r\n\r\n")
+            await asyncio.sleep(0.1)
+            release.set()
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return head, rest
+        finally:
+            server.close()
+            for connection in list(state.connections):
+                connection.shutdown()
+
+    head, rest = run(main())
+    assert b"connection: close" not in head.lower()
+    # the stream's body, then /fast's answer, which closes
+    assert rest.startswith(b"done") and rest.count(b"HTTP/1.1 200") == 1, rest
+    assert b"connection: close" in rest.lower() and rest.endswith(b"done")
+
+
+def test_a_head_refused_behind_the_request_sigterm_marked_is_answered(tmp_path: Path) -> None:
+    """Its 400 waits for the answer ahead of it, which the server had marked to close: the
+    connection closed with it, and the 400 never went out."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0)
+    assert gate is not None
+    gate.open.set()
+    request = post(INFER, json.dumps(v2_json(X[:1])).encode())
+
+    async def main() -> bytes:
+        async with raw_http(app) as (connect, counting, client):
+            held = await hold_inference(client, gate)
+            reader, writer = await connect()
+            writer.write(request)
+            while service(app).batcher.queued_rows < 1:
+                await asyncio.sleep(0.001)
+            sigterm_here(counting)
+            writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")  # no Host: a 400
+            await asyncio.sleep(0.05)
+            gate.open.set()
+            await held
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return data
+
+    data = run(main())
+    first, _, second = data.partition(b"HTTP/1.1 400 Bad Request")
+    assert first.startswith(b"HTTP/1.1 200 OK") and b"connection: close" not in first.lower()
+    assert b"connection: close" in second.lower() and b"Host" in second
+
+
 # 1.5 MB an answer: a few fill the socket's buffers of a client that reads slowly or not at all
 DOCS_BUNDLE = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nhost: t\r\n\r\n"
 

@@ -81,6 +81,12 @@ STOP_BODY = "lightship.stop_body"
 WRITE_TIMEOUT_S = 30.0
 
 
+def _answering(cycle: Any) -> bool:
+    """Whether `cycle`'s answer has begun (its head written) or is done: a `_TensorCycle`
+    writes its answer whole; uvicorn's cycle says `response_started` at its head."""
+    return bool(cycle.response_complete or getattr(cycle, "response_started", False))
+
+
 def body_stop_after_s(drain_s: float) -> float:
     """How long after SIGTERM a body still arriving may take before it is answered 503: what
     is left of uvicorn's drain (`drain_s`, after which it cancels the request unanswered)
@@ -366,8 +372,8 @@ class _TensorCycle:
         if self.more_body and not (self._over or self.disconnected):
             protocol = self._protocol
             transport = protocol.transport
-            if self._expect_100 and not transport.is_closing():
-                transport.write_now(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self._expect_100 and not (transport.is_closing() or self._stopped):
+                transport.write_now(b"HTTP/1.1 100 Continue\r\n\r\n")  # not before a 503
             loop = protocol.loop
             # BodyLimit's deadline, counted from the head's arrival in the loop's clock, and
             # past it the body's allowance (`body_allowed_until`)
@@ -573,6 +579,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # close; an idle connection closes after DRAIN_IDLE_S with no request (`_drain_timer`)
         _draining = False
         _stop_marked: Any = None  # the request the server marked to close with (`mark_closing`)
+        _marked_after_head = False  # whose answer had begun when it was marked
+        _handed_over = 0  # marks taken back for a request read after (`_take_back_close`)
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
@@ -597,23 +605,38 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def mark_closing(self, cycle: Any) -> None:
             """The server stops: `cycle`, the last request read, is answered with Connection:
-            close. Remembered as the server's mark, which `_close_with` passes on; a client's
-            own close is not the server's to take back."""
+            close. Remembered as the server's mark, which `_take_back_close` passes on; a
+            client's own close is not the server's to take back."""
             if cycle.keep_alive:
                 cycle.keep_alive = False
                 self._stop_marked = cycle
+                # its head gone out already (a streamed answer), saying keep-alive: the close
+                # may be taken back whenever it is, that head said nothing of it
+                self._marked_after_head = _answering(cycle)
+
+        def _take_back_close(self) -> bool:
+            """The close the server put on the request read last, taken back for what is read
+            or answered after it (`_close_with`, a deferred refusal): where its answer has not
+            begun, or began before the mark. Not past MAX_PIPELINED hand-overs, nor once the
+            drain stops bodies: a client pipelining all through the drain held its connection
+            to the end, and its request under way was then cancelled without an answer."""
+            marked = self._stop_marked
+            if marked is None or (_answering(marked) and not self._marked_after_head):
+                return False
+            at = self._stop_bodies_at
+            if self._handed_over >= MAX_PIPELINED or (at is not None and self.loop.time() >= at):
+                return False
+            marked.keep_alive = True
+            self._stop_marked = None
+            self._handed_over += 1
+            return True
 
         def _close_with(self, cycle: Any, previous: Any) -> None:
-            """A request read while the server stops: the close passes to it from `previous`
-            where the server marked that one and its answer has not begun. Left, a request
-            pipelined after SIGTERM behind the one the signal marked was read, then lost when
-            that one's answer closed the connection."""
-            if (
-                previous is not None
-                and previous is self._stop_marked
-                and not (previous.response_complete or getattr(previous, "response_started", 0))
-            ):
-                previous.keep_alive = True
+            """A request read while the server stops takes over the close from `previous`
+            (`_take_back_close`). Left, a request pipelined after SIGTERM behind the one the
+            signal marked was read, then lost when that one's answer closed the connection."""
+            if previous is not None and previous is self._stop_marked:
+                self._take_back_close()
             self.mark_closing(cycle)
 
         @property
@@ -1202,6 +1225,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if self._deferred_error is None:
                     self._deferred_error = (status, message)
                     self.flow.pause_reading()
+                    if cycle is self._stop_marked:  # this error closes: the answer before it
+                        self._take_back_close()  # closing would lose it (the server stopping)
                 return
             body = error_body(message)
             head = [b"HTTP/1.1 " + status + b"\r\n"]
