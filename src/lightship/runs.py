@@ -1069,7 +1069,7 @@ class RunDir:
             if (
                 made_from
                 and recorded
-                and parent != "checkpoint"
+                and parent not in ("checkpoint", key)  # an edited entry naming itself: no loop
                 and (parents := self.made_elsewhere(parent, artifacts)) is not None
             ):
                 return f"made from {parent}, which was {parents}"

@@ -379,6 +379,18 @@ def test_a_manifest_link_that_leads_nowhere_is_no_missing_manifest(
     assert run.manifest_path.is_symlink()  # left as it was
 
 
+def test_an_entry_that_names_itself_as_its_source_is_no_loop(tmp_path: Path) -> None:
+    """An edited onnx-fp32 entry with a source_sha256 of its own sha256 recursed forever."""
+    artifacts = {
+        "checkpoint": {"sha256": "c" * 64},
+        "onnx-fp32": {"sha256": "a" * 64, "source_sha256": "a" * 64},
+        "onnx-int8-static": {"sha256": "b" * 64, "source_sha256": "a" * 64},
+    }
+    run = RunDir(tmp_path)
+    assert run.made_elsewhere("onnx-fp32", artifacts) is None
+    assert run.made_elsewhere("onnx-int8-static", artifacts) is None
+
+
 def test_check_writable_makes_missing_folders(tmp_path: Path) -> None:
     out = tmp_path / "a" / "b" / "out.json"
     check_writable(out)

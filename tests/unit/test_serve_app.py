@@ -3770,7 +3770,7 @@ def test_a_streamed_answer_under_way_at_sigterm_leaves_no_request_behind_it_unan
             )
             writer.write(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # kept alive
-            state.stopping = True  # SIGTERM
+            state.stopping = True  # type: ignore[attr-defined]  # SIGTERM
             serve_app._Server._close_after_answers(SimpleNamespace(server_state=state))  # type: ignore[arg-type]
             writer.write(b"GET /fast HTTP/1.1\r\nhost: t\r\n\r\n")
             await asyncio.sleep(0.1)
@@ -4605,9 +4605,12 @@ def test_a_model_whose_output_does_not_follow_its_batch_is_a_500_not_a_short_ans
         assert "gave logits [1, 2] for 2 images, expected [2, 2]" in r.json()["error"]
 
 
-@pytest.mark.parametrize(("device", "sizes"), [("cpu", [1]), ("cuda:0", [1, 8])])
+@pytest.mark.parametrize(
+    ("device", "rows", "sizes"),
+    [("cpu", 1, [1]), ("cuda:0", 1, [1, 8]), ("cpu", 4, [4]), ("cuda:0", 4, [1, 4, 8])],
+)
 def test_on_a_gpu_the_warm_up_runs_the_largest_batch_too(
-    tmp_path: Path, device: str, sizes: list[int]
+    tmp_path: Path, device: str, rows: int, sizes: list[int]
 ) -> None:
     """TensorRT builds its engine for the batch sizes it has seen: warmed up on one row, it
     built again in the batcher's thread for the first larger batch, the server ready and its
@@ -4623,7 +4626,7 @@ def test_on_a_gpu_the_warm_up_runs_the_largest_batch_too(
         return batch(x)
 
     predictor._run = counted  # type: ignore[method-assign]
-    settings = ServeSettings(run=path, max_batch_rows=8)
+    settings = ServeSettings(run=path, max_batch_rows=8, warmup_rows=rows)
     app = create_app(predictor, ServedModel("hand", "file", path, None), settings)
 
     async def main() -> bool:

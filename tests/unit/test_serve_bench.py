@@ -396,6 +396,10 @@ def test_the_gpu_is_named_by_nvidia_smi_or_not_at_all(
     assert bench.gpu_name("cuda:1") == "NVIDIA Test 2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2c")
     assert bench.gpu_name("cuda:0") == "NVIDIA Test GPU-8f2c"  # a UUID, as nvidia-smi takes it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CUDA sees no GPU
+    assert bench.gpu_name("cuda") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,foo,3")  # CUDA stops at foo
+    assert (bench.gpu_name("cuda:0"), bench.gpu_name("cuda:1")) == ("NVIDIA Test 2", None)
 
 
 def test_a_ceiling_not_measured_prints_as_a_dash() -> None:

@@ -226,8 +226,8 @@ class Service:
         every batch to come is within the engine's range."""
         rows = min(self.settings.warmup_rows, self.settings.max_batch_rows)
         sizes = [rows]
-        if self.predictor.device != "cpu" and self.settings.max_batch_rows > rows:
-            sizes.append(self.settings.max_batch_rows)
+        if self.predictor.device != "cpu":  # one row too: --warmup-rows 4 left 1 to rebuild at
+            sizes = sorted({rows, 1, self.settings.max_batch_rows})
         try:
             for n in sizes:
                 # Generous: a TensorRT engine is built on the first batch and may take minutes.

@@ -27,6 +27,7 @@ the cores its other threads (the model's) use, and how busy the whole machine wa
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -852,9 +853,16 @@ def gpu_name(device: str) -> str | None:
     index = device.partition(":")[2] or "0"
     # CUDA numbers only the GPUs CUDA_VISIBLE_DEVICES lists, in its order; nvidia-smi numbers
     # them all (it takes the listed index or UUID as they are)
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    if visible != [""] and index.isdigit() and int(index) < len(visible):
-        index = visible[int(index)]
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        visible = [v.strip() for v in listed.split(",")]
+        # CUDA reads the list up to its first entry that names no GPU
+        usable = list(
+            itertools.takewhile(lambda v: v.isdigit() or v.startswith(("GPU-", "MIG-")), visible)
+        )
+        if not index.isdigit() or int(index) >= len(usable):
+            return None  # no GPU of that number for CUDA
+        index = usable[int(index)]
     query = ["nvidia-smi", "-i", index, "--query-gpu=name", "--format=csv,noheader"]
     try:
         done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
