@@ -3649,6 +3649,23 @@ def test_a_request_read_during_the_drain_is_answered_and_closes_the_connection(
     assert f'{infer}"499"}}' not in text
 
 
+async def one_queued(
+    app: FastAPI,
+    connect: Callable[[], Awaitable[Any]],
+    client: httpx.AsyncClient,
+    gate: Gate,
+    request: bytes,
+) -> tuple[asyncio.Future[httpx.Response], asyncio.StreamReader, asyncio.StreamWriter]:
+    """The inference thread held in the gate, and `request` sent on a new connection and
+    queued behind it: the held request, and the connection's reader and writer."""
+    held = await hold_inference(client, gate)
+    reader, writer = await connect()
+    writer.write(request)
+    while service(app).batcher.queued_rows < 1:
+        await asyncio.sleep(0.001)
+    return held, reader, writer
+
+
 def sigterm_here(counting: CountingApp) -> None:
     """What `_Server.handle_exit` does to the connections at SIGTERM, on `over_http`'s."""
     state = next(iter(counting.connections)).server_state
@@ -3672,11 +3689,7 @@ def test_a_request_pipelined_around_sigterm_is_answered_and_the_last_closes(
 
     async def main() -> list[tuple[int, str | None]]:
         async with raw_http(app) as (connect, counting, client):
-            held = await hold_inference(client, gate)
-            reader, writer = await connect()
-            writer.write(request)
-            while service(app).batcher.queued_rows < 1:
-                await asyncio.sleep(0.001)
+            held, reader, writer = await one_queued(app, connect, client, gate, request)
             if after:
                 sigterm_here(counting)
             writer.write(request)  # pipelined behind the queued one
@@ -3800,11 +3813,7 @@ def test_a_head_refused_behind_the_request_sigterm_marked_is_answered(tmp_path: 
 
     async def main() -> bytes:
         async with raw_http(app) as (connect, counting, client):
-            held = await hold_inference(client, gate)
-            reader, writer = await connect()
-            writer.write(request)
-            while service(app).batcher.queued_rows < 1:
-                await asyncio.sleep(0.001)
+            held, reader, writer = await one_queued(app, connect, client, gate, request)
             sigterm_here(counting)
             writer.write(b"GET /v2/health/live HTTP/1.1\r\n\r\n")  # no Host: a 400
             await asyncio.sleep(0.05)
