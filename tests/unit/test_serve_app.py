@@ -3829,6 +3829,35 @@ def test_a_head_refused_behind_the_request_sigterm_marked_is_answered(tmp_path: 
     assert b"connection: close" in second.lower() and b"Host" in second
 
 
+def test_a_body_still_arriving_queued_through_asgi_gets_the_drains_503(tmp_path: Path) -> None:
+    """Queued behind another answer when the drain stopped bodies, its BodyLimit had not begun
+    to be told: it waited for its body to the drain's end, then was cancelled unanswered. (The
+    tensor routes' own way in was stopped as it began.)"""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0, cors_origins="*")
+    assert gate is not None
+    gate.open.set()
+    body = json.dumps(v2_json(X[:1])).encode()
+
+    async def main() -> list[tuple[int, str | None]]:
+        # a drain of 7 s stops bodies still arriving 1 s after it begins (LINGER_S 5, 1 s kept)
+        async with raw_http(app, timeout_graceful_shutdown=7) as (connect, counting, client):
+            held, reader, writer = await one_queued(app, connect, client, gate, post(INFER, body))
+            writer.write(post(INFER, body, "origin: http://a.example")[:-5])  # through ASGI
+            await asyncio.sleep(0.05)
+            port = writer.get_extra_info("sockname")[1]
+            for connection in list(counting.connections):  # SIGTERM, for this connection
+                if connection.client[1] == port:
+                    connection.shutdown()
+            await asyncio.sleep(1.5)  # past the body stop, the second still queued
+            gate.open.set()
+            await held
+            answers = [await asyncio.wait_for(read_answer(reader), 3) for _ in range(2)]
+            writer.close()
+            return [(status, headers.get("connection")) for status, headers, _ in answers]
+
+    assert run(main()) == [(200, None), (503, "close")]
+
+
 # 1.5 MB an answer: a few fill the socket's buffers of a client that reads slowly or not at all
 DOCS_BUNDLE = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nhost: t\r\n\r\n"
 

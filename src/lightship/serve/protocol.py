@@ -583,6 +583,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _handed_over = 0  # marks taken back for a request read after (`_take_back_close`)
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
+        _stop_when_started: Any = None  # an ASGI request queued when bodies were stopped
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
         # When (loop time) an answer still waiting for its client to read it is dropped, the
         # server stopping: a second before uvicorn's drain would cancel it, with a traceback
@@ -648,6 +649,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             self._running = cycle
             HttpToolsProtocol._start_asgi_task(self, cycle, app)
+            if cycle is self._stop_when_started:  # its body was stopped while it was queued
+                self._stop_when_started = None
+                self.loop.call_soon(self._stop_started, cycle, 3)
 
         def _hold(self, data: bytes) -> None:
             held = self._held
@@ -774,6 +778,19 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 cycle.stop_body()
             elif callable(stop := cycle.scope.get(STOP_BODY)):
                 stop()  # BodyLimit's, through ASGI
+            else:  # queued behind another answer, BodyLimit not begun: stopped as it begins
+                self._stop_when_started = cycle
+
+        def _stop_started(self, cycle: Any, tries: int) -> None:
+            """Stop the body of `cycle`, whose ASGI task has just been started: once BodyLimit
+            has run (the task's first step), a few loop turns at most. Left queued, it waited
+            for its body to the drain's end, then was cancelled unanswered."""
+            if not cycle.more_body or cycle.response_complete:
+                return
+            if callable(stop := cycle.scope.get(STOP_BODY)):
+                stop()
+            elif tries > 1:
+                self.loop.call_soon(self._stop_started, cycle, tries - 1)
 
         def _drain_idle(self) -> None:
             self._drain_timer = None
