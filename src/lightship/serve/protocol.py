@@ -778,6 +778,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 cycle.stop_body()
             elif callable(stop := cycle.scope.get(STOP_BODY)):
                 stop()  # BodyLimit's, through ASGI
+            elif cycle is self._running:  # started, its first step (BodyLimit's) not run yet
+                self.loop.call_soon(self._stop_started, cycle, 3)
             else:  # queued behind another answer, BodyLimit not begun: stopped as it begins
                 self._stop_when_started = cycle
 
