@@ -411,6 +411,17 @@ def test_v1_predict_labels_scores_and_top_k(tmp_path: Path, via: str) -> None:
             p = 1 / (1 + np.exp(-4))
             assert [t["label"] for t in pred["top_k"]] == ["dark", "bright"]
             assert pred["top_k"][0]["probability"] == pytest.approx(p)
+            # ?top_k as the image route takes it (it was ignored here); the body's wins
+            r = await client.post("/v1/predict?top_k=1", json={"instances": even.tolist()})
+            assert [len(p["top_k"]) for p in r.json()["predictions"]] == [1]
+            body = {"instances": even.tolist(), "top_k": 2}
+            r = await client.post("/v1/predict?top_k=1", json=body)
+            assert [len(p["top_k"]) for p in r.json()["predictions"]] == [2]
+            r = await client.post("/v1/predict?top_k=x", json=body)
+            assert (r.status_code, r.json()) == (
+                400,
+                {"error": "top_k must be a positive integer, got 'x'"},
+            )
 
     run(main())
 

@@ -632,3 +632,27 @@ def test_bad_images(data: bytes, status: int, message: str) -> None:
     with pytest.raises(ProtocolError, match=message) as info:
         v1.decode_image(data, (1, 2, 2), "x.png")
     assert info.value.status == status
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        (None, 5),
+        ("", 5),
+        ("top_k=2", 2),
+        ("other=1&top_k=3", 3),
+        ("top_k=0", "top_k must be a positive integer, got '0'"),
+        ("top_k=1_0", "top_k must be a positive integer, got '1_0'"),
+        ("top_k=" + "9" * 5000, "top_k must be a positive integer, got '999"),
+        ("top_k=2&top_k=3", "top_k is given 2 times in the query: give it once"),
+    ],
+)
+def test_v1_top_k_may_come_in_the_query_as_on_the_image_route(
+    query: str | None, expected: int | str
+) -> None:
+    """/v1/predict?top_k=2 was ignored without a word: the image route takes it so."""
+    if isinstance(expected, int):
+        assert v1.query_top_k(query, 5) == expected
+    else:
+        with pytest.raises(ProtocolError, match="^" + re.escape(expected)):
+            v1.query_top_k(query, 5)

@@ -74,7 +74,14 @@ from lightship.serve.metrics import (
     MetricsMiddleware,
 )
 from lightship.serve.model import ServedModel
-from lightship.serve.protocol import BUG, LINGER_S, STOP_BODY, WRITE_TIMEOUT_S, http_protocol
+from lightship.serve.protocol import (
+    BUG,
+    LINGER_S,
+    QUERY,
+    STOP_BODY,
+    WRITE_TIMEOUT_S,
+    http_protocol,
+)
 from lightship.serve.settings import ServeSettings
 from lightship.serve.v2 import ProtocolError, error_body
 
@@ -947,6 +954,8 @@ class HotRoutes:
             await self.app(scope, receive, send)
             return
         name, params = matched
+        if query := scope.get("query_string"):
+            params = {**params, QUERY: query.decode("latin-1")}
         scope["endpoint"] = name  # the metrics middleware labels the request with its route
         if scope["method"] != "POST":
             allow = {"allow": "POST"}
@@ -1137,8 +1146,11 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         return v2.encode_response(logits, req.outputs, service.labels, service.name, req.id)
 
     async def v1_predict(hot: HotRequest) -> tuple[bytes, dict[str, str]]:
+        # ?top_k=N as the image route takes it (it was ignored here); the body's wins
+        top_k = v1.query_top_k(hot.params.get(QUERY), settings.top_k)
+
         def decode(body: bytes) -> tuple[np.ndarray, int]:
-            return v1.decode_instances(body, chw, settings.top_k, max_rows)
+            return v1.decode_instances(body, chw, top_k, max_rows)
 
         x, top_k = await parse_body(hot, decode, len)
         logits = await service.predict(x, service.timeout_s(hot.head), hot.watch)

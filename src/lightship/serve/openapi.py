@@ -389,6 +389,15 @@ def raw_paths(
                 "operationId": "v1_predict",
                 "summary": "Labels and top-k probabilities for images given as pixel arrays",
                 "description": compressed,
+                "parameters": [
+                    {
+                        "name": "top_k",
+                        "in": "query",
+                        "required": False,
+                        "description": "classes per image, as the body's top_k (which wins)",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 999_999_999},
+                    }
+                ],
                 **body(v1_request(chw, max_rows)),
                 "responses": {
                     "200": {

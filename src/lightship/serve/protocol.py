@@ -74,6 +74,8 @@ READ_AHEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 128
 # Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
 STOP_BODY = "lightship.stop_body"
+# A tensor route's query string, among its path parameters (a key no path parameter has)
+QUERY = "?"
 # How long an answer may wait for its client to read what was written before it (the socket's
 # buffers full): past it the connection is dropped (`write_timeout`). Waited for without end,
 # a client that never read held its connection and the answers queued on it (50 connections
@@ -1039,14 +1041,19 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             path = raw_path.decode("ascii")
             if (matched := routes.route(path)) is None:
                 return False
-            target = path if not url.query else f"{path}?{url.query.decode('latin-1')}"
+            name, params = matched
+            target = path
+            if url.query:
+                query = url.query.decode("latin-1")
+                target, params = f"{path}?{query}", {**params, QUERY: query}
             client = self.client
             if self.access_log and client and self.config.proxy_headers:
                 client = forwarded_client(client, self.headers, self.config.forwarded_allow_ips)
             cycle = _TensorCycle(
                 self,
                 routes,
-                *matched,
+                name,
+                params,
                 head=routes.read_head(self.headers),
                 target=target,
                 version=version,

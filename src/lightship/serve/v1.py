@@ -5,6 +5,7 @@ No model and no web framework here, like `v2.py`.
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,24 @@ _JSON_KINDS: dict[type, str] = {
     str: "string",
     list: "array",
 }
+
+
+def query_top_k(query: str | None, default: int) -> int:
+    """`top_k` from /v1/predict's query string (`?top_k=3`), else `default`; 400 for a value
+    that is no positive integer, or given twice. Other parameters are let be, as on the image
+    route."""
+    if not query:
+        return default
+    given = urllib.parse.parse_qs(query, keep_blank_values=True).get("top_k")
+    if given is None:
+        return default
+    if len(given) > 1:
+        raise ProtocolError(f"top_k is given {len(given)} times in the query: give it once")
+    value = given[0]
+    if not (value.isascii() and value.isdigit()) or len(value) > 9 or int(value) < 1:
+        shown = value if len(value) <= 20 else value[:19] + "..."
+        raise ProtocolError(f"top_k must be a positive integer, got {shown!r}")
+    return int(value)
 
 
 def decode_instances(
