@@ -4211,6 +4211,30 @@ def test_expect_100_continue_over_http_is_answered_before_the_body(tmp_path: Pat
     assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [10, 90, 1020, -920]
 
 
+def test_expect_100_continue_to_an_unknown_model_is_answered_404_at_once(tmp_path: Path) -> None:
+    """It got 100 Continue, then its 404 only after the body it was asked for. The path alone
+    says it: 404 at once, and the connection closes, the body never read."""
+    app, _ = make_app(tmp_path)
+    body = json.dumps(v2_json(X)).encode()
+
+    async def main() -> tuple[int, dict[str, str], bytes, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            head = post("/v2/models/nope/infer", body, "expect: 100-continue")[: -len(body)]
+            writer.write(head)
+            status, headers, answer = await asyncio.wait_for(read_answer(reader), 5)
+            writer.write(body)  # as a client may send it anyway: read and thrown away
+            writer.write_eof()
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return status, headers, answer, rest
+
+    status, headers, answer, rest = run(main())
+    assert (status, headers.get("connection")) == (404, "close")
+    assert json.loads(answer) == {"error": "unknown model 'nope': this server serves 'hand'"}
+    assert rest == b""
+
+
 def test_tensor_routes_over_http_are_in_the_access_log_when_it_is_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -875,6 +875,9 @@ class TensorRoutes:
         self.compress_min_bytes = compress_min_bytes  # 0: never
         # the route template of a request answered before routing (`count_gone`)
         self.route_of = route_of
+        # raises what the route would answer from its path alone (an unknown model's 404),
+        # for a client that waits for 100 Continue before it sends the body
+        self.check_path: Callable[[str, dict[str, str]], None] = lambda name, params: None
 
     def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         return read_head(headers, self.body_limit, self.timeout_s)
@@ -1042,6 +1045,11 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         route_of=route_of,
         cors=bool(settings.origins),
     )
+    def check_path(name: str, params: dict[str, str]) -> None:
+        if name.startswith("v2_infer"):
+            service.check_model(params["model_name"], params.get("version"))
+
+    tensor_routes.check_path = check_path
     app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
     app.add_middleware(HotRoutes, routes=tensor_routes)
     app.add_middleware(

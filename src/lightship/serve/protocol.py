@@ -375,6 +375,13 @@ class _TensorCycle:
             protocol = self._protocol
             transport = protocol.transport
             if self._expect_100 and not (transport.is_closing() or self._stopped):
+                # what the path alone refuses (an unknown model's 404) is answered now, not
+                # after a 100 and the body it asked for; and closes, the body never read
+                try:
+                    self._routes.check_path(self._name, self._params)
+                except Exception:
+                    self.keep_alive = False
+                    raise
                 transport.write_now(b"HTTP/1.1 100 Continue\r\n\r\n")  # not before a 503
             loop = protocol.loop
             # BodyLimit's deadline, counted from the head's arrival in the loop's clock, and
