@@ -184,7 +184,11 @@ def serve(
         ),
     ] = None,
     warmup_rows: Annotated[
-        int | None, typer.Option(help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1)")
+        int | None,
+        typer.Option(
+            help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1); on a GPU, batches of 1 "
+            "and --max-batch-rows rows run too"
+        ),
     ] = None,
     top_k: Annotated[
         int | None, typer.Option(help=f"default top-k of /v1/predict ({ENV}TOP_K; 5)")
