@@ -298,20 +298,8 @@ def report_table(r: dict[str, Any], run: Path, batch: int) -> Any:
     from lightship.report.render import threads_note
 
     table = Table(title=f"{run} on {describe(r['cpu'])}, {r['threads']} threads{threads_note(r)}")
-    # a variant's name is never wrapped: squeezed into 80 columns (a log, `pass*` in the gate
-    # column), the star stood alone on the figures' row and the name below them
-    table.add_column("variant", justify="right", no_wrap=True)
-    for col in (
-        "accuracy",
-        "p50 ms",
-        f"img/s @{batch}",
-        "x eager",
-        "x ONNX\nfp32",  # two lines: the table fits 80 columns
-        "gate",
-    ):  # narrower still, a figure folds onto a second line: cut, "0.99…" hid 0.9963 from 0.9901
-        table.add_column(col, justify="right", overflow="fold")
-    for v in r["variants"]:
-        table.add_row(
+    rows = [
+        [
             ("★ " if v["recommended"] else "") + v["name"],
             f"{v['accuracy']:.4f}",
             f"{v['latency_ms']['p50']:.3f}",
@@ -319,7 +307,28 @@ def report_table(r: dict[str, Any], run: Path, batch: int) -> Any:
             f"{v['speedup_vs_eager']:.2f}",
             "—" if v.get("speedup_vs_onnx_fp32") is None else f"{v['speedup_vs_onnx_fp32']:.2f}",
             ("pass*" if _held_back(v) else "pass") if v["gate_passed"] else "FAIL",
+        ]
+        for v in r["variants"]
+    ]
+    # Every cell stays whole, at its widest: squeezed into 80 columns (a log, `pass*` in the
+    # gate column) the star stood alone beside the figures and the name below them, and
+    # narrower a figure was cut ("0.99…" hid 0.9963 from 0.9901) or folded ("340" over "00").
+    # Headers fold instead; past the terminal's width the lines run on (`crop=False`).
+    for i, col in enumerate(
+        (
+            "variant",
+            "accuracy",
+            "p50 ms",
+            f"img/s @{batch}",
+            "x eager",
+            "x ONNX\nfp32",  # two lines: the table fits 80 columns
+            "gate",
         )
+    ):
+        widest = max((len(row[i]) for row in rows), default=1)
+        table.add_column(col, justify="right", min_width=widest, no_wrap=i == 0, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -358,7 +367,7 @@ def report(
     )
     from rich.console import Console
 
-    Console().print(report_table(r, run, batch))
+    Console().print(report_table(r, run, batch), crop=False)
     if any(v["gate_passed"] and _held_back(v) for v in r["variants"]):
         print("* passes the gate, and is not recommended (report.md says why)")
     print(f"report: {run}/report/report.md (+ report.json, pareto.png)")

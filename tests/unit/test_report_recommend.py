@@ -547,9 +547,12 @@ def test_the_cli_table_keeps_a_variants_name_on_its_row_in_80_columns() -> None:
     assert len(rows) == 3, out.getvalue()
     assert "★ onnx-int8-static" in rows[0] and "onnx-int8-dynamic" in rows[2], out.getvalue()
     assert rows[2].rstrip().endswith("pass* │")
-    narrow = io.StringIO()  # no figure cut to an ellipsis in 60 columns: folded, whole
-    Console(file=narrow, width=60).print(report_table(r, Path("runs/default"), 64))
-    assert "…" not in narrow.getvalue() and "★ onnx-int8-static" in narrow.getvalue()
+    # narrower, no figure cut to "0.99…" nor folded ("340" over "00"): whole, the lines run on
+    narrow = io.StringIO()
+    Console(file=narrow, width=50).print(report_table(r, Path("runs/default"), 64), crop=False)
+    rows = [line for line in narrow.getvalue().splitlines() if "0.9900" in line]
+    assert len(rows) == 3 and "…" not in narrow.getvalue(), narrow.getvalue()
+    assert "★ onnx-int8-static" in rows[0] and "34000" in rows[0] and "pass*" in rows[2]
 
 
 def test_a_recorded_gate_quantize_never_writes_is_ignored_out_loud(

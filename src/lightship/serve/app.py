@@ -1045,6 +1045,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         route_of=route_of,
         cors=bool(settings.origins),
     )
+
     def check_path(name: str, params: dict[str, str]) -> None:
         if name.startswith("v2_infer"):
             service.check_model(params["model_name"], params.get("version"))
