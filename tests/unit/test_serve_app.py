@@ -3840,10 +3840,13 @@ def test_a_head_refused_behind_the_request_sigterm_marked_is_answered(tmp_path: 
     assert b"connection: close" in second.lower() and b"Host" in second
 
 
-def test_a_body_still_arriving_queued_through_asgi_gets_the_drains_503(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expect", [False, True], ids=["", "expect-100"])
+def test_a_body_still_arriving_queued_through_asgi_gets_the_drains_503(
+    tmp_path: Path, expect: bool
+) -> None:
     """Queued behind another answer when the drain stopped bodies, its BodyLimit had not begun
     to be told: it waited for its body to the drain's end, then was cancelled unanswered. (The
-    tensor routes' own way in was stopped as it began.)"""
+    tensor routes' own way in was stopped as it began.) No 100 Continue comes before it."""
     app, gate = make_app(tmp_path, gate=True, max_wait_ms=0, cors_origins="*")
     assert gate is not None
     gate.open.set()
@@ -3853,7 +3856,8 @@ def test_a_body_still_arriving_queued_through_asgi_gets_the_drains_503(tmp_path:
         # a drain of 7 s stops bodies still arriving 1 s after it begins (LINGER_S 5, 1 s kept)
         async with raw_http(app, timeout_graceful_shutdown=7) as (connect, counting, client):
             held, reader, writer = await one_queued(app, connect, client, gate, post(INFER, body))
-            writer.write(post(INFER, body, "origin: http://a.example")[:-5])  # through ASGI
+            extra = ("expect: 100-continue",) if expect else ()
+            writer.write(post(INFER, body, "origin: http://a.example", *extra)[:-5])  # ASGI
             await asyncio.sleep(0.05)
             port = writer.get_extra_info("sockname")[1]
             for connection in list(counting.connections):  # SIGTERM, for this connection
@@ -4211,16 +4215,30 @@ def test_expect_100_continue_over_http_is_answered_before_the_body(tmp_path: Pat
     assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [10, 90, 1020, -920]
 
 
-def test_expect_100_continue_to_an_unknown_model_is_answered_404_at_once(tmp_path: Path) -> None:
-    """It got 100 Continue, then its 404 only after the body it was asked for. The path alone
-    says it: 404 at once, and the connection closes, the body never read."""
-    app, _ = make_app(tmp_path)
+@pytest.mark.parametrize(
+    ("path", "origin", "error"),
+    [
+        ("/v2/models/nope/infer", False, "unknown model 'nope': this server serves 'hand'"),
+        ("/v2/models/nope/infer", True, "unknown model 'nope': this server serves 'hand'"),
+        ("/v1/predict?top_k=x", False, "top_k must be a positive integer, got 'x'"),
+        ("/v1/predict?top_k=x", True, "top_k must be a positive integer, got 'x'"),
+    ],
+    ids=["model", "model-asgi", "top_k", "top_k-asgi"],
+)
+def test_expect_100_continue_to_a_path_refused_is_answered_at_once(
+    tmp_path: Path, path: str, origin: bool, error: str
+) -> None:
+    """It got 100 Continue, then its 404 (or 400) only after the body it was asked for. The
+    path alone says it: answered at once, both ways in, and the connection closes, the body
+    never read."""
+    app, _ = make_app(tmp_path, cors_origins="*")
     body = json.dumps(v2_json(X)).encode()
+    extra = ("origin: http://a.example",) if origin else ()  # through ASGI (CORS)
 
     async def main() -> tuple[int, dict[str, str], bytes, bytes]:
         async with raw_http(app) as (connect, _, _):
             reader, writer = await connect()
-            head = post("/v2/models/nope/infer", body, "expect: 100-continue")[: -len(body)]
+            head = post(path, body, "expect: 100-continue", *extra)[: -len(body)]
             writer.write(head)
             status, headers, answer = await asyncio.wait_for(read_answer(reader), 5)
             writer.write(body)  # as a client may send it anyway: read and thrown away
@@ -4230,8 +4248,8 @@ def test_expect_100_continue_to_an_unknown_model_is_answered_404_at_once(tmp_pat
             return status, headers, answer, rest
 
     status, headers, answer, rest = run(main())
-    assert (status, headers.get("connection")) == (404, "close")
-    assert json.loads(answer) == {"error": "unknown model 'nope': this server serves 'hand'"}
+    assert (status, headers.get("connection")) == (404 if "nope" in path else 400, "close")
+    assert json.loads(answer) == {"error": error}
     assert rest == b""
 
 

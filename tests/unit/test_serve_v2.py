@@ -644,6 +644,8 @@ def test_bad_images(data: bytes, status: int, message: str) -> None:
         ("top_k=0", "top_k must be a positive integer, got '0'"),
         ("top_k=1_0", "top_k must be a positive integer, got '1_0'"),
         ("top_k=" + "9" * 5000, "top_k must be a positive integer, got '999"),
+        ("top_k=0000000002", 2),  # as the body takes any count, and the image route this
+        ("top_k=9999999999", 9999999999),
         ("top_k=2&top_k=3", "top_k is given 2 times in the query: give it once"),
     ],
 )

@@ -75,6 +75,7 @@ from lightship.serve.metrics import (
 )
 from lightship.serve.model import ServedModel
 from lightship.serve.protocol import (
+    BODY_STOPPED,
     BUG,
     LINGER_S,
     QUERY,
@@ -618,7 +619,9 @@ class BodyLimit:
         seen = 0
         body_done = False
         expired = False
-        stopped = False  # the server is stopping and cannot wait for the rest of the body
+        # the server is stopping and cannot wait for the rest of the body (stopped already
+        # while this request was queued, `protocol._stop_body`, where it is still arriving)
+        stopped = bool((arriving := scope.get(BODY_STOPPED)) is not None and arriving())
         receiving: asyncio.Task[Any] | None = None
         timer: asyncio.TimerHandle | None = None
 
@@ -967,6 +970,18 @@ class HotRoutes:
         routes = self.routes
         try:
             head = head_of(scope) or routes.read_head(scope["headers"])
+            expects_100 = any(
+                k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"]
+            )
+            if expects_100:  # before uvicorn's 100, which its first receive() sends
+                try:  # what the path alone refuses is answered now, not after the body
+                    routes.check_path(name, params)
+                except Exception as exc:
+                    if (response := routes.error(exc)) is None:
+                        raise
+                    response.headers["connection"] = "close"  # the body is never read
+                    await response(scope, receive, send)
+                    return
             body = await self._read(scope, receive)
             content, headers = await routes.answer(name, params, head, body, asgi_watch(receive))
         except Exception as exc:
@@ -1049,6 +1064,8 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     def check_path(name: str, params: dict[str, str]) -> None:
         if name.startswith("v2_infer"):
             service.check_model(params["model_name"], params.get("version"))
+        else:
+            v1.query_top_k(params.get(QUERY), settings.top_k)
 
     tensor_routes.check_path = check_path
     app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too

@@ -395,7 +395,7 @@ def raw_paths(
                         "in": "query",
                         "required": False,
                         "description": "classes per image, as the body's top_k (which wins)",
-                        "schema": {"type": "integer", "minimum": 1, "maximum": 999_999_999},
+                        "schema": {"type": "integer", "minimum": 1},
                     }
                 ],
                 **body(v1_request(chw, max_rows)),

@@ -74,6 +74,9 @@ READ_AHEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 128
 # Scope key: BodyLimit's call that answers a body still arriving once the server is stopping
 STOP_BODY = "lightship.stop_body"
+# In the scope of an ASGI request whose body the drain stopped before BodyLimit began: whether
+# the body is still arriving, when BodyLimit begins
+BODY_STOPPED = "lightship.body_stopped"
 # A tensor route's query string, among its path parameters (a key no path parameter has)
 QUERY = "?"
 # How long an answer may wait for its client to read what was written before it (the socket's
@@ -592,7 +595,6 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _handed_over = 0  # marks taken back for a request read after (`_take_back_close`)
         _drain_timer: asyncio.TimerHandle | None = None
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
-        _stop_when_started: Any = None  # an ASGI request queued when bodies were stopped
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
         # When (loop time) an answer still waiting for its client to read it is dropped, the
         # server stopping: a second before uvicorn's drain would cancel it, with a traceback
@@ -658,9 +660,6 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             self._running = cycle
             HttpToolsProtocol._start_asgi_task(self, cycle, app)
-            if cycle is self._stop_when_started:  # its body was stopped while it was queued
-                self._stop_when_started = None
-                self.loop.call_soon(self._stop_started, cycle, 3)
 
         def _hold(self, data: bytes) -> None:
             held = self._held
@@ -787,21 +786,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 cycle.stop_body()
             elif callable(stop := cycle.scope.get(STOP_BODY)):
                 stop()  # BodyLimit's, through ASGI
-            elif cycle is self._running:  # started, its first step (BodyLimit's) not run yet
-                self.loop.call_soon(self._stop_started, cycle, 3)
-            else:  # queued behind another answer, BodyLimit not begun: stopped as it begins
-                self._stop_when_started = cycle
-
-        def _stop_started(self, cycle: Any, tries: int) -> None:
-            """Stop the body of `cycle`, whose ASGI task has just been started: once BodyLimit
-            has run (the task's first step), a few loop turns at most. Left queued, it waited
-            for its body to the drain's end, then was cancelled unanswered."""
-            if not cycle.more_body or cycle.response_complete:
-                return
-            if callable(stop := cycle.scope.get(STOP_BODY)):
-                stop()
-            elif tries > 1:
-                self.loop.call_soon(self._stop_started, cycle, tries - 1)
+            else:  # queued behind another answer, or its first step not run: BodyLimit, not
+                # begun, begins stopped if the body is still arriving then (before any 100).
+                # Left so, it waited for its body to the drain's end, then was cancelled.
+                cycle.scope[BODY_STOPPED] = lambda: cycle.more_body  # type: ignore[literal-required]
 
         def _drain_idle(self) -> None:
             self._drain_timer = None
