@@ -88,15 +88,16 @@ class LoadError(RunError):
         self.runtime = runtime
         self.path, self.kind = path, kind
         self._line = first_line(exc, limit=1000) or type(exc).__name__
-        super().__init__(f"cannot load {kind} model {path} ({self.reason()}): {fix}")
+        super().__init__(self._said(fix))
+
+    def _said(self, fix: str) -> str:
+        return f"cannot load {self.kind} model {self.path} ({self.reason()}): {fix}"
 
     def with_fix(self, fix: str) -> LoadError:
         """The same error with the fix of a caller that knows more (the run and variant)."""
         again = LoadError.__new__(LoadError)
         again.__dict__.update(self.__dict__)
-        RunError.__init__(
-            again, f"cannot load {self.kind} model {self.path} ({self.reason()}): {fix}"
-        )
+        RunError.__init__(again, self._said(fix))
         return again
 
     def reason(self, names: dict[str, str] | None = None) -> str:

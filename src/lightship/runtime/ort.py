@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import mmap
@@ -19,7 +18,7 @@ import onnxruntime as ort
 
 from lightship.errors import ConfigError, RunError
 from lightship.quantize.isa import compatibility, requantize_in_its_run
-from lightship.runs import RunDir, enclosing_run, export_hint, variant_of
+from lightship.runs import RunDir, enclosing_run, export_hint, sha256_file, variant_of
 from lightship.runtime.base import (
     META_INPUT_SPEC,
     META_LABELS,
@@ -277,11 +276,7 @@ def engine_folder(cache: Path, model: Path) -> Path:
     names and the versions, never the weights: a model trained again (the same names, other
     weights) was served with the engine of the one before, without a word, and so was
     another run of the same architecture sharing the cache (a volume)."""
-    digest = hashlib.sha256()
-    with model.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    folder = cache / digest.hexdigest()[:32]
+    folder = cache / sha256_file(model)[:32]
     try:  # onnxruntime makes only the last folder of its cache path
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
