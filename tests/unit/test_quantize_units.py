@@ -513,7 +513,7 @@ def test_a_dynamic_models_scheme_says_why_its_weights_have_their_type(
     scheme = isa.SCHEMES[target]
     made = ptq.quantize_dynamic_onnx(fp32, tmp_path / "d.onnx", scheme, conv_heavy)
     assert made == weights
-    assert ptq.dynamic_weights_why(scheme, conv_heavy).startswith(why)
+    assert ptq.dynamic_weights(scheme, conv_heavy)[1].startswith(why)
 
 
 def test_accuracy_of_a_dynamic_int8_model_is_the_same_on_any_core_count(

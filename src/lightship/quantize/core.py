@@ -832,7 +832,7 @@ class Quantizer:
                     **made["scheme"],
                     "weight_type": weights,
                     "activation_type": "QUInt8",
-                    "why": ptq.dynamic_weights_why(self.scheme, conv_heavy),
+                    "why": ptq.dynamic_weights(self.scheme, conv_heavy)[1],
                 },
                 "flop_share": flops,
                 "int8_ops": int8_share(tmp),

@@ -517,7 +517,7 @@ def quantize_dynamic_onnx(pre: Path, out: Path, scheme: Scheme, conv_heavy: bool
     VNNI CPU (2,747 against 1,184 img/s at batch 64; fp32 7,696). MatMul-heavy models keep
     int8 weights on VNNI/ARM, the u8 x s8 kernels those CPUs accelerate.
     """
-    weight_type = QuantType.QUInt8 if scheme.target == "avx2" or conv_heavy else QuantType.QInt8
+    weight_type, _ = dynamic_weights(scheme, conv_heavy)
     with _quiet():
         quantize_dynamic(
             str(pre),
@@ -529,20 +529,20 @@ def quantize_dynamic_onnx(pre: Path, out: Path, scheme: Scheme, conv_heavy: bool
     return weight_type.name  # for the manifest: the target's scheme names its static one
 
 
-def dynamic_weights_why(scheme: Scheme, conv_heavy: bool) -> str:
-    """Why `quantize_dynamic_onnx` gave its weights the type it did, for the manifest's
-    scheme: the target's static scheme says why it has int8 weights, which uint8 ones are not."""
+def dynamic_weights(scheme: Scheme, conv_heavy: bool) -> tuple[QuantType, str]:
+    """The type `quantize_dynamic_onnx` gives the weights, and why, for the manifest's scheme:
+    the target's static scheme says why it has int8 weights, which uint8 ones are not."""
     if conv_heavy:
-        return (
+        return QuantType.QUInt8, (
             "uint8 weights: ONNX Runtime's ConvInteger ran a conv net 2.3x faster with them "
             "than with int8 weights (digits, AVX-512 VNNI)"
         )
     if scheme.target == "avx2":
-        return (
+        return QuantType.QUInt8, (
             "uint8 weights: without VNNI, u8 x s8 pairs sum in int16 and can saturate; "
             "u8 x u8 products do not"
         )
-    return scheme.why
+    return QuantType.QInt8, scheme.why
 
 
 def scales_digest(path: Path) -> str:
