@@ -236,14 +236,13 @@ class Service:
         sizes = [rows]
         if self.predictor.device != "cpu":  # one row too: --warmup-rows 4 left 1 to rebuild at
             sizes = sorted({rows, 1, self.settings.max_batch_rows})
+        # Generous: a TensorRT engine is built on the first batch and may take minutes. Its
+        # shape is checked as it runs (`Predictor.logits`), its values as the batcher delivers
+        # them (NaN or infinite logits fail the request)
+        timeout_s = max(self.settings.timeout_ms / 1000, 900.0)
         try:
             for n in sizes:
-                # Generous: a TensorRT engine is built on the first batch and may take minutes.
-                # Its shape is checked as it runs (`Predictor.logits`), its values as the
-                # batcher delivers them (NaN or infinite logits fail the request)
-                x = np.zeros((n, *self.chw), np.uint8)
-                timeout_s = max(self.settings.timeout_ms / 1000, 900.0)
-                await self.batcher.infer(x, timeout_s, wait=False)
+                await self.batcher.infer(np.zeros((n, *self.chw), np.uint8), timeout_s, wait=False)
         except Exception as exc:
             self.failed = f"model failed its warm-up batch: {exc}"
             log.error("%s; not ready", self.failed)
@@ -866,6 +865,7 @@ class TensorRoutes:
         compress_min_bytes: int,
         route_of: Callable[[Scope], str | None],
         cors: bool = False,
+        check_path: Callable[[str, dict[str, str]], None] = lambda name, params: None,
     ) -> None:
         self.handlers = handlers
         # CORS is on: a request with an Origin (a browser's) goes through ASGI, whose
@@ -880,7 +880,7 @@ class TensorRoutes:
         self.route_of = route_of
         # raises what the route would answer from its path alone (an unknown model's 404),
         # for a client that waits for 100 Continue before it sends the body
-        self.check_path: Callable[[str, dict[str, str]], None] = lambda name, params: None
+        self.check_path = check_path
 
     def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         return read_head(headers, self.body_limit, self.timeout_s)
@@ -968,25 +968,22 @@ class HotRoutes:
             await _error(405, f"use POST for {path}", allow)(scope, receive, send)
             return
         routes = self.routes
+        unread = False  # refused before the body was read: the connection closes
         try:
             head = head_of(scope) or routes.read_head(scope["headers"])
-            expects_100 = any(
-                k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"]
-            )
-            if expects_100:  # before uvicorn's 100, which its first receive() sends
-                try:  # what the path alone refuses is answered now, not after the body
-                    routes.check_path(name, params)
-                except Exception as exc:
-                    if (response := routes.error(exc)) is None:
-                        raise
-                    response.headers["connection"] = "close"  # the body is never read
-                    await response(scope, receive, send)
-                    return
+            if any(k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"]):
+                # what the path alone refuses is answered now, before uvicorn's first
+                # receive() sends 100 Continue, not after the body
+                unread = True
+                routes.check_path(name, params)
+                unread = False
             body = await self._read(scope, receive)
             content, headers = await routes.answer(name, params, head, body, asgi_watch(receive))
         except Exception as exc:
             if (response := routes.error(exc)) is None:
                 raise  # a bug: a 500 from Starlette's ServerErrorMiddleware
+            if unread:
+                response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
         raw = [(b"content-length", b"%d" % len(content))]
@@ -1050,6 +1047,12 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 return getattr(route, "path", None)
         return None
 
+    def check_path(name: str, params: dict[str, str]) -> None:
+        if name.startswith("v2_infer"):
+            service.check_model(params["model_name"], params.get("version"))
+        else:
+            v1.query_top_k(params.get(QUERY), settings.top_k)
+
     tensor_routes = TensorRoutes(
         hot_handlers,
         answers,
@@ -1059,15 +1062,8 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         compress_min_bytes=settings.compress_min_bytes,
         route_of=route_of,
         cors=bool(settings.origins),
+        check_path=check_path,
     )
-
-    def check_path(name: str, params: dict[str, str]) -> None:
-        if name.startswith("v2_infer"):
-            service.check_model(params["model_name"], params.get("version"))
-        else:
-            v1.query_top_k(params.get(QUERY), settings.top_k)
-
-    tensor_routes.check_path = check_path
     app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
     app.add_middleware(HotRoutes, routes=tensor_routes)
     app.add_middleware(
