@@ -454,41 +454,30 @@ def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_
         report(RunDir(Path("run")), FAST)
 
 
-def test_a_model_of_another_shape_recorded_in_the_run_is_left_out_of_the_report(
-    run: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("other", ["shape", "checkpoint"])
+def test_another_models_file_recorded_in_the_run_is_left_out_of_the_report(
+    run: Path, caplog: pytest.LogCaptureFixture, other: str
 ) -> None:
-    """Another model's model.onnx (3x8x8 for the run's 1x16x16 images), recorded as the run's:
-    the report measured it, and onnxruntime's InvalidArgument ended it in a traceback."""
+    """Another model's model.onnx recorded as the run's. Of another shape (3x8x8 for the run's
+    1x16x16 images): the report measured it, and onnxruntime's InvalidArgument ended it in a
+    traceback. Of the same input, copied in with its manifest entry: measured as this run's
+    ONNX fp32 (0.90 against 0.99, FAIL), and the baseline of every x ONNX fp32; its entry says
+    it was exported from another checkpoint."""
     from tests.handmade import handmade_onnx
 
-    onnx = handmade_onnx(run / "export" / "model.onnx", chw=(3, 8, 8))
-    rd = RunDir(run)
-    entry = rd.artifact("onnx-fp32")
-    assert entry is not None
-    rd.record("onnx-fp32", {**entry, "sha256": sha256_file(onnx)})
-
-    left_out: dict[str, str] = {}
-    with caplog.at_level(logging.WARNING):
-        found = candidates(rd, threads=1, left_out=left_out)
-
-    assert [c.name for c in found] == ["eager", "torchscript"]
-    assert left_out == {
-        "onnx-fp32": "export/model.onnx is not this run's model (it takes [N,3,8,8], the run's "
-        f"images are [N,1,16,16]); `make export RUN={run} EXPORT_ARGS='--formats onnx'` makes it again"
-    }
-    assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text
-
-
-def test_a_model_of_another_run_of_the_same_shape_is_left_out_of_the_report(
-    run: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Another run's model.onnx of the same input, copied in with its manifest entry: measured
-    as this run's ONNX fp32 (0.90 against 0.99, FAIL), and the baseline of every x ONNX fp32.
-    Its entry says it was exported from another checkpoint."""
     rd = RunDir(run)
     entry = rd.artifact("onnx-fp32")
     assert entry is not None and entry["source_checkpoint_sha256"]
-    rd.record("onnx-fp32", {**entry, "source_checkpoint_sha256": "b" * 64})
+    if other == "shape":
+        onnx = handmade_onnx(run / "export" / "model.onnx", chw=(3, 8, 8))
+        rd.record("onnx-fp32", {**entry, "sha256": sha256_file(onnx)})
+        why = "is not this run's model (it takes [N,3,8,8], the run's images are [N,1,16,16])"
+    else:
+        rd.record("onnx-fp32", {**entry, "source_checkpoint_sha256": "b" * 64})
+        why = (
+            "was made from another checkpoint than the run's best.ckpt (its "
+            "source_checkpoint_sha256 is not checkpoint's sha256)"
+        )
 
     left_out: dict[str, str] = {}
     with caplog.at_level(logging.WARNING):
@@ -496,10 +485,10 @@ def test_a_model_of_another_run_of_the_same_shape_is_left_out_of_the_report(
 
     assert [c.name for c in found] == ["eager", "torchscript"]
     assert left_out == {
-        "onnx-fp32": "export/model.onnx was made from another checkpoint than the run's "
-        "best.ckpt (its source_checkpoint_sha256 is not checkpoint's sha256); "
-        f"`make export RUN={run} EXPORT_ARGS='--formats onnx'` makes it again"
+        "onnx-fp32": f"export/model.onnx {why}; `make export RUN={run} EXPORT_ARGS='--formats "
+        "onnx'` makes it again"
     }
+    assert f"onnx-fp32: {left_out['onnx-fp32']} (not measured)" in caplog.text
 
 
 def test_a_report_that_fails_before_measuring_leaves_no_empty_folder(
