@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -351,7 +352,9 @@ def test_keep_freed_memory_stops_eager_faulting_its_activations_in_on_every_call
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
         return int(out.stdout)
 
-    # glibc's defaults: 4,600-7,000 faults a call, measured (6 MiB activations unmapped on free)
-    assert faults("default") > 1000
+    # glibc's defaults: 3,100-7,600 faults a call, measured (6 MiB activations unmapped on
+    # free); about one process in seven faults none (glibc's mmap threshold moves with the
+    # order of the first frees), which failed CI: the median of five processes
+    assert statistics.median(faults("default") for _ in range(5)) > 1000
     assert faults("keep") < 50
     assert faults("given back") > 1000
