@@ -307,7 +307,9 @@ def test_quantize_gemm_bias_gives_each_gemm_its_own_int32_bias(tmp_path: Path) -
         helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"]),
     ]
     for i in (1, 2):
-        w = rng.integers(-127, 128, size=(5, 4)).astype(np.int8)
+        # 7-bit weights, as QAT makes them for AVX2: that CPU's u8 x s8 GEMM sums pairs in int16,
+        # where full-range ones saturate (6 of 40 outputs off by up to 14.6 on an AVX2 EPYC)
+        w = rng.integers(-64, 64, size=(5, 4)).astype(np.int8)
         inits += [
             numpy_helper.from_array(w, f"w{i}"),
             numpy_helper.from_array(rng.uniform(0.01, 0.02, 5).astype(np.float32), f"w{i}_s"),
