@@ -458,6 +458,40 @@ def test_image_upload_one_or_more_files(tmp_path: Path) -> None:
     run(main())
 
 
+@pytest.mark.parametrize(
+    ("query", "kept"),
+    [
+        ("top_k=1", 1),
+        ("top_k=2&x=y", 2),
+        *[(f"top_k={bad}", None) for bad in ("%202", "2.0", "%2B2", "1&top_k=2", "9" * 101)],
+    ],
+)
+def test_both_v1_routes_take_a_top_k_query_alike(
+    tmp_path: Path, query: str, kept: int | None
+) -> None:
+    """The image route's `?top_k` was FastAPI's int: " 2", "2.0" and "+2" passed, as did the
+    last of two and a number of 101 digits, where /v1/predict refused each with a 400."""
+    app, _ = make_app(tmp_path)
+    image = np.full((2, 2), 12, np.uint8)  # both classes close: two to keep
+
+    async def main() -> list[httpx.Response]:
+        async with serving(app) as client:
+            files = [("files", ("a.png", png(image), "image/png"))]
+            body = {"instances": image[None].tolist()}
+            return [
+                await client.post(f"/v1/predict/image?{query}", files=files),
+                await client.post(f"/v1/predict?{query}", json=body),
+            ]
+
+    answers = run(main())
+    if kept is None:
+        assert [r.status_code for r in answers] == [400, 400]
+        assert answers[0].json() == answers[1].json()
+        assert answers[0].json()["error"].startswith("top_k ")
+    else:
+        assert [len(r.json()["predictions"][0]["top_k"]) for r in answers] == [kept, kept]
+
+
 def test_uploads_over_a_request_s_pixel_budget_are_refused_before_any_is_decoded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -625,8 +659,7 @@ BAD_FORMS: list[tuple[str, dict[str, Any], str]] = [
     (
         "top_k not a number",
         {"params": {"top_k": "two"}, "files": [("files", ("a.png", b"x", "image/png"))]},
-        "invalid request: query.top_k: Input should be a valid integer, unable to parse string "
-        "as an integer",
+        "top_k must be a positive integer, got 'two'",
     ),
 ]
 

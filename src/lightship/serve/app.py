@@ -1329,9 +1329,9 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         },
         openapi_extra=openapi.image_body(IMAGES_FIELD, settings.max_batch_rows),
     )
-    async def v1_predict_image(request: Request, top_k: int | None = None) -> Response:
-        if top_k is not None and top_k < 1:
-            raise ProtocolError(f"top_k must be a positive integer, got {top_k}")
+    async def v1_predict_image(request: Request) -> Response:
+        # read as /v1/predict reads it: FastAPI's int took " 2", "2.0", "+2" and the last of two
+        top_k = v1.query_top_k(request.url.query, settings.top_k)
         contents = await _uploaded_images(request, settings.max_batch_rows)
         # read after the upload: one that arrived past the deadline, within its allowance,
         # has the deadline again from its end (`body_arrived`)
@@ -1394,7 +1394,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
             v1.encode_predictions(
                 logits,
                 service.labels,
-                top_k or settings.top_k,
+                top_k,
                 service.name,
                 [name for _, name in contents],
             ),

@@ -125,8 +125,18 @@ def body(schema: dict[str, Any], binary: bool = False) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": content}}
 
 
+# `?top_k=N` of both /v1 routes, which read it with `v1.query_top_k` (one rule for both)
+TOP_K_QUERY: dict[str, Any] = {
+    "name": "top_k",
+    "in": "query",
+    "required": False,
+    "description": "classes per image",
+    "schema": {"type": "integer", "minimum": 1},
+}
+
+
 def image_body(field: str, max_files: int) -> dict[str, Any]:
-    """`openapi_extra` of the image route, which parses its form itself."""
+    """`openapi_extra` of the image route, which parses its form and query itself."""
     files = {
         "type": "array",
         "minItems": 1,
@@ -138,7 +148,8 @@ def image_body(field: str, max_files: int) -> dict[str, Any]:
     }
     schema = {"type": "object", "required": [field], "properties": {field: files}}
     return {
-        "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
+        "parameters": [TOP_K_QUERY],
+        "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}},
     }
 
 
@@ -390,13 +401,8 @@ def raw_paths(
                 "summary": "Labels and top-k probabilities for images given as pixel arrays",
                 "description": compressed,
                 "parameters": [
-                    {
-                        "name": "top_k",
-                        "in": "query",
-                        "required": False,
-                        "description": "classes per image, as the body's top_k (which wins)",
-                        "schema": {"type": "integer", "minimum": 1},
-                    }
+                    TOP_K_QUERY
+                    | {"description": "classes per image, as the body's top_k (which wins)"}
                 ],
                 **body(v1_request(chw, max_rows)),
                 "responses": {
