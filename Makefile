@@ -149,8 +149,16 @@ args_note = $(if $(and $(ARGS),$(if $(filter train,$(MAKECMDGOALS)),,1)),$(warni
 # under that generic name is not the run's: as `train_asked` reads it).
 train_flags = $(if $(filter 1 yes true,$(1)),$(if $(filter command line,$(origin CONFIG)),--config $(CONFIG)) --resume,--config $(CONFIG))
 
+# A stage killed outright (SIGKILL, exit 137) cannot say why: most often the kernel's
+# out-of-memory killer. make says so, with the stage's own fix ($(2), $(3)), and still fails.
+killed = || { rc=$$?; if [ $$rc -eq 137 ]; then echo "make: lightship $(1) was killed (SIGKILL), \
+	most often by the out-of-memory killer (\`dmesg | grep -i oom\` or a container's OOMKilled \
+	status says): give it more memory$(2), then make again$(3)" >&2; fi; exit $$rc; }
+smaller_batch = or train with a smaller data.batch_size (ARGS='--set data.batch_size=32')
+
 train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
-	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(RESUME)) $(ARGS)
+	$(BIN)/lightship train --run $(RUN) $(call train_flags,$(RESUME)) $(ARGS) $(call \
+	killed,train, $(smaller_batch), (RESUME=1 goes on from its last saved epoch))
 
 # A later stage builds what it needs when it is missing, so every stage target works on a fresh
 # clone: export trains first; quantize, report and serve train and export first (report then
@@ -169,7 +177,8 @@ train: $(STAMP) ## train CONFIG into RUN (RESUME=1 continues from last.ckpt)
 # stops too.
 $(RUN)/best.ckpt: | $(STAMP)
 	$(if $(train_asked),,$(error $(no_run)))
-	LIGHTSHIP_MAKE_THEN=export $(BIN)/lightship train --run $(RUN) $(call train_flags,$(if $(wildcard $(RUN)/checkpoints/last.ckpt),1)) $(ARGS)
+	LIGHTSHIP_MAKE_THEN=export $(BIN)/lightship train --run $(RUN) $(call train_flags,$(if $(wildcard $(RUN)/checkpoints/last.ckpt),1)) $(ARGS) \
+	$(call killed,train, $(smaller_batch))
 
 comma := ,
 empty :=
@@ -185,23 +194,24 @@ no_run = no trained run at $(RUN): train it first with `make $(here)train RUN=$(
 
 export: $(STAMP) | $(RUN)/best.ckpt ## export RUN/best.ckpt to ONNX, TorchScript and .pt2 (parity-checked)
 	$(call args_note,export,EXPORT_ARGS)
-	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
+	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS) $(call killed,export)
 
 $(RUN)/export/model.onnx: | $(RUN)/best.ckpt $(STAMP)
-	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS)
+	$(BIN)/lightship export --run $(RUN) $(EXPORT_ARGS) $(call killed,export)
 
 quantize: $(STAMP) | $(RUN)/export/model.onnx ## int8 static/dynamic PTQ + QAT behind the accuracy gate, then the report
 	$(call args_note,quantize,QUANTIZE_ARGS)
-	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) report' $(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS)
-	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
+	LIGHTSHIP_MAKE_GOALS='$(MAKECMDGOALS) report' $(BIN)/lightship quantize --run $(RUN) $(QUANTIZE_ARGS) \
+	$(call killed,quantize)
+	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS) $(call killed,report)
 
 report: $(STAMP) | $(RUN)/export/model.onnx ## measure every variant in RUN: report/report.md, report.json, pareto.png
 	$(call args_note,report,REPORT_ARGS)
-	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS)
+	$(BIN)/lightship report --run $(RUN) $(REPORT_ARGS) $(call killed,report)
 
 serve: $(STAMP) | $(RUN)/export/model.onnx ## serve RUN over HTTP (report's recommended variant; SERVE_ARGS='--port 9000')
 	$(call args_note,serve,SERVE_ARGS)
-	$(BIN)/lightship serve --run $(RUN) $(SERVE_ARGS)
+	$(BIN)/lightship serve --run $(RUN) $(SERVE_ARGS) $(call killed,serve)
 
 test: $(STAMP) ## lint, type-check and run the test suite (not the slow tests)
 	$(BIN)/ruff check src tests deploy

@@ -233,6 +233,39 @@ def test_make_stages_next_line_names_no_stage_make_runs_after_them(tmp_path: Pat
     ]
 
 
+@pytest.mark.parametrize("signal_or_code", ["-9", "3"])
+def test_make_says_why_a_stage_killed_outright_printed_nothing(
+    tmp_path: Path, signal_or_code: str
+) -> None:
+    """An out-of-memory kill leaves no word from lightship itself: make's `Error 137` was all. A
+    stage that failed on its own (exit 3, its error printed) gets no such line."""
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "best.ckpt").touch()
+    (run / "export/model.onnx").touch()
+    bin_dir.mkdir()
+    stand_in = bin_dir / "lightship"
+    end = "kill -9 $$" if signal_or_code == "-9" else f"exit {signal_or_code}"
+    stand_in.write_text(f"#!/bin/sh\n{end}\n")
+    stand_in.chmod(0o755)
+    env = {**os.environ, "MAKEFLAGS": "", "PWD": str(ROOT)}
+    said = {}
+    for target in ("train", "export", "quantize", "report", "serve"):
+        proc = subprocess.run(
+            ["make", "-s", target, f"BIN={bin_dir}", f"STAMP={stand_in}", f"RUN={run}"],
+            cwd=ROOT, capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr  # make's own failure, as before
+        said[target] = [line for line in proc.stderr.splitlines() if "killed (SIGKILL)" in line]
+    if signal_or_code == "3":
+        assert not any(said.values()), said
+        return
+    for target, lines in said.items():
+        assert len(lines) == 1 and lines[0].startswith(f"make: lightship {target} was killed")
+        assert "out-of-memory killer" in lines[0] and "then make again" in lines[0]
+    assert "--set data.batch_size=32" in said["train"][0] and "RESUME=1" in said["train"][0]
+
+
 def test_make_stages_build_what_they_need(exported_run: Path, tmp_path: Path) -> None:
     # a fresh RUN given with its CONFIG: report and serve train and export first
     fresh = tmp_path / "fresh"
