@@ -209,6 +209,22 @@ def test_a_training_killed_after_its_first_checkpoint_resumes_and_drops_the_old_
     assert best["hyper_parameters"]["model_spec"]["name"] == MODEL
 
 
+def test_training_afresh_over_an_unfinished_training_says_how_to_keep_it(tmp_path: Path) -> None:
+    """A new run killed after two epochs (out of memory, say), then its command again: it
+    started over without a word, and the killed one's epochs went with its first checkpoint."""
+    run = tmp_path / "fresh"
+    proc = run_cli("train", "--run", str(run), "--config", TINY, *signalled(22, "SIGKILL"))
+    assert proc.returncode == -signal.SIGKILL
+    assert (run / "checkpoints" / "last.ckpt").is_file() and not (run / "best.ckpt").exists()
+    proc = run_cli("train", "--run", str(run), "--config", TINY, check=True)
+    (note,) = [line for line in proc.stderr.splitlines() if line.startswith("note: ")]
+    assert note.startswith(f"note: {run} holds an unfinished training (checkpoints/last.ckpt")
+    assert note.endswith(f"resume it: `make train RESUME=1 RUN={run}`"), note
+    # a finished run trained again is what was asked: no note
+    proc = run_cli("train", "--run", str(run), "--config", TINY, check=True)
+    assert "unfinished training" not in proc.stderr
+
+
 def test_sigterm_while_fitting_a_new_run_says_to_train_it_again(tmp_path: Path) -> None:
     # it said "runs/fresh is as it was", of a folder it had made, with a config.yaml in it
     run = tmp_path / "fresh"

@@ -798,6 +798,16 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
     stash = None
     if not keep:
         run.checkpoints.mkdir(parents=True, exist_ok=True)
+        if run.last_ckpt.is_file() and not run.best_ckpt.is_file():
+            # a training that never finished (killed, out of memory): rerunning its command
+            # started over without a word, and its epochs went with the first new checkpoint
+            print(
+                f"note: {run.root} holds an unfinished training (checkpoints/last.ckpt, no "
+                "best.ckpt); this new one replaces it at its first checkpoint. To keep it, stop "
+                f"now (Ctrl-C puts it back) and resume it: {run.train_command(env=env)}",
+                file=sys.stderr,
+                flush=True,
+            )
         stash = run.set_aside()
     restored = False  # put back, or to be (left for `recover_set_aside` where that failed)
     try:
