@@ -722,7 +722,12 @@ def test_overload_is_answered_with_200_429_or_504_and_memory_stays_flat(tmp_path
                         np.reshape(out["data"], (1, 2)), expected_logits(x)
                     )
                 else:
-                    assert r.status_code in (429, 504), r.text
+                    # 408: this process's 48 threads share 2 cores with the server, and one
+                    # can wait past the 1.5 s deadline between writing its head and its body
+                    # (httpx writes them apart); the server then answers it at that deadline
+                    # (once in CI on a slow AVX2-only EPYC: 0 bytes of the body had arrived)
+                    late_body = r.status_code == 408 and "body incomplete" in r.text
+                    assert r.status_code in (429, 504) or late_body, r.text
                     assert "error" in r.json()
                     if r.status_code == 429:
                         assert int(r.headers["retry-after"]) >= 1

@@ -3777,7 +3777,13 @@ def test_a_client_pipelining_through_the_drain_is_closed_after_a_bound(tmp_path:
                 if headers.get("connection") == "close":
                     break
                 writer.write(request)  # one more, keeping the pipeline full
-            left = await asyncio.wait_for(reader.read(), 5)
+            try:
+                left = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                # the close came with the last request written still unread by the server:
+                # the kernel resets then (after the answers read above), and nothing more came
+                # (about one run in six on a slow 2-core machine)
+                left = b""
             writer.close()
             return seen, left
 
