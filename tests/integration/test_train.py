@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,15 +190,35 @@ def test_make_help_lists_every_args_variable_and_stages_say_where_args_go() -> N
     assert "note:" not in proc.stderr, proc.stderr
 
 
-def test_make_stages_next_line_names_no_stage_make_runs_after_them(tmp_path: Path) -> None:
-    # each recipe's lightship (a stand-in printing the `next:` line the real stage would) sees
-    # which stages the same make runs after it
+def stand_in_make(
+    tmp_path: Path, script: str
+) -> tuple[Path, Callable[..., subprocess.CompletedProcess[str]]]:
+    """A trained and exported RUN (empty files) and `make ARGS` on it, whose recipes run
+    `script` (sh) as lightship."""
     bin_dir, run = tmp_path / "bin", tmp_path / "run"
     (run / "export").mkdir(parents=True)
     (run / "best.ckpt").touch()
     (run / "export/model.onnx").touch()
     bin_dir.mkdir()
-    (bin_dir / "stand_in.py").write_text(
+    stand_in = bin_dir / "lightship"
+    stand_in.write_text(f"#!/bin/sh\n{script}\n")
+    stand_in.chmod(0o755)
+    env = {**os.environ, "MAKEFLAGS": "", "PYTHONPATH": str(ROOT / "src"), "PWD": str(ROOT)}
+
+    def make(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["make", "-s", *args, f"BIN={bin_dir}", f"STAMP={stand_in}", f"RUN={run}"],
+            cwd=ROOT, capture_output=True, text=True, env=env,
+        )  # fmt: skip
+
+    return run, make
+
+
+def test_make_stages_next_line_names_no_stage_make_runs_after_them(tmp_path: Path) -> None:
+    # each recipe's lightship (a stand-in printing the `next:` line the real stage would) sees
+    # which stages the same make runs after it
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(
         "import os, sys\nfrom pathlib import Path\nfrom lightship.runs import next_command\n"
         "from lightship.serve.settings import unknown_variables\n"
         "print(*unknown_variables(os.environ), sep='\\n')  # make's own variable is no typo\n"
@@ -205,17 +226,12 @@ def test_make_stages_next_line_names_no_stage_make_runs_after_them(tmp_path: Pat
         "if sys.argv[1] in after:\n"
         "    print(sys.argv[1], 'next:', next_command(after[sys.argv[1]], Path(sys.argv[3])))\n"
     )
-    stand_in = bin_dir / "lightship"
-    stand_in.write_text(f'#!/bin/sh\nexec {sys.executable} {bin_dir / "stand_in.py"} "$@"\n')
-    stand_in.chmod(0o755)
-    env = {**os.environ, "MAKEFLAGS": "", "PYTHONPATH": str(ROOT / "src"), "PWD": str(ROOT)}
+    run, run_make = stand_in_make(tmp_path, f'exec {sys.executable} {stand_in} "$@"')
 
     def make(*args: str) -> list[str]:
-        out = subprocess.run(
-            ["make", "-s", *args, f"BIN={bin_dir}", f"STAMP={stand_in}", f"RUN={run}"],
-            cwd=ROOT, capture_output=True, text=True, check=True, env=env,
-        ).stdout  # fmt: skip
-        return [line for line in out.splitlines() if line]
+        proc = run_make(*args)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stdout.splitlines() if line]
 
     ahead = f"make quantize RUN={run}   (or `lightship quantize --run {run}`)"
     assert make("export") == [f"export next: {ahead}"]
@@ -239,22 +255,11 @@ def test_make_says_why_a_stage_killed_outright_printed_nothing(
 ) -> None:
     """An out-of-memory kill leaves no word from lightship itself: make's `Error 137` was all. A
     stage that failed on its own (exit 3, its error printed) gets no such line."""
-    bin_dir, run = tmp_path / "bin", tmp_path / "run"
-    (run / "export").mkdir(parents=True)
-    (run / "best.ckpt").touch()
-    (run / "export/model.onnx").touch()
-    bin_dir.mkdir()
-    stand_in = bin_dir / "lightship"
     end = "kill -9 $$" if signal_or_code == "-9" else f"exit {signal_or_code}"
-    stand_in.write_text(f"#!/bin/sh\n{end}\n")
-    stand_in.chmod(0o755)
-    env = {**os.environ, "MAKEFLAGS": "", "PWD": str(ROOT)}
+    _, make = stand_in_make(tmp_path, end)
     said = {}
     for target in ("train", "export", "quantize", "report", "serve"):
-        proc = subprocess.run(
-            ["make", "-s", target, f"BIN={bin_dir}", f"STAMP={stand_in}", f"RUN={run}"],
-            cwd=ROOT, capture_output=True, text=True, env=env,
-        )  # fmt: skip
+        proc = make(target)
         assert proc.returncode == 2, proc.stderr  # make's own failure, as before
         said[target] = [line for line in proc.stderr.splitlines() if "killed (SIGKILL)" in line]
     if signal_or_code == "3":
