@@ -730,12 +730,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             then drop the answer unread: Python's http.client, which `requests` uses, sends a
             whole 64 MB body before it reads, and got ConnectionResetError instead of the 413.
             So the answer goes out with a FIN, what still comes is read and thrown away, and
-            the connection closes when the client closes it, or after LINGER_S."""
+            the connection closes when the client closes it, or after LINGER_S. Likewise
+            where the client has pipelined more than the answer that closes (`Connection:
+            close`, the server stopping): requests held back unread, or a head under way."""
             transport = self._out
             if self._linger is not None:
                 return  # lingering already: its timer or the client closes it
             cycle = self.cycle
-            unread = self._broken or (cycle is not None and cycle.more_body)
+            unread = (
+                self._broken
+                or (cycle is not None and cycle.more_body)
+                or bool(self.pipeline)
+                or self._held is not None
+                or self.flow.socket_paused
+                or (self._in_head and self._head_bytes > 0)
+            )
             if unread and not transport.is_closing():
                 try:
                     half_close = transport.can_write_eof()
@@ -745,6 +754,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     transport.closed_here = True  # the server closes: it waits for the client
                     transport.write_eof()
                     self._linger = self.loop.call_later(LINGER_S, transport.close_now)
+                    self._held = None  # requests the close leaves unanswered: thrown away too
                     self.flow.resume_reading()  # paused for a long body or a pipelined request
                     self.flow.resume_socket()  # or paused by kept bytes not yet fed
                     return
