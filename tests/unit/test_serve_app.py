@@ -3248,6 +3248,37 @@ def test_a_body_still_arriving_fast_enough_at_the_deadline_is_answered_and_a_tri
     assert json.loads(answer)["error"].startswith("request body incomplete after 0.3")
 
 
+@pytest.mark.parametrize("way", ["tensor", "asgi"])
+def test_a_body_that_arrived_while_the_event_loop_stalled_past_the_deadline_is_read(
+    tmp_path: Path, way: str
+) -> None:
+    """The body came in time, but the loop was held (a 2-core machine under overload) past the
+    request's deadline: uvloop runs its due timers before it reads the sockets, and the body
+    waiting in the kernel's buffer was answered 408, "0 bytes arrived" (CI, the overload test).
+    The timer takes one turn of the loop to read it first. Both ways in: the tensor route
+    answered by the protocol, and through ASGI (BodyLimit; CORS sends it there)."""
+    app, _ = make_app(tmp_path, timeout_ms=200, cors_origins="*")
+    body = json.dumps(v2_json(X[:1])).encode()
+    extra = ("origin: http://a.example",) if way == "asgi" else ()
+    head, _, body = post(INFER, body, *extra).partition(b"\r\n\r\n")
+
+    async def main() -> tuple[int, bytes]:
+        async with raw_http(app) as (connect, _, _):
+            reader, writer = await connect()
+            writer.write(head + b"\r\n\r\n")
+            await asyncio.sleep(0.05)  # the head read: the body's wait begun
+            writer.write(body)  # sent at once (the socket takes it): in the server's buffer
+            time.sleep(0.4)  # the loop held past the deadline, as a stall holds it
+            status, _, answer = await asyncio.wait_for(read_answer(reader), 5)
+            writer.close()
+            return status, answer
+
+    status, answer = run(main())
+    assert status == 200, answer
+    data = json.loads(answer)["outputs"][0]["data"]
+    np.testing.assert_array_equal(np.reshape(data, (1, 2)), expected_logits(X[:1]))
+
+
 @pytest.mark.parametrize("deadline", ["server's", "client's"])
 def test_a_body_stalled_over_http_is_answered_at_the_deadline_and_the_connection_closed(
     tmp_path: Path, deadline: str

@@ -391,6 +391,7 @@ class _TensorCycle:
             # past it the body's allowance (`body_allowed_until`)
             clock = loop.time() - time.monotonic()
             deadline = clock + self._head.deadline
+            looked = False
             while self.more_body and not (self._over or self.disconnected):
                 if self._stopped:
                     raise self._routes.body_stopped(self._seen)
@@ -400,9 +401,17 @@ class _TensorCycle:
                         await self._waiter
                 except TimeoutError:
                     later = clock + self._routes.body_allowed_until(self._head, self._seen)
-                    if later <= loop.time():
+                    if later > loop.time():
+                        deadline = later
+                    elif not looked:
+                        # One turn of the loop first, to read what came in time: after a
+                        # stall (a 2-core machine under overload) uvloop runs its due timers
+                        # before it reads the sockets, and a body that had arrived in the
+                        # kernel's buffer was answered 408, "0 bytes arrived"
+                        looked = True
+                        await asyncio.sleep(0)
+                    else:
                         raise self._routes.body_timeout(self._head, self._seen) from None
-                    deadline = later
                 finally:
                     self._waiter = None
             if not (self._over or self.disconnected):
