@@ -247,11 +247,10 @@ def test_qat_resnet_runs_every_conv_in_int8_in_onnxruntime(tmp_path: Path) -> No
     from types import SimpleNamespace
 
     from torchao.quantization.pt2e import move_exported_model_to_eval
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     from lightship import models
     from lightship.quantize.core import int8_share
-    from lightship.quantize.qat import ExportedNet, export_onnx, prepare
+    from lightship.quantize.qat import convert, export_onnx, prepare
 
     torch.manual_seed(0)
     spec = {"name": "resnet", "kwargs": {"width": 8, "blocks": [1, 1]}, "in_channels": 3}
@@ -267,7 +266,7 @@ def test_qat_resnet_runs_every_conv_in_int8_in_onnxruntime(tmp_path: Path) -> No
         loss.backward()
         opt.step()
     move_exported_model_to_eval(prepared)
-    converted = ExportedNet(convert_pt2e(prepared)).eval()
+    converted = convert(prepared)
     path = tmp_path / "qat.onnx"
     export_onnx(converted, x[:2], path)
 

@@ -987,6 +987,41 @@ def test_qat_from_python_imports_torchao_without_its_cuda_noise() -> None:
     assert proc.stdout == "0"  # the caller's logging as it was
 
 
+@pytest.mark.parametrize("conv", ["conv2d", "none"])
+def test_qat_tries_torchaos_conv_batch_norm_patterns_only_for_the_convs_in_the_model(
+    monkeypatch: pytest.MonkeyPatch, conv: str
+) -> None:
+    """torchao's fold of batch norm into conv (in `convert_pt2e`; the fuse in prepare alike)
+    exports the pattern graphs of four convs, 96 `torch.export`s: 30 s of a 50 s QAT of the
+    tiny CNN. Only the model's own conv is tried; a graph with none of the four gets all."""
+    import torch.nn.functional as F
+    from torchao.quantization.pt2e import qat_utils
+
+    tried: list[tuple[str, bool]] = []
+
+    def helper(m: torch.fx.GraphModule, conv_fn: object, inputs: object, is_cuda: bool) -> object:
+        tried.append((getattr(conv_fn, "__name__", ""), is_cuda))
+        return m
+
+    monkeypatch.setattr(qat_utils, "_fold_conv_bn_qat_helper", helper)
+    monkeypatch.setattr(qat_utils, "_fuse_conv_bn_qat_helper", helper)
+    first = torch.nn.Conv2d(1, 4, 3) if conv == "conv2d" else torch.nn.Flatten(0, 0)
+    model = torch.nn.Sequential(first, torch.nn.BatchNorm2d(4 if conv == "conv2d" else 1)).train()
+    graph = torch.export.export(model, (torch.randn(2, 1, 5, 5),)).module()
+    cudas = [True, False] if torch.cuda.is_available() else [False]
+    for rewrite in (qat_utils._fold_conv_bn_qat, qat_utils._fuse_conv_bn_qat):
+        tried.clear()
+        with qat._conv_bn_patterns_present():
+            rewrite(graph)
+        if conv == "conv2d":
+            assert tried == [("conv2d", cuda) for cuda in cudas]
+        else:
+            convs = [F.conv1d, F.conv2d, F.conv_transpose1d, F.conv_transpose2d]
+            assert tried == [(f.__name__, cuda) for cuda in cudas for f in convs]
+    # and torchao's own helpers are back
+    assert qat_utils._fold_conv_bn_qat_helper is helper
+
+
 def test_qat_loads_its_data_as_the_run_trained(tiny_run: Path, tmp_path: Path) -> None:
     """QAT fine-tuned in DataConfig's batches of 64 whatever the run trained with (tiny.yaml:
     128; a batch lowered to fit memory), over the checkpoint's split."""

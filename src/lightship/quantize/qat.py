@@ -11,10 +11,12 @@ Imports no training code: the shared Lightning pieces live in `lightship.callbac
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +342,43 @@ def _one_line(exc: BaseException) -> str:
     return first_line(exc) or type(exc).__name__
 
 
+@contextlib.contextmanager
+def _conv_bn_patterns_present() -> Iterator[None]:
+    """torchao's conv + batch-norm rewrites, the fuse in `prepare_qat_pt2e` and the fold in
+    `convert_pt2e`, try their patterns for four convs each (1d, 2d and both transposed),
+    every pattern graph made by a `torch.export` of its own: 96 in the fold alone, 30 s of a
+    50 s QAT of the tiny CNN on the AVX2 EPYC, twice that where CUDA is present. Here a
+    conv that is not in the graph is not tried, since none of its patterns can match there;
+    a graph with none of the four gets torchao's own passes whole (each pass also reshapes
+    the graph's dequantize nodes, which one conv's pass still does)."""
+    from torchao.quantization.pt2e import qat_utils
+
+    def only_present(helper: Callable[..., torch.fx.GraphModule]) -> Any:
+        @functools.wraps(helper)
+        def tried(m: torch.fx.GraphModule, conv_fn: Any, *args: Any, **kwargs: Any) -> Any:
+            ops = {getattr(n.target, "_opname", None) for n in m.graph.nodes}  # aten's names
+            if ops.isdisjoint(_CONVS) or conv_fn.__name__ in ops:
+                return helper(m, conv_fn, *args, **kwargs)
+            return m
+
+        return tried
+
+    names = ("_fuse_conv_bn_qat_helper", "_fold_conv_bn_qat_helper")
+    helpers = {name: getattr(qat_utils, name) for name in names}
+    try:
+        for name, helper in helpers.items():
+            setattr(qat_utils, name, only_present(helper))
+        yield
+    finally:
+        for name, helper in helpers.items():
+            setattr(qat_utils, name, helper)
+
+
+# The convs torchao's conv + batch-norm rewrites try (`_conv_bn_patterns_present`), by their
+# aten op's name
+_CONVS = frozenset({"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d"})
+
+
 # Ops that draw random numbers: captured in training mode, they stay in the int8 model
 # (`move_exported_model_to_eval` turns off aten.dropout alone)
 _RANDOM_OPS = re.compile(
@@ -415,7 +454,8 @@ def prepare(
     _refuse_random_ops(ep.graph_module, name)
     quantizer = _Quantizer(qat_config(scheme, per_channel), float_first_conv)
     try:
-        prepared = prepare_qat_pt2e(ep.module(), quantizer)
+        with _conv_bn_patterns_present():
+            prepared = prepare_qat_pt2e(ep.module(), quantizer)
     except Exception as exc:
         raise MethodFailed(
             "qat", f"cannot prepare model '{name}': {_one_line(exc)}", ADVICE
@@ -428,6 +468,12 @@ def prepare(
         )
     prepared.meta["float_first_conv"] = float_first_conv
     return prepared
+
+
+def convert(prepared: torch.fx.GraphModule) -> ExportedNet:
+    """The fake-quantized model (`prepare`), fine-tuned, as the int8 model (eval mode)."""
+    with _conv_bn_patterns_present():
+        return ExportedNet(convert_pt2e(prepared)).eval()
 
 
 # What the run's config.yaml says of loading its data, which QAT fine-tunes with as training
@@ -523,7 +569,11 @@ def quantize_aware_train(
     )
     splits = dm.splits
     example = torch.from_numpy(np.ascontiguousarray(splits.train_x[:2]))  # batch >= 2 stays free
-    prepared = prepare(loaded, example, scheme, per_channel)
+    # torchao's passes draw from torch's generator (their patterns' example inputs): kept
+    # apart, the fine-tuning's shuffles and dropout follow the seed alone, however many
+    # patterns a torchao version tries
+    with torch.random.fork_rng(devices=[]):
+        prepared = prepare(loaded, example, scheme, per_channel)
     float_first = bool(prepared.meta.get("float_first_conv"))
 
     net = ExportedNet(prepared)
@@ -548,7 +598,7 @@ def quantize_aware_train(
         net.eval()
         fq_acc = evaluate(net, splits.test_x, splits.test_y)
         try:
-            converted = ExportedNet(convert_pt2e(prepared)).eval()
+            converted = convert(prepared)
         except Exception as exc:
             raise MethodFailed("qat", f"convert_pt2e: {_one_line(exc)}", ADVICE) from None
         # committed together: a stop signal between two commits of their own would leave a
