@@ -569,11 +569,7 @@ def quantize_aware_train(
     )
     splits = dm.splits
     example = torch.from_numpy(np.ascontiguousarray(splits.train_x[:2]))  # batch >= 2 stays free
-    # torchao's passes draw from torch's generator (their patterns' example inputs): kept
-    # apart, the fine-tuning's shuffles and dropout follow the seed alone, however many
-    # patterns a torchao version tries
-    with torch.random.fork_rng(devices=[]):
-        prepared = prepare(loaded, example, scheme, per_channel)
+    prepared = prepare(loaded, example, scheme, per_channel)
     float_first = bool(prepared.meta.get("float_first_conv"))
 
     net = ExportedNet(prepared)
