@@ -3780,6 +3780,40 @@ def test_a_request_pipelined_around_sigterm_is_answered_and_the_last_closes(
     assert run(main()) == [(200, None), (200, "close")]
 
 
+@pytest.mark.parametrize("origin", [False, True], ids=["protocol", "asgi"])
+def test_a_pipelined_requests_latency_counts_from_when_it_was_read(
+    tmp_path: Path, origin: bool
+) -> None:
+    """A request read behind another on its connection waits for that one's answer before its
+    task starts: its latency counted from then left out the wait (0.4 s here counted ~1 ms).
+    Both ways in: the tensor route answered by the protocol, and through ASGI (CORS)."""
+    app, gate = make_app(tmp_path, gate=True, max_wait_ms=0, cors_origins="*")
+    assert gate is not None
+    gate.open.set()
+    extra = ("origin: http://a.example",) if origin else ()
+    request = post(INFER, json.dumps(v2_json(X[:1])).encode(), *extra)
+
+    async def main() -> str:
+        async with raw_http(app) as (connect, _, client):
+            held, reader, writer = await one_queued(app, connect, client, gate, request)
+            writer.write(request)  # pipelined behind the queued one
+            await asyncio.sleep(0.4)
+            gate.open.set()
+            await held
+            for _ in range(2):
+                status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+                assert status == 200
+            writer.close()
+            return (await client.get("/metrics")).text
+
+    text = run(main())
+    infer = 'route="/v2/models/{model_name}/infer",status_class="2xx"'
+    # three answered: the one holding the model, the one queued, the one pipelined behind it
+    assert metric(text, f"lightship_request_duration_seconds_count{{{infer}}}") == 3
+    # each waited the 0.4 s the model was held
+    assert metric(text, f'lightship_request_duration_seconds_bucket{{le="0.25",{infer}}}') == 0
+
+
 def test_a_client_pipelining_through_the_drain_is_closed_after_a_bound(tmp_path: Path) -> None:
     """Each request read took over the close from the one before: a client that kept two in
     flight was answered kept-alive to the end of the drain, and its request under way then

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect
 
 from lightship.serve.batcher import ClientGone
-from lightship.serve.metrics import CLIENT_CLOSED, LEFT, REFUSED
+from lightship.serve.metrics import ARRIVED, CLIENT_CLOSED, LEFT, REFUSED
 from lightship.serve.v2 import HEADER_LENGTH, error_body
 
 if TYPE_CHECKING:
@@ -227,6 +227,7 @@ class _TensorCycle:
     """
 
     __slots__ = (
+        "_arrived",
         "_client",
         "_data",
         "_expect_100",
@@ -288,6 +289,7 @@ class _TensorCycle:
         self._left = False  # the connection was lost by its client's leaving (`lost`)
         self.response_complete = False
         self.refused: int | None = None  # the status the protocol answered it with (`_refuse`)
+        self._arrived: float | None = None  # read pipelined: when (`metrics.ARRIVED`)
 
     # -- the parser's callbacks, in data_received -----------------------------------------
 
@@ -349,7 +351,7 @@ class _TensorCycle:
     async def run_asgi(self, app: object) -> None:
         """Answer the request (uvicorn's name for its task; no ASGI app is called)."""
         routes, name = self._routes, self._name
-        start = time.perf_counter()
+        start = self._arrived or time.perf_counter()
         status = 500  # if the task is cancelled (shutdown's timeout): counted as uvicorn's
         try:
             if self._head.too_large:
@@ -950,6 +952,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             previous = self.cycle
             if routes is None or not self._answer_here(version):
                 HttpToolsProtocol.on_headers_complete(self)
+                queued = self.pipeline and self.pipeline[0][0] is self.cycle
+                if queued:  # its task starts at its turn: its latency counts from now
+                    self.cycle.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
             if self.closing_answers and self.cycle not in (None, previous):
                 self._close_with(self.cycle, previous)  # answered, then closed
             if self._draining:  # a request read while the server stops: its body too
@@ -1079,6 +1084,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if previous is None or previous.response_complete:
                 self._start_asgi_task(cycle, self.app)
             else:  # pipelined: answered in order, as uvicorn queues its own
+                cycle._arrived = time.perf_counter()
                 self.flow.pause_reading()
                 self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
             return True
