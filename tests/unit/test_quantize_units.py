@@ -998,7 +998,7 @@ def test_qat_tries_torchaos_conv_batch_norm_patterns_only_for_the_convs_in_the_m
     monkeypatch: pytest.MonkeyPatch, conv: str
 ) -> None:
     """torchao's fold of batch norm into conv (in `convert_pt2e`; the fuse in prepare alike)
-    exports the pattern graphs of four convs, 96 `torch.export`s: 30 s of a 50 s QAT of the
+    exports the pattern graphs of four convs, 96 `torch.export`s: 30 s of a 58 s QAT of the
     tiny CNN. Only the model's own conv is tried; a graph with none of the four gets all."""
     import torch.nn.functional as F
     from torchao.quantization.pt2e import qat_utils

@@ -347,7 +347,7 @@ def _conv_bn_patterns_present() -> Iterator[None]:
     """torchao's conv + batch-norm rewrites, the fuse in `prepare_qat_pt2e` and the fold in
     `convert_pt2e`, try their patterns for four convs each (1d, 2d and both transposed),
     every pattern graph made by a `torch.export` of its own: 96 in the fold alone, 30 s of a
-    50 s QAT of the tiny CNN on the AVX2 EPYC, twice that where CUDA is present. Here a
+    58 s QAT of the tiny CNN on the AVX2 EPYC, twice that where CUDA is present. Here a
     conv that is not in the graph is not tried, since none of its patterns can match there;
     a graph with none of the four gets torchao's own passes whole (each pass also reshapes
     the graph's dequantize nodes, which one conv's pass still does)."""
