@@ -651,14 +651,14 @@ class BodyLimit:
             nonlocal seen, body_done, timer, receiving, expired
             if body_done:  # after the body only a disconnect comes, whenever it comes
                 return await receive()
-            if stopped:
-                raise body_stopped(seen, self.metrics)
             # asyncio.timeout_at() does the same with a context object per call; this is the
             # hot path of every request (20-40 µs less per request, measured in-process).
             task = asyncio.current_task()
             assert task is not None
             looked = False
             while True:
+                if stopped:
+                    raise body_stopped(seen, self.metrics)
                 timer = loop.call_at(deadline, expire, task)
                 receiving = task
                 try:
@@ -680,8 +680,6 @@ class BodyLimit:
                 # answered 408 (uvicorn keeps what it reads meanwhile for the next receive)
                 looked, expired = True, False
                 await asyncio.sleep(0)
-                if stopped:
-                    raise body_stopped(seen, self.metrics)
             body_done = not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
