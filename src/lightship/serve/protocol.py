@@ -742,8 +742,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             whole 64 MB body before it reads, and got ConnectionResetError instead of the 413.
             So the answer goes out with a FIN, what still comes is read and thrown away, and
             the connection closes when the client closes it, or after LINGER_S. Likewise
-            where the client has pipelined more than the answer that closes (`Connection:
-            close`, the server stopping): requests held back unread, or a head under way."""
+            where the client has pipelined more than the answer that closes (requests held
+            back unread, a head under way), and whenever the server is stopping: its client
+            kept the connection alive and may be sending its next request as it closes."""
             transport = self._out
             if self._linger is not None:
                 return  # lingering already: its timer or the client closes it
@@ -755,6 +756,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 or self._held is not None
                 or self.flow.socket_paused
                 or (self._in_head and self._head_bytes > 0)
+                or self.closing_answers
             )
             if unread and not transport.is_closing():
                 try:
