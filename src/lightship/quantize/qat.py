@@ -342,6 +342,11 @@ def _one_line(exc: BaseException) -> str:
     return first_line(exc) or type(exc).__name__
 
 
+# The convs torchao's conv + batch-norm rewrites try (`_conv_bn_patterns_present`), by their
+# aten op's name
+_CONVS = frozenset({"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d"})
+
+
 @contextlib.contextmanager
 def _conv_bn_patterns_present() -> Iterator[None]:
     """torchao's conv + batch-norm rewrites, the fuse in `prepare_qat_pt2e` and the fold in
@@ -372,11 +377,6 @@ def _conv_bn_patterns_present() -> Iterator[None]:
     finally:
         for name, helper in helpers.items():
             setattr(qat_utils, name, helper)
-
-
-# The convs torchao's conv + batch-norm rewrites try (`_conv_bn_patterns_present`), by their
-# aten op's name
-_CONVS = frozenset({"conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d"})
 
 
 # Ops that draw random numbers: captured in training mode, they stay in the int8 model
