@@ -206,11 +206,16 @@ def v2_binary(x: np.ndarray, datatype: str = "UINT8") -> tuple[bytes, dict[str, 
     return header + raw, {"Inference-Header-Content-Length": str(len(header))}
 
 
+def v2_logits(body: bytes) -> np.ndarray:
+    """The logits of a V2 answer with JSON tensors, in the shape it gives them."""
+    out = {o["name"]: o for o in json.loads(body)["outputs"]}["logits"]
+    return np.array(out["data"], np.float32).reshape(out["shape"])
+
+
 def logits_of(response: httpx.Response) -> np.ndarray:
     header_length = response.headers.get("inference-header-content-length")
     if header_length is None:
-        out = {o["name"]: o for o in response.json()["outputs"]}["logits"]
-        return np.array(out["data"], np.float32).reshape(out["shape"])
+        return v2_logits(response.content)
     n = int(header_length)
     (out,) = json.loads(response.content[:n])["outputs"]
     return np.frombuffer(response.content[n:], np.float32).reshape(out["shape"])
@@ -3049,10 +3054,7 @@ def test_a_body_in_tiny_chunks_is_held_at_about_its_size(
     answer = run(main())
     head, _, content = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), answer
-    np.testing.assert_array_equal(
-        np.asarray(json.loads(content)["outputs"][0]["data"], np.float32).reshape(len(X), -1),
-        expected_logits(X),
-    )
+    np.testing.assert_array_equal(v2_logits(content), expected_logits(X))
     # the body, and the copy of it handed on (2.4x); kept as pieces, 20x
     assert len(peaks) == 1 and peaks[0] < 4 * len(body), f"{peaks[0] / len(body):.1f}x the body"
 
@@ -3275,8 +3277,7 @@ def test_a_body_that_arrived_while_the_event_loop_stalled_past_the_deadline_is_r
 
     status, answer = run(main())
     assert status == 200, answer
-    data = json.loads(answer)["outputs"][0]["data"]
-    np.testing.assert_array_equal(np.reshape(data, (1, 2)), expected_logits(X[:1]))
+    np.testing.assert_array_equal(v2_logits(answer), expected_logits(X[:1]))
 
 
 @pytest.mark.parametrize("deadline", ["server's", "client's"])
@@ -3598,9 +3599,7 @@ def test_requests_pipelined_in_pieces_while_one_runs_are_answered_in_order(
     answers = run(main(), loop)
     assert [status for status, _, _ in answers] == [200, 200, 200]
     for (_, _, body), x in zip(answers, [X, X[::-1], X[:1]], strict=True):
-        np.testing.assert_array_equal(
-            np.reshape(json.loads(body)["outputs"][0]["data"], (-1, 2)), expected_logits(x)
-        )
+        np.testing.assert_array_equal(v2_logits(body), expected_logits(x))
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -3639,9 +3638,7 @@ def test_a_long_body_pipelined_behind_a_waiting_request_is_read_whole(
     answers = run(main(), loop)
     assert [status for status, _, _ in answers] == [200, 200, 200]
     for (_, _, body), x in zip(answers, [X, X[:1], X], strict=True):
-        np.testing.assert_array_equal(
-            np.reshape(json.loads(body)["outputs"][0]["data"], (-1, 2)), expected_logits(x)
-        )
+        np.testing.assert_array_equal(v2_logits(body), expected_logits(x))
 
 
 def test_get_requests_pipelined_behind_a_client_that_left_are_not_run(tmp_path: Path) -> None:
@@ -3703,10 +3700,7 @@ def test_a_request_read_during_the_drain_is_answered_and_closes_the_connection(
             rest = post(INFER, body)  # a third, kept while the first two are pending
             writer.write(rest if third == "whole" else rest[:-5])
             await asyncio.sleep(0.05)
-            port = writer.get_extra_info("sockname")[1]
-            for connection in list(counting.connections):  # SIGTERM, for this connection
-                if connection.client[1] == port:
-                    connection.shutdown()
+            sigterm_for(counting, writer)
             gate.open.set()
             await held
             answers = [await asyncio.wait_for(read_answer(reader), 5) for _ in range(3)]
@@ -3739,6 +3733,14 @@ async def one_queued(
     while service(app).batcher.queued_rows < 1:
         await asyncio.sleep(0.001)
     return held, reader, writer
+
+
+def sigterm_for(counting: CountingApp, writer: asyncio.StreamWriter) -> None:
+    """What `_Server.handle_exit` does at SIGTERM, to the one connection `writer` is on."""
+    port = writer.get_extra_info("sockname")[1]
+    for connection in list(counting.connections):
+        if connection.client[1] == port:
+            connection.shutdown()
 
 
 def sigterm_here(counting: CountingApp) -> None:
@@ -3870,10 +3872,7 @@ def test_an_answer_that_closes_with_a_request_pipelined_behind_it_unread_is_not_
         # a drain of 5 s stops bodies at once (LINGER_S 5): the close stays on the first
         async with raw_http(app, timeout_graceful_shutdown=5) as (connect, counting, client):
             held, reader, writer = await one_queued(app, connect, client, gate, first)
-            port = writer.get_extra_info("sockname")[1]
-            for connection in list(counting.connections):  # SIGTERM, for this connection
-                if connection.client[1] == port:
-                    connection.shutdown()
+            sigterm_for(counting, writer)
             for data in behind:  # read apart: the second held back, not parsed
                 writer.write(data)
                 await asyncio.sleep(0.2)
@@ -3889,8 +3888,7 @@ def test_an_answer_that_closes_with_a_request_pipelined_behind_it_unread_is_not_
 
     [(status, headers, answer)], rest = run(main())
     assert (status, headers.get("connection")) == (200, "close"), answer
-    data = json.loads(answer)["outputs"][0]["data"]
-    np.testing.assert_array_equal(np.reshape(data, (1, 2)), expected_logits(X[:1]))
+    np.testing.assert_array_equal(v2_logits(answer), expected_logits(X[:1]))
     assert rest == b"", rest[:200]
 
 
@@ -4000,10 +3998,7 @@ def test_a_body_still_arriving_queued_through_asgi_gets_the_drains_503(
             extra = ("expect: 100-continue",) if expect else ()
             writer.write(post(INFER, body, "origin: http://a.example", *extra)[:-5])  # ASGI
             await asyncio.sleep(0.05)
-            port = writer.get_extra_info("sockname")[1]
-            for connection in list(counting.connections):  # SIGTERM, for this connection
-                if connection.client[1] == port:
-                    connection.shutdown()
+            sigterm_for(counting, writer)
             await asyncio.sleep(1.5)  # past the body stop, the second still queued
             gate.open.set()
             await held
@@ -4314,9 +4309,7 @@ def test_a_head_begun_before_the_answer_is_not_cut_off_by_the_keep_alive_timer(
 
     answers = run(main())
     assert [status for status, _, _ in answers] == [200, 200]
-    np.testing.assert_array_equal(
-        np.reshape(json.loads(answers[1][2])["outputs"][0]["data"], (-1, 2)), expected_logits(X[:1])
-    )
+    np.testing.assert_array_equal(v2_logits(answers[1][2]), expected_logits(X[:1]))
 
 
 @pytest.mark.parametrize(
@@ -4831,7 +4824,7 @@ def test_a_model_whose_output_does_not_follow_its_batch_is_a_500_not_a_short_ans
 
     one, two, v1_two = run(main())
     assert one.status_code == 200
-    np.testing.assert_allclose(one.json()["outputs"][0]["data"], expected_logits(X[:1]).ravel())
+    np.testing.assert_allclose(logits_of(one), expected_logits(X[:1]))
     for r in (two, v1_two):
         assert r.status_code == 500, r.text
         assert "gave logits [1, 2] for 2 images, expected [2, 2]" in r.json()["error"]
