@@ -1973,6 +1973,12 @@ def test_images_are_decoded_a_few_requests_at_a_time_and_waiting_counts_to_the_d
     assert hurried.status_code == 504
     assert "deadline passed waiting to decode the images" in hurried.json()["error"]
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
+    # the eight that decoded waited their turns: of the six, two at once, two 0.2 s and two
+    # 0.4 s where all came at once (1.2 s in all); the two after them, at once
+    assert metric(text, 'lightship_slot_wait_seconds_count{slot="decode"}') == 8
+    assert metric(text, 'lightship_slot_wait_seconds_sum{slot="decode"}') >= 0.6
+    assert metric(text, 'lightship_slot_wait_seconds_bucket{le="0.1",slot="decode"}') >= 2
+    assert metric(text, 'lightship_slot_wait_seconds_count{slot="parse"}') == 0
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -2058,6 +2064,10 @@ def test_large_json_bodies_are_parsed_one_at_a_time_and_waiting_counts_to_the_de
     assert [r.json()["predictions"][0]["label"] for r in answers] == ["dark"] * 3
     assert hurried.status_code == 504
     assert "deadline passed waiting to parse the JSON body" in hurried.json()["error"]
+    # the three parsed waited their turns, 0.1 s a parse before them: 0 + 0.1 + 0.2 where all
+    # came at once
+    assert metric(text, 'lightship_slot_wait_seconds_count{slot="parse"}') == 3
+    assert metric(text, 'lightship_slot_wait_seconds_sum{slot="parse"}') >= 0.15
     assert metric(text, 'lightship_rejections_total{reason="deadline"}') == 1
 
 
@@ -4738,11 +4748,11 @@ def test_waiting_for_a_slot_never_keeps_it_for_no_one() -> None:
 
     async def main() -> None:
         slots = asyncio.Semaphore(1)
-        await acquire_unless_gone(slots, 1, watch, metrics)  # free: taken at once
+        await acquire_unless_gone(slots, "parse", 1, watch, metrics)  # free: taken at once
         assert slots.locked()
         with pytest.raises(TimeoutError):  # the deadline passes while another holds it
-            await acquire_unless_gone(slots, 0.05, watch, metrics)
-        waiting = asyncio.ensure_future(acquire_unless_gone(slots, 5, watch, metrics))
+            await acquire_unless_gone(slots, "parse", 0.05, watch, metrics)
+        waiting = asyncio.ensure_future(acquire_unless_gone(slots, "parse", 5, watch, metrics))
         await asyncio.sleep(0.01)
         waiting.cancel()  # shutdown: the waiter is cancelled, the slot not taken
         await asyncio.wait((waiting,))
@@ -4750,19 +4760,28 @@ def test_waiting_for_a_slot_never_keeps_it_for_no_one() -> None:
         assert not slots.locked()  # nothing holds it
         # the client leaves as the slot frees: it is handed back, and the request dropped
         await slots.acquire()
-        waiting = asyncio.ensure_future(acquire_unless_gone(slots, 5, watch, metrics))
+        waiting = asyncio.ensure_future(acquire_unless_gone(slots, "decode", 5, watch, metrics))
         await asyncio.sleep(0.01)
         slots.release()
         watched[-1].abandon()
         with pytest.raises(ClientGone):
             await waiting
         assert not slots.locked()
+        # one that waits its turn and gets it: its wait is observed
+        await slots.acquire()
+        waiting = asyncio.ensure_future(acquire_unless_gone(slots, "decode", 5, watch, metrics))
+        await asyncio.sleep(0.2)
+        slots.release()
+        await waiting
 
     asyncio.run(main())
-    assert (
-        metric(metrics.exposition().decode(), 'lightship_rejections_total{reason="disconnected"}')
-        == 1
-    )
+    text = metrics.exposition().decode()
+    assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 1
+    # only the two that got a slot: not the one timed out, cancelled or gone
+    assert metric(text, 'lightship_slot_wait_seconds_count{slot="parse"}') == 1
+    assert metric(text, 'lightship_slot_wait_seconds_sum{slot="parse"}') < 0.05
+    assert metric(text, 'lightship_slot_wait_seconds_count{slot="decode"}') == 1
+    assert 0.2 <= metric(text, 'lightship_slot_wait_seconds_sum{slot="decode"}') < 1
 
 
 def test_a_request_answered_before_its_body_cannot_hold_its_connection(tmp_path: Path) -> None:

@@ -364,12 +364,14 @@ class _Departure:
 
 
 async def acquire_unless_gone(
-    slots: asyncio.Semaphore, timeout_s: float, watch: Watch, metrics: Metrics
+    slots: asyncio.Semaphore, slot: str, timeout_s: float, watch: Watch, metrics: Metrics
 ) -> None:
     """One of `slots` for a request, waited for until its deadline (`timeout_s` from now:
     TimeoutError) or until its client leaves (`ClientGone`, counted `disconnected`): a request
     whose client left held its body while it waited, and 8 clients that sent large bodies
-    and closed took the server to 5 GB, each kept to its deadline, then parsed for no one."""
+    and closed took the server to 5 GB, each kept to its deadline, then parsed for no one.
+    The wait for one it got is observed as `slot`'s (metrics.SLOTS)."""
+    start = time.perf_counter()
     gone = _Departure()
     stop = watch(gone)
     acquire = asyncio.ensure_future(slots.acquire())
@@ -392,6 +394,7 @@ async def acquire_unless_gone(
         raise ClientGone()
     if not acquired:
         raise TimeoutError
+    metrics.slot_waited(slot, time.perf_counter() - start)
 
 
 def _bare(fn: Callable[..., T], *args: Any) -> T:
@@ -1122,7 +1125,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
     async def parse_slot(hot: HotRequest) -> None:
         try:
             await acquire_unless_gone(
-                parse_slots, service.timeout_s(hot.head), hot.watch, service.metrics
+                parse_slots, "parse", service.timeout_s(hot.head), hot.watch, service.metrics
             )
         except TimeoutError:
             service.metrics.rejected("deadline")
@@ -1372,7 +1375,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         watch = asgi_watch(request.receive, after_s=0)
         try:
             await acquire_unless_gone(
-                decode_slots, deadline - time.monotonic(), watch, service.metrics
+                decode_slots, "decode", deadline - time.monotonic(), watch, service.metrics
             )
         except TimeoutError:
             service.metrics.rejected("deadline")

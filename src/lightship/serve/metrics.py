@@ -50,6 +50,8 @@ REJECTION_REASONS = (
     # a client that read none of its answers for a while (`protocol.WRITE_TIMEOUT_S`): dropped
     "write_timeout",
 )
+# What a request may wait its turn for before it is queued: `lightship_slot_wait_seconds`
+SLOTS = ("parse", "decode")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scope key: the status the HTTP protocol answered a request with while its app still ran (a
 # malformed chunked body): counted in its place, since the app's answer never left
@@ -121,6 +123,16 @@ class Metrics:
             buckets=seconds,
             registry=r,
         )
+        self.slot_wait = Histogram(
+            "lightship_slot_wait_seconds",
+            "time a request waited for its turn to parse a large JSON body (slot=parse) or to "
+            "decode its uploaded images (slot=decode), before any queue wait (requests that got "
+            "their turn)",
+            ["slot"],
+            buckets=seconds,
+            registry=r,
+        )
+        self._slot_waits = {slot: self.slot_wait.labels(slot) for slot in SLOTS}
         self.compute = Histogram(
             "lightship_compute_seconds", "model time per batch", buckets=seconds, registry=r
         )
@@ -171,6 +183,9 @@ class Metrics:
         self.compute.observe(compute_s)
         for wait in waits:
             self.queue_wait.observe(wait)
+
+    def slot_waited(self, slot: str, seconds: float) -> None:
+        self._slot_waits[slot].observe(seconds)
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
