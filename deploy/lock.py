@@ -5,7 +5,8 @@ and writes the pins the Dockerfiles install:
 
   deploy/requirements-serve.txt   CPU image (Dockerfile): exactly what `.[serve]` resolves to
   deploy/requirements-gpu.txt     GPU image (Dockerfile.gpu): the same pins, onnxruntime-gpu in
-                                  place of onnxruntime (both own the `onnxruntime` package)
+                                  place of onnxruntime (both own the `onnxruntime` package),
+                                  and any dependency of its own, resolved held to them
 
     python deploy/lock.py                               # re-resolve and rewrite both files
     python deploy/lock.py --onnxruntime-gpu 1.31.1      # also move the GPU runtime's pin
@@ -23,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +105,36 @@ def check_wheels(path: Path, arch: str, python: str) -> list[str]:
     return [i["download_info"]["url"].rsplit("/", 1)[-1] for i in items]
 
 
+def gpu_runtime_installs(arch: str, path: Path = GPU_LOCK) -> dict[str, str]:
+    """name -> version of what PATH's onnxruntime-gpu pin installs in the GPU image on ARCH,
+    held to PATH's other pins. It takes onnxruntime's place, so `.[serve]` never resolved its
+    dependencies: one it has of its own would be installed unpinned, or not be installable."""
+    pins = read_pins(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        held = Path(tmp) / "constraints.txt"
+        held.write_text("".join(f"{n}=={v}\n" for n, v in pins.items() if n != "onnxruntime-gpu"))
+        args = ["--only-binary=:all:", "--implementation", "cp", "--python-version", GPU_PYTHON]
+        for tag in wheel_platforms(arch, GLIBC_MINOR[GPU_LOCK]):
+            args += ["--platform", tag]
+        items = pip_report(
+            *args, "--constraint", str(held), f"onnxruntime-gpu=={pins['onnxruntime-gpu']}"
+        )
+    return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+
+
+def unpinned_for_gpu_runtime(path: Path = GPU_LOCK) -> list[str]:
+    """What onnxruntime-gpu installs that PATH does not pin, as `name==version (arch)`."""
+    pins = read_pins(path)
+    with ThreadPoolExecutor(len(ARCHES)) as pool:
+        installs = pool.map(lambda arch: gpu_runtime_installs(arch, path), ARCHES)
+        return [
+            f"{name}=={version} ({arch})"
+            for arch, installed in zip(ARCHES, installs, strict=True)
+            for name, version in installed.items()
+            if pins.get(name) != version
+        ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--onnxruntime-gpu", help="version of onnxruntime-gpu for the GPU image")
@@ -120,6 +152,16 @@ def main() -> int:
     gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
     gpu["onnxruntime-gpu"] = ort_gpu
     what = "Pins of the GPU serving image (Dockerfile.gpu)."
+    write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
+    # and onnxruntime-gpu's own dependencies, which `.[serve]` (onnxruntime's) never resolved
+    for arch in ARCHES:
+        for name, version in gpu_runtime_installs(arch).items():
+            if gpu.setdefault(name, version) != version:
+                raise SystemExit(
+                    f"onnxruntime-gpu {ort_gpu} installs {name} {version} on {arch} but "
+                    f"{gpu[name]} on {ARCHES[0]}: pin {name} in `.[serve]`, or choose another "
+                    "--onnxruntime-gpu"
+                )
     write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
     for path, py in ((SERVE_LOCK, python), (GPU_LOCK, GPU_PYTHON)):
         for arch in ARCHES:

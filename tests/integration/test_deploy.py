@@ -801,6 +801,20 @@ def test_gpu_pins_are_the_serve_pins_with_onnxruntime_gpu() -> None:
         assert f"--requirement {pins.relative_to(ROOT)}" in dockerfile.read_text()
 
 
+def test_the_gpu_pins_hold_everything_onnxruntime_gpu_installs(tmp_path: Path) -> None:
+    """onnxruntime-gpu takes onnxruntime's place in the GPU image, so resolving `.[serve]`
+    never saw its dependencies: one of its own would go into the image unpinned."""
+    broken = tmp_path / GPU_LOCK.name  # one of its dependencies left out
+    lines = GPU_LOCK.read_text().splitlines(keepends=True)
+    broken.write_text("".join(line for line in lines if not line.startswith("flatbuffers==")))
+    with ThreadPoolExecutor(2) as pool:
+        found = pool.map(lock.unpinned_for_gpu_runtime, (GPU_LOCK, broken))
+    assert next(found) == []
+    unpinned = next(found)
+    assert [u.split("==")[0] for u in unpinned] == ["flatbuffers"] * len(lock.ARCHES), unpinned
+    assert [u.rsplit(" ", 1)[1] for u in unpinned] == [f"({arch})" for arch in lock.ARCHES]
+
+
 def test_every_pin_has_a_wheel_for_amd64_and_arm64() -> None:
     """Both images build for linux/amd64 and linux/arm64 from the same pins, no compiler needed."""
     cases = [(p, py, arch) for p, py in ((SERVE_LOCK, "3.11"), (GPU_LOCK, lock.GPU_PYTHON))
