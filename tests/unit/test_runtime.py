@@ -505,12 +505,15 @@ def test_one_thread_or_split_off_keeps_one_session(
 
 
 @pytest.mark.parametrize(
-    "one_image_s, lane_one_s, four_rows_s, split_rows, short_on_lane",
+    "one_image_s, lane_one_s, four_rows_s, split_rows, short_on_lane, timed_four",
     [
         # the digits CNN's shape: 50 us a row, one image faster on one thread
-        (90e-6, 65e-6, 200e-6, 6, True),
-        # ResNet-18's: 1 ms a row, one image faster on the two-thread pool
-        (1.2e-3, 1.3e-3, 4.4e-3, 2, False),
+        (90e-6, 65e-6, 200e-6, 6, True, True),
+        # a row a lane, found by timing four: a quarter of one image is under 150 us
+        (600e-6, 500e-6, 1.2e-3, 2, True, True),
+        # ResNet-18's: 1 ms a row, one image faster on the two-thread pool; four images take
+        # no less than one, so a row a lane without timing them (0.13 s of a slow CPU's start)
+        (1.2e-3, 1.3e-3, 4.4e-3, 2, False, False),
     ],
 )
 def test_split_rows_and_the_short_batch_session_follow_the_timings_at_load(
@@ -521,12 +524,16 @@ def test_split_rows_and_the_short_batch_session_follow_the_timings_at_load(
     four_rows_s: float,
     split_rows: int,
     short_on_lane: bool,
+    timed_four: bool,
 ) -> None:
     """Each lane gets at least `SPLIT_MIN_LANE_S` of work (rows x one-thread time per row);
     short batches go to whichever session ran one image sooner."""
     from lightship.runtime import ort as ort_module
 
+    timed: list[int] = []
+
     def fastest(session: Any, name: str, x: np.ndarray, runs: int = 3) -> float:
+        timed.append(len(x))
         threads = session.get_session_options().intra_op_num_threads
         if len(x) == 4:
             return four_rows_s
@@ -537,6 +544,7 @@ def test_split_rows_and_the_short_batch_session_follow_the_timings_at_load(
     assert p.split_rows == split_rows
     assert (p.session is p._lane) == short_on_lane
     assert p.short_batch_threads == (1 if short_on_lane else 2)
+    assert timed == ([1, 1, 4] if timed_four else [1, 1])
 
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.ts"])
