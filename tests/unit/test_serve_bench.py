@@ -358,8 +358,8 @@ def test_the_first_answer_is_right_by_label_and_logits_within_the_devices_tolera
     answer = lambda *args, **kwargs: httpx.Response(  # noqa: E731
         200, json={"outputs": [{"name": "logits", "data": served}]}
     )
-    monkeypatch.setattr(httpx, "post", answer)
-    proc = cast(bench._Process, types.SimpleNamespace(spawned=time.monotonic()))
+    client = types.SimpleNamespace(post=answer)  # the client that polled the server
+    proc = cast(bench._Process, types.SimpleNamespace(spawned=time.monotonic(), client=client))
 
     def first(logits: list[float], atol: float) -> dict[str, Any]:
         served[:] = logits
@@ -543,19 +543,30 @@ def test_the_same_path_ceiling_is_the_server_answering_without_its_model(
 
 
 def test_the_same_path_ceiling_runs_as_lightship_serve_takes_its_arguments(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import sys
 
     import httpx
 
+    made: list[httpx.Client] = []
+    client_init = httpx.Client.__init__
+
+    def counted(self: httpx.Client, *args: Any, **kwargs: Any) -> None:
+        made.append(self)
+        client_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "__init__", counted)
     path = handmade_onnx(tmp_path / "hand.onnx")
     cmd = [sys.executable, "-m", "lightship.serve.ceiling", "serve", "--run", str(path)]
     proc = bench._Process([*cmd, "--model-name", "hand"], tmp_path / "log")
     try:
+        metrics = proc.get("/metrics")
+        # polled until ready, and asked, with one client: a client a poll took 55 ms of CPU
+        # each (an SSL context), from the server starting beside it
+        assert len(made) == 1
         body, _ = bench.request_bodies((1, 2, 2), "input")["json"]
         answer = httpx.post(f"{proc.url}/v2/models/hand/infer", content=body, timeout=5)
-        metrics = proc.get("/metrics")
     finally:
         proc.stop()
     assert answer.status_code == 200, answer.text
