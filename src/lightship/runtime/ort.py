@@ -527,9 +527,9 @@ class OrtPredictor(Predictor):
         try:
             alone = _fastest(self.session, self.input_name, one)
             lane_one = _fastest(lane, self.input_name, one)
-            # Four images take no less than one: where a quarter of one image's time reaches
-            # SPLIT_MIN_LANE_S, a row per lane it is, as timing four would find (ResNet-18 on
-            # an AVX2 EPYC: 0.13 s of the server's start, for the same answer)
+            # Four images take no less than one: where a quarter of one image's time already
+            # reaches SPLIT_MIN_LANE_S, timing four could only find a row a lane (ResNet-18 on
+            # an AVX2 EPYC: 0.13 s of the server's start)
             if lane_one / 4 >= SPLIT_MIN_LANE_S:
                 per_row = lane_one / 4
             else:
