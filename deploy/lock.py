@@ -122,17 +122,25 @@ def gpu_runtime_installs(arch: str, path: Path = GPU_LOCK) -> dict[str, str]:
     return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
 
 
-def unpinned_for_gpu_runtime(path: Path = GPU_LOCK) -> list[str]:
-    """What onnxruntime-gpu installs that PATH does not pin, as `name==version (arch)`."""
-    pins = read_pins(path)
+def gpu_runtime_installs_by_arch(path: Path = GPU_LOCK) -> dict[str, dict[str, str]]:
+    """`gpu_runtime_installs` on every arch of ARCHES (resolved at once), by arch."""
     with ThreadPoolExecutor(len(ARCHES)) as pool:
         installs = pool.map(lambda arch: gpu_runtime_installs(arch, path), ARCHES)
-        return [
-            f"{name}=={version} ({arch})"
-            for arch, installed in zip(ARCHES, installs, strict=True)
-            for name, version in installed.items()
-            if pins.get(name) != version
-        ]
+        return dict(zip(ARCHES, installs, strict=True))
+
+
+def unpinned_for_gpu_runtime(
+    path: Path = GPU_LOCK, installs: dict[str, dict[str, str]] | None = None
+) -> list[str]:
+    """What onnxruntime-gpu installs that PATH does not pin, as `name==version (arch)`
+    (`installs`: `gpu_runtime_installs_by_arch(path)`, resolved here unless given)."""
+    pins = read_pins(path)
+    return [
+        f"{name}=={version} ({arch})"
+        for arch, installed in (installs or gpu_runtime_installs_by_arch(path)).items()
+        for name, version in installed.items()
+        if pins.get(name) != version
+    ]
 
 
 def main() -> int:
@@ -154,12 +162,12 @@ def main() -> int:
     what = "Pins of the GPU serving image (Dockerfile.gpu)."
     write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
     # and onnxruntime-gpu's own dependencies, which `.[serve]` (onnxruntime's) never resolved
-    for arch in ARCHES:
-        for name, version in gpu_runtime_installs(arch).items():
-            if gpu.setdefault(name, version) != version:
+    for arch, installed in gpu_runtime_installs_by_arch().items():
+        for name, version in installed.items():
+            if gpu.setdefault(name, version) != version:  # held to `.[serve]`: another arch's
                 raise SystemExit(
                     f"onnxruntime-gpu {ort_gpu} installs {name} {version} on {arch} but "
-                    f"{gpu[name]} on {ARCHES[0]}: pin {name} in `.[serve]`, or choose another "
+                    f"{gpu[name]} on another arch: pin {name} in `.[serve]`, or choose another "
                     "--onnxruntime-gpu"
                 )
     write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
