@@ -451,6 +451,12 @@ def test_a_v2_batch_over_the_limit_is_refused_before_its_json_data_is_read() -> 
             ProtocolError,
             "input shape [1, 1, 1, 1, 1, 1, 1, 1, 1] is not an image batch: send [N, C, H, W]",
         ),
+        (  # an integer JSON's parser reads as a float: not "must be integers"
+            [1, 1, 28, 10**23],
+            ProtocolError,
+            "input shape [1, 1, 28, 1e+23] is too large to be an image batch "
+            "(over 1,099,511,627,776 values): send [N, C, H, W]",
+        ),
     ],
 )
 def test_an_absurd_shape_is_said_to_be_what_it_is(

@@ -124,6 +124,11 @@ def _shape(
         or not shape
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
+        # orjson reads an integer of 2**64 or more as a float: an integer all the same
+        if isinstance(shape, list) and any(
+            isinstance(d, float) and d >= 2**64 and d.is_integer() for d in shape
+        ):
+            raise ProtocolError(_too_large(shape))
         raise ProtocolError(f"input shape must be a list of non-negative integers, got {shape!r}")
     if len(shape) > MAX_RANK:
         raise ProtocolError(
@@ -136,11 +141,15 @@ def _shape(
     if max_rows is not None and rows > max_rows:
         raise TooManyRows.of(rows, max_rows)
     if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
-        raise ProtocolError(
-            f"input shape {shape} is too large to be an image batch (over {MAX_ELEMENTS:,} "
-            "values): send [N, C, H, W]"
-        )
+        raise ProtocolError(_too_large(shape))
     return shape
+
+
+def _too_large(shape: list[Any]) -> str:
+    return (
+        f"input shape {shape} is too large to be an image batch (over {MAX_ELEMENTS:,} values): "
+        "send [N, C, H, W]"
+    )
 
 
 def _parameters(value: Any, what: str) -> dict[str, Any]:
