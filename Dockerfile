@@ -42,6 +42,12 @@ LABEL org.opencontainers.image.title="lightship-serve" \
 RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin lightship
 COPY --from=builder /opt/lightship /opt/lightship
+# python:*-slim deletes the standard library's bytecode (for size), and the server may not write
+# it (USER, PYTHONDONTWRITEBYTECODE): each start compiled the ~190 modules it imports, a first
+# answer of 2.2 s instead of 1.2 s on a 2-core EPYC. Compiled once here (~12 MB), without the
+# tools no server imports.
+RUN python -m compileall -q -j 0 -x '/(idlelib|tkinter|turtledemo|lib2to3|pydoc_data|distutils|ensurepip)/' \
+        "$(python -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')"
 # ORT_DISABLE_TELEMETRY: ONNX Runtime's telemetry looks up mobile.events.data.microsoft.com and
 # tries to keep an event store under $HOME (a warning at every start in this image).
 ENV VIRTUAL_ENV=/opt/lightship \

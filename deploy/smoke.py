@@ -8,9 +8,15 @@ What it does, reading the Dockerfile rather than repeating it:
    COPY takes files from it only, so a file the context lacks fails here as in `docker build`;
 2. runs the `builder` stage: its ENV, WORKDIR and COPY, and its RUN lines verbatim under
    `/bin/sh -c`, with the image's absolute paths (`/opt/...`, `/src`, `/model`) moved under a
-   temporary root, so the virtualenv is built by exactly the commands `docker build` runs;
+   temporary root, so the virtualenv is built by exactly the commands `docker build` runs.
+   `python` is a copy of this machine's Python 3.11 as python:*-slim ships its own: the
+   standard library without its bytecode (the image deletes every .pyc) and no site-packages;
+   each stage starts from it afresh, and the final stage's RUN lines that only run `python`
+   are replayed too;
 3. checks that virtualenv: exactly the pinned packages of deploy/requirements-serve.txt plus
-   lightship, no torch, no Lightning, no pip; measures its size on disk;
+   lightship, no torch, no Lightning, no pip; measures its size on disk; and that every module
+   of the standard library the server imports has its bytecode (the server's USER cannot
+   write it: without, each start compiles them all);
 4. mounts the run directory at `/model`, runs the final stage's ENTRYPOINT + CMD with its ENV
    (as its numeric USER when this runs as root), host and port moved to loopback and a free
    port as `docker run -e` would; its HEALTHCHECK must fail before the server listens and pass
@@ -19,7 +25,8 @@ What it does, reading the Dockerfile rather than repeating it:
    expected logits; sends SIGTERM and expects exit code 0.
 
 Only the standard library is needed here; the handmade model needs `onnx` (the project venv).
-RUN lines of other stages (useradd) need a real container and are listed as not replayed.
+Other RUN lines of the final stages (useradd) need a real container and are listed as not
+replayed.
 """
 
 from __future__ import annotations
@@ -263,7 +270,7 @@ class Image:
     healthcheck: list[str] | None
     workdir: str
     venv: Path
-    python: Path  # the interpreter standing in for the base image's
+    python: Path  # the interpreter the base image's stand-in is a copy of (USER must reach it)
     not_replayed: list[str]
     build_seconds: float
 
@@ -288,6 +295,52 @@ def base_python() -> Path:
     return here
 
 
+def stand_in_base(python: Path, into: Path) -> Path:
+    """PYTHON as python:*-slim ships its Python, copied under INTO: the executable and the
+    standard library without bytecode (the image deletes every .pyc, and the tests, for size)
+    and without site-packages. This machine's own Python has the bytecode, and with it would
+    hide a start that compiles the standard library every time. Returns the executable."""
+    stdlib = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+    )
+    exe = into / "bin" / stdlib.name  # python3.11: found where the copy's lib/ is
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(python.resolve(), exe)
+    skip = shutil.ignore_patterns(
+        *("__pycache__", "*.pyc", "site-packages", "dist-packages", "test", "tests"),
+        *("idle_test", "config-*"),  # config-*: libpython to link against, not to run
+    )
+    lib = into / "lib" / stdlib.name
+    shutil.copytree(stdlib, lib, ignore=skip)  # links' files: a relative one would dangle
+    (lib / "site-packages").mkdir()
+    return exe
+
+
+def strip_bytecode(python: Path) -> None:
+    """The stand-in's standard library as the base image has it again: a stage that ran
+    Python wrote bytecode that the next stage, FROM the base image afresh, does not have."""
+    for cache in (python.parent.parent / "lib").rglob("__pycache__"):
+        shutil.rmtree(cache)
+
+
+def runs_only_python(command: str) -> bool:
+    """A RUN line of the final stage that runs the base image's Python and nothing else, which
+    the stand-in can replay (`useradd` and the like need a container)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    words = list(lexer)  # quoted words whole; outside them ;, &&, | ... are words of their own
+    return (
+        bool(words)
+        and words[0] in ("python", "python3")
+        and not any(set(w) <= set(lexer.punctuation_chars) for w in words)
+    )
+
+
 class Replay:
     def __init__(self, dockerfile: Path, context: Path, root: Path, log: Path | None = None):
         self.dockerfile = dockerfile
@@ -296,8 +349,12 @@ class Replay:
         self.log = log
         self.patterns = read_dockerignore(context / ".dockerignore")
         self.allowed = set(context_files(context, self.patterns))
-        self.shim = root / ".smoke-bin"
         self.python = base_python()
+        self.stand_in = root / ".smoke-python"
+        # first on PATH, as the base image's /usr/local/bin; a venv made by its `python` finds
+        # the standard library next to it (linked from another folder, a venv took the
+        # compiled-in prefix's, this machine's own)
+        self.shim = self.stand_in / "bin"
         self.not_replayed: list[str] = []
 
     def host(self, path: str) -> str:
@@ -375,17 +432,23 @@ class Replay:
         if proc.returncode != 0:
             raise SmokeError(f"Dockerfile:{number}: RUN failed ({proc.returncode}): {command}")
 
+    def base_image(self) -> Path:
+        """The base image's Python (`stand_in_base`), first on PATH as `python` and `python3`."""
+        if self.stand_in.exists():
+            shutil.rmtree(self.stand_in)
+        python = stand_in_base(self.python, self.stand_in)
+        for name in ("python", "python3"):
+            (self.shim / name).symlink_to(python.name)
+        return python
+
     def build(self, target: str | None = None, build_args: dict[str, str] | None = None) -> Image:
         """Replay the stages TARGET (default: the last) needs; what `docker run` would start."""
         global_args, stages = parse_dockerfile(self.dockerfile.read_text())
         global_args.update(build_args or {})
         by_name = {s.name: s for s in stages if s.name}
         chain = stage_chain(stages, target)
-        self.shim.mkdir(parents=True, exist_ok=True)
-        for name in ("python", "python3"):
-            (self.shim / name).unlink(missing_ok=True)
-            (self.shim / name).symlink_to(self.python)
         started = time.monotonic()
+        python = self.base_image()
         built: set[str] = set()
         for stage in chain:  # first the stages the final one copies from, RUN lines and all
             for inst in stage.instructions:
@@ -393,6 +456,7 @@ class Replay:
                 if match and match[1] in by_name and match[1] not in built:
                     walk_stage(by_name[match[1]], global_args, new_config(), self, run_lines=True)
                     built.add(match[1])
+        strip_bytecode(python)  # what the builder's pip wrote stays in the builder
         config = new_config()
         for stage in chain:
             walk_stage(stage, global_args, config, self, run_lines=False)
@@ -425,6 +489,18 @@ def stage_chain(stages: list[Stage], target: str | None = None) -> list[Stage]:
     while chain[0].base in by_name:
         chain.insert(0, by_name[chain[0].base])
     return chain
+
+
+def python_runs(dockerfile: Path, target: str | None = None) -> list[tuple[int, str]]:
+    """(line, command) of the RUN lines of TARGET's stages (default: the last) that the
+    replay runs with the base image's stand-in (`runs_only_python`)."""
+    _, stages = parse_dockerfile(dockerfile.read_text())
+    return [
+        (inst.line, inst.args)
+        for stage in stage_chain(stages, target)
+        for inst in stage.instructions
+        if inst.keyword == "RUN" and runs_only_python(inst.args)
+    ]
 
 
 def new_config() -> dict[str, Any]:
@@ -479,7 +555,7 @@ def walk_stage(
                 Path(replay.host(config["workdir"])).mkdir(parents=True, exist_ok=True)
         elif kw == "COPY" and replay:
             replay.copy(inst.args, scope, config["workdir"])
-        elif kw == "RUN" and replay and run_lines:
+        elif kw == "RUN" and replay and (run_lines or runs_only_python(inst.args)):
             replay.run(inst.args, scope, config["workdir"], inst.line)
         elif kw == "RUN" and replay:
             replay.not_replayed.append(f"Dockerfile:{inst.line}: RUN {inst.args}")
@@ -546,6 +622,38 @@ def check_install(image: Image, lock: Path) -> dict[str, str]:
         missing = sorted(set(want.items()) - set(have.items()))
         raise SmokeError(f"image venv != {lock.name} + lightship: extra {extra}, missing {missing}")
     return have
+
+
+# What `lightship serve` imports before its first answer: its command line, the app, uvicorn.
+SERVER_IMPORTS = ("lightship.cli", "lightship.serve.app", "uvicorn.server", "uvicorn.lifespan.on")
+UNCOMPILED = f"""
+import importlib.util, os, sys, sysconfig
+for name in {SERVER_IMPORTS!r}:
+    __import__(name)
+stdlib = sysconfig.get_path("stdlib") + os.sep
+for name, module in sorted(sys.modules.items()):
+    path = getattr(module, "__file__", None) or ""
+    frozen = getattr(getattr(module, "__spec__", None), "origin", None) == "frozen"
+    if path.startswith(stdlib) and path.endswith(".py") and not frozen:
+        if not os.path.exists(importlib.util.cache_from_source(path)):
+            print(name)
+"""
+
+
+def uncompiled_stdlib(python: Path, env: dict[str, str]) -> list[str]:
+    """Modules of the standard library that PYTHON, in ENV, imports to serve and has no
+    bytecode for: compiled from source at every start when it cannot write them (the image's
+    USER, PYTHONDONTWRITEBYTECODE). Nothing is written here either."""
+    proc = subprocess.run(
+        [str(python), "-c", UNCOMPILED],
+        env={**env, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        raise SmokeError(f"importing the server failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.split()
 
 
 def free_port() -> int:
@@ -778,6 +886,13 @@ def smoke(
     report["venv_mib"] = round(disk_mib(image.venv), 1)
     report["site_packages_mib"] = round(disk_mib(site), 1)
     report["packages"] = len(packages)
+    uncompiled = uncompiled_stdlib(image.venv / "bin" / "python", image.host_env)
+    if uncompiled:
+        raise SmokeError(
+            f"the server imports {len(uncompiled)} modules of the standard library without "
+            f"bytecode ({', '.join(uncompiled[:5])}, ...) and compiles them at every start: "
+            "python:*-slim ships none; compile them in the image (python -m compileall)"
+        )
     if run is None:
         run, images, expected = handmade_run(root / "handmade")
     else:
