@@ -300,32 +300,34 @@ def stand_in_base(python: Path, into: Path) -> Path:
     standard library without bytecode (the image deletes every .pyc, and the tests, for size)
     and without site-packages. This machine's own Python has the bytecode, and with it would
     hide a start that compiles the standard library every time. Returns the executable."""
-    stdlib = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.strip()
-    )
-    exe = into / "bin" / stdlib.name  # python3.11: found where the copy's lib/ is
+    where = "import sys, sysconfig; print(sys.prefix); print(sysconfig.get_path('stdlib'))"
+
+    def paths(exe: Path) -> list[Path]:
+        out = subprocess.run(
+            [str(exe), "-B", "-c", where], capture_output=True, text=True, check=True, timeout=60
+        )
+        return [Path(line) for line in out.stdout.splitlines()]
+
+    prefix, stdlib = paths(python)
+    exe = into / "bin" / stdlib.name  # python3.11: it finds the library next to it
     exe.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(python.resolve(), exe)
     skip = shutil.ignore_patterns(
         *("__pycache__", "*.pyc", "site-packages", "dist-packages", "test", "tests"),
         *("idle_test", "config-*"),  # config-*: libpython to link against, not to run
     )
-    lib = into / "lib" / stdlib.name
+    lib = into / stdlib.relative_to(prefix)  # lib/python3.11 (lib64/ on some distributions)
     shutil.copytree(stdlib, lib, ignore=skip)  # links' files: a relative one would dangle
     (lib / "site-packages").mkdir()
+    if paths(exe)[1] != lib:  # one that took its compiled-in prefix would check nothing
+        raise SmokeError(f"a copy of {python} does not use the library copied next to it")
     return exe
 
 
 def strip_bytecode(python: Path) -> None:
     """The stand-in's standard library as the base image has it again: a stage that ran
     Python wrote bytecode that the next stage, FROM the base image afresh, does not have."""
-    for cache in (python.parent.parent / "lib").rglob("__pycache__"):
+    for cache in list(python.parent.parent.rglob("__pycache__")):
         shutil.rmtree(cache)
 
 
@@ -602,7 +604,7 @@ def installed(venv: Path) -> dict[str, str]:
         "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
     )
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", code],
+        [str(venv / "bin" / "python"), "-B", "-c", code],  # -B: no bytecode the image lacks
         capture_output=True,
         text=True,
         check=True,
