@@ -812,8 +812,9 @@ asyncio.run(main())
 # onnx (not onnxruntime) is no serving dependency: the serving image lacks it
 heavy = ("torch", "pytorch_lightning", "lightning", "onnx")
 print(sorted(m for m in sys.modules if m.split(".")[0] in heavy))
-# nor is the training config (its pydantic models and YAML: 75 ms of every start)
-print(sorted(m for m in sys.modules if m in ("lightship.config", "yaml")))
+# nor is the training config (its pydantic models and YAML: 75 ms of every start), nor the
+# data sets' loading (uploads are decoded by `lightship.data.images` alone)
+print(sorted(m for m in sys.modules if m in ("lightship.config", "yaml", "lightship.data.sources")))
 """
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
