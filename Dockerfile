@@ -43,9 +43,9 @@ RUN useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonex
         --shell /usr/sbin/nologin lightship
 COPY --from=builder /opt/lightship /opt/lightship
 # python:*-slim deletes the standard library's bytecode (for size), and the server may not write
-# it (USER, PYTHONDONTWRITEBYTECODE): each start compiled the ~190 modules it imports, a first
-# answer of 2.2 s instead of 1.2 s on a 2-core EPYC. Compiled once here (~12 MB), without the
-# tools no server imports.
+# it (USER, PYTHONDONTWRITEBYTECODE): each start compiled the ~180 modules it imports. ResNet-18's
+# first answer came 1.9-2.4 s after start instead of 1.3 s on a 2-core EPYC. Compiled once here
+# (~11 MB), without the tools no server imports.
 RUN python -m compileall -q -j 0 -x '/(idlelib|tkinter|turtledemo|lib2to3|pydoc_data|distutils|ensurepip)/' \
         "$(python -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')"
 # ORT_DISABLE_TELEMETRY: ONNX Runtime's telemetry looks up mobile.events.data.microsoft.com and
