@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from lightship.config import set_arg
 from lightship.data import images
 from lightship.errors import DataError, RunError
 
@@ -231,8 +232,6 @@ def _check_classes(
     if source == "folder" and not trained:
         wrapped = _wrapped_classes(Path(path), labels, counts)
         if wrapped is not None:
-            from lightship.config import set_arg  # here: serving imports this module, not it
-
             inside = (
                 f"the folders in {wrapped} ({_some(_folders_in(wrapped), 5)}): point data.path "
                 f"at it, {set_arg('data.path', str(wrapped))}"
@@ -352,8 +351,6 @@ def _refuse_split_layout(root: Path, classes: list[str]) -> None:
         if others
         else ""
     )
-    from lightship.config import set_arg  # here: serving imports this module, not it
-
     fix = (
         f"{move}point data.path at its folder of class folders: {set_arg('data.path', str(found))}"
         if len(_folders_in(found)) > 1
