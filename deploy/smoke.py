@@ -14,9 +14,10 @@ What it does, reading the Dockerfile rather than repeating it:
    each stage starts from it afresh, and the final stage's RUN lines that only run `python`
    are replayed too;
 3. checks that virtualenv: exactly the pinned packages of deploy/requirements-serve.txt plus
-   lightship, no torch, no Lightning, no pip; measures its size on disk; and that every module
-   of the standard library the server imports has its bytecode (the server's USER cannot
-   write it: without, each start compiles them all);
+   lightship, no torch, no Lightning, no pip; measures its size on disk; sets its file times
+   as a reproducible build does (BuildKit's rewrite-timestamp); and that the server, importing,
+   compiles no module of the standard library or the virtualenv (its USER cannot write their
+   bytecode: each start would compile them all);
 4. mounts the run directory at `/model`, runs the final stage's ENTRYPOINT + CMD with its ENV
    (as its numeric USER when this runs as root), host and port moved to loopback and a free
    port as `docker run -e` would; its HEALTHCHECK must fail before the server listens and pass
@@ -628,26 +629,33 @@ def check_install(image: Image, lock: Path) -> dict[str, str]:
 
 # What `lightship serve` imports before its first answer: its command line, the app, uvicorn.
 SERVER_IMPORTS = ("lightship.cli", "lightship.serve.app", "uvicorn.server", "uvicorn.lifespan.on")
-UNCOMPILED = f"""
-import importlib.util, os, sys, sysconfig
+# Every module imported from source because its bytecode is missing or stale: the import
+# system compiles exactly those through SourceFileLoader.source_to_code. The few imported as
+# Python starts (encodings, sitecustomize) are asked for their code again.
+COMPILED = f"""
+import _frozen_importlib_external as external, sys
+compiled = []
+to_code = external.SourceFileLoader.source_to_code
+def counted(self, data, path, *args, **kwargs):
+    compiled.append(path)
+    return to_code(self, data, path, *args, **kwargs)
+external.SourceFileLoader.source_to_code = counted
+for module in list(sys.modules.values()):
+    spec = getattr(module, "__spec__", None)
+    if isinstance(getattr(spec, "loader", None), external.SourceFileLoader):
+        spec.loader.get_code(spec.name)
 for name in {SERVER_IMPORTS!r}:
     __import__(name)
-stdlib = sysconfig.get_path("stdlib") + os.sep
-for name, module in sorted(sys.modules.items()):
-    path = getattr(module, "__file__", None) or ""
-    frozen = getattr(getattr(module, "__spec__", None), "origin", None) == "frozen"
-    if path.startswith(stdlib) and path.endswith(".py") and not frozen:
-        if not os.path.exists(importlib.util.cache_from_source(path)):
-            print(name)
+print("\\n".join(sorted(set(compiled))))
 """
 
 
-def uncompiled_stdlib(python: Path, env: dict[str, str]) -> list[str]:
-    """Modules of the standard library that PYTHON, in ENV, imports to serve and has no
-    bytecode for: compiled from source at every start when it cannot write them (the image's
-    USER, PYTHONDONTWRITEBYTECODE). Nothing is written here either."""
+def compiled_at_start(python: Path, env: dict[str, str], under: Path) -> list[str]:
+    """The files under UNDER that PYTHON, in ENV, compiles from source as it imports what the
+    server does: at every start, when it cannot write their bytecode (the image's USER,
+    PYTHONDONTWRITEBYTECODE). Nothing is written here either."""
     proc = subprocess.run(
-        [str(python), "-c", UNCOMPILED],
+        [str(python), "-c", COMPILED],
         env={**env, "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
@@ -655,7 +663,35 @@ def uncompiled_stdlib(python: Path, env: dict[str, str]) -> list[str]:
     )
     if proc.returncode != 0:
         raise SmokeError(f"importing the server failed:\n{proc.stderr[-2000:]}")
-    return proc.stdout.split()
+    return [path for path in proc.stdout.splitlines() if Path(path).is_relative_to(under)]
+
+
+def _listed(paths: list[str], most: int = 4) -> str:
+    """PATHS as the library names them (PIL/Image.py, json/decoder.py), the first few."""
+    short = []
+    for path in paths[:most]:
+        parts = Path(path).parts
+        tops = [i for i, part in enumerate(parts) if part == "site-packages" or "python3" in part]
+        short.append("/".join(parts[max(tops, default=-1) + 1 :]))
+    return ", ".join(short) + (", ..." if len(paths) > most else "") if paths else "none"
+
+
+# A reproducible build's SOURCE_DATE_EPOCH (its commit's time): 2000-01-01, before every file.
+SOURCE_DATE_EPOCH = 946_684_800
+
+
+def rewrite_timestamps(path: Path, epoch: int) -> int:
+    """What BuildKit's `rewrite-timestamp=true` does, with SOURCE_DATE_EPOCH, to the files of
+    the layers a build makes (the base image's are as pulled): every time after EPOCH is set to
+    it. Bytecode that names its source by mtime is stale afterwards. The number of files set."""
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            entry = os.path.join(dirpath, name)
+            if os.lstat(entry).st_mtime > epoch:
+                os.utime(entry, (epoch, epoch), follow_symlinks=False)
+                count += 1
+    return count
 
 
 def free_port() -> int:
@@ -888,12 +924,17 @@ def smoke(
     report["venv_mib"] = round(disk_mib(image.venv), 1)
     report["site_packages_mib"] = round(disk_mib(site), 1)
     report["packages"] = len(packages)
-    uncompiled = uncompiled_stdlib(image.venv / "bin" / "python", image.host_env)
-    if uncompiled:
+    report["rewritten_times"] = rewrite_timestamps(image.venv, SOURCE_DATE_EPOCH)
+    compiled = compiled_at_start(image.venv / "bin" / "python", image.host_env, image.root)
+    if compiled:
+        venv = [p for p in compiled if Path(p).is_relative_to(image.venv)]
+        stdlib = [p for p in compiled if p not in venv]
         raise SmokeError(
-            f"the server imports {len(uncompiled)} modules of the standard library without "
-            f"bytecode ({', '.join(uncompiled[:5])}, ...) and compiles them at every start: "
-            "python:*-slim ships none; compile them in the image (python -m compileall)"
+            f"the server compiles {len(compiled)} modules at every start, {len(stdlib)} of the "
+            f"standard library ({_listed(stdlib)}) and {len(venv)} of the virtualenv "
+            f"({_listed(venv)}): python:*-slim ships the library without bytecode, and times "
+            "rewritten for a reproducible build make pip's stale; compile both in the image "
+            "(python -m compileall --invalidation-mode checked-hash)"
         )
     if run is None:
         run, images, expected = handmade_run(root / "handmade")

@@ -47,6 +47,7 @@ SERVE_LOCK = ROOT / "deploy" / "requirements-serve.txt"
 GPU_LOCK = ROOT / "deploy" / "requirements-gpu.txt"
 MANIFESTS = sorted((ROOT / "deploy").rglob("*.yaml"))
 FORBIDDEN = {"torch", "pytorch-lightning", "lightning"}
+IGNORED_BYTECODE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 def load_script(name: str) -> ModuleType:
@@ -774,12 +775,52 @@ def test_the_cpu_image_compiles_the_standard_library_the_server_imports(tmp_path
     python = replay.base_image()
     # the stand-in with this checkout's packages (same Python minor): imports as the image's
     packages = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), sysconfig.get_path("purelib")])}
-    assert len(smoke.uncompiled_stdlib(python, packages)) > 100  # the base image as it ships
+    stdlib = replay.stand_in
+    assert len(smoke.compiled_at_start(python, packages, stdlib)) > 100  # as the image ships
     runs = smoke.python_runs(ROOT / "Dockerfile")
     assert runs, "the CPU image's final stage runs no `python` line"
     for line, command in runs:
         replay.run(command, smoke.BASE_ENV, "/", line)
-    assert smoke.uncompiled_stdlib(python, packages) == []
+    assert smoke.compiled_at_start(python, packages, stdlib) == []
+
+
+def test_the_cpu_images_bytecode_outlives_a_reproducible_builds_timestamps(tmp_path: Path) -> None:
+    """pip's bytecode names its source by mtime; BuildKit's rewrite-timestamp (for a
+    reproducible image) sets the times, and the server, which cannot rewrite the bytecode,
+    compiled ~400 modules of the virtualenv at every start (1.0-1.5 s here). The builder's
+    compileall is run on a virtualenv holding lightship, compiled as pip does."""
+    replay = smoke.Replay(ROOT / "Dockerfile", ROOT, tmp_path / "image")
+    python = replay.base_image()
+    env = smoke.image_config(ROOT / "Dockerfile", target="builder")["env"]
+    venv = Path(replay.host(env["VIRTUAL_ENV"]))
+    subprocess.run([str(python), "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    shutil.copytree(ROOT / "src" / "lightship", site / "lightship", ignore=IGNORED_BYTECODE)
+    subprocess.run([str(python), "-m", "compileall", "-q", str(site)], check=True)  # as pip
+    # the server's other packages from this checkout's environment; lightship from the venv
+    packages = {"PYTHONPATH": sysconfig.get_path("purelib")}
+    served = venv / "bin" / "python"
+    assert smoke.compiled_at_start(served, packages, venv) == []
+    smoke.rewrite_timestamps(venv, smoke.SOURCE_DATE_EPOCH)
+    stale = smoke.compiled_at_start(served, packages, venv)
+    assert len(stale) > 20 and all(Path(p).is_relative_to(site / "lightship") for p in stale)
+    _, stages = smoke.parse_dockerfile((ROOT / "Dockerfile").read_text())
+    compiles = [
+        (inst.line, part.strip())
+        for stage in stages
+        if stage.name == "builder"
+        for inst in stage.instructions
+        if inst.keyword == "RUN"
+        for part in inst.args.split("&&")
+        if "compileall" in part
+    ]
+    assert compiles, "the CPU image's builder compiles nothing"
+    for path in venv.rglob("*"):  # as pip had just written them, before the builder compiles
+        os.utime(path, follow_symlinks=False)
+    for line, command in compiles:
+        replay.run(command, env, "/", line)
+    smoke.rewrite_timestamps(venv, smoke.SOURCE_DATE_EPOCH)
+    assert smoke.compiled_at_start(served, packages, venv) == []
 
 
 # -- the pinned serve-only install ----------------------------------------------------------
