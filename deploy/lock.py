@@ -32,8 +32,8 @@ SERVE_LOCK = ROOT / "deploy" / "requirements-serve.txt"
 GPU_LOCK = ROOT / "deploy" / "requirements-gpu.txt"
 GPU_PYTHON = "3.12"  # Ubuntu 24.04's python3.12, the interpreter of Dockerfile.gpu
 ARCHES = ("x86_64", "aarch64")  # linux/amd64 and linux/arm64
-# glibc of the base images: Debian bookworm 2.36 (CPU), Ubuntu 24.04 2.39 (GPU).
-GLIBC_MINOR = {SERVE_LOCK: 36, GPU_LOCK: 39}
+# glibc of the base images: Debian bookworm 2.36 (CPU), Ubuntu 24.04 2.39 (GPU), by pins file.
+GLIBC_MINOR = {SERVE_LOCK.name: 36, GPU_LOCK.name: 39}
 HEADER = """\
 # {what}
 # Written by deploy/lock.py from `pip install --dry-run --ignore-installed '.[serve]'`
@@ -99,7 +99,7 @@ def check_wheels(path: Path, arch: str, python: str) -> list[str]:
     with tempfile.TemporaryDirectory() as target:
         args = ["--no-deps", "--only-binary=:all:", "--target", target, "--implementation", "cp"]
         args += ["--python-version", python]
-        for tag in wheel_platforms(arch, GLIBC_MINOR[path]):
+        for tag in wheel_platforms(arch, GLIBC_MINOR[path.name]):
             args += ["--platform", tag]
         items = pip_report(*args, "--requirement", str(path))
     return [i["download_info"]["url"].rsplit("/", 1)[-1] for i in items]
@@ -114,7 +114,7 @@ def gpu_runtime_installs(arch: str, path: Path = GPU_LOCK) -> dict[str, str]:
         held = Path(tmp) / "constraints.txt"
         held.write_text("".join(f"{n}=={v}\n" for n, v in pins.items() if n != "onnxruntime-gpu"))
         args = ["--only-binary=:all:", "--implementation", "cp", "--python-version", GPU_PYTHON]
-        for tag in wheel_platforms(arch, GLIBC_MINOR[GPU_LOCK]):
+        for tag in wheel_platforms(arch, GLIBC_MINOR[GPU_LOCK.name]):
             args += ["--platform", tag]
         items = pip_report(
             *args, "--constraint", str(held), f"onnxruntime-gpu=={pins['onnxruntime-gpu']}"
@@ -156,24 +156,30 @@ def main() -> int:
         if forbidden in pins:
             raise SystemExit(f"`.[serve]` pulls {forbidden}: the serving image must not")
     python = ".".join(map(str, sys.version_info[:2]))
-    write_pins(SERVE_LOCK, pins, "Pins of the CPU serving image (Dockerfile).", python, python)
-    gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
-    gpu["onnxruntime-gpu"] = ort_gpu
-    what = "Pins of the GPU serving image (Dockerfile.gpu)."
-    write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
-    # and onnxruntime-gpu's own dependencies, which `.[serve]` (onnxruntime's) never resolved
-    for arch, installed in gpu_runtime_installs_by_arch().items():
-        for name, version in installed.items():
-            if gpu.setdefault(name, version) != version:  # held to `.[serve]`: another arch's
-                raise SystemExit(
-                    f"onnxruntime-gpu {ort_gpu} installs {name} {version} on {arch} but "
-                    f"{gpu[name]} on another arch: pin {name} in `.[serve]`, or choose another "
-                    "--onnxruntime-gpu"
-                )
-    write_pins(GPU_LOCK, gpu, what, python, GPU_PYTHON)
-    for path, py in ((SERVE_LOCK, python), (GPU_LOCK, GPU_PYTHON)):
-        for arch in ARCHES:
-            check_wheels(path, arch, py)
+    with tempfile.TemporaryDirectory(dir=SERVE_LOCK.parent, prefix=".lock-") as tmp:
+        # Both files are written here and checked, then put in place together: a failure on
+        # the way (a resolution, a missing wheel, Ctrl-C) leaves the pins as they were.
+        serve_lock, gpu_lock = Path(tmp) / SERVE_LOCK.name, Path(tmp) / GPU_LOCK.name
+        write_pins(serve_lock, pins, "Pins of the CPU serving image (Dockerfile).", python, python)
+        gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
+        gpu["onnxruntime-gpu"] = ort_gpu
+        what = "Pins of the GPU serving image (Dockerfile.gpu)."
+        write_pins(gpu_lock, gpu, what, python, GPU_PYTHON)
+        # and onnxruntime-gpu's own dependencies, which `.[serve]` (onnxruntime's) never resolved
+        for arch, installed in gpu_runtime_installs_by_arch(gpu_lock).items():
+            for name, version in installed.items():
+                if gpu.setdefault(name, version) != version:  # held to `.[serve]`: another arch's
+                    raise SystemExit(
+                        f"onnxruntime-gpu {ort_gpu} installs {name} {version} on {arch} but "
+                        f"{gpu[name]} on another arch: pin {name} in `.[serve]`, or choose "
+                        "another --onnxruntime-gpu"
+                    )
+        write_pins(gpu_lock, gpu, what, python, GPU_PYTHON)
+        for path, py in ((serve_lock, python), (gpu_lock, GPU_PYTHON)):
+            for arch in ARCHES:
+                check_wheels(path, arch, py)
+        serve_lock.replace(SERVE_LOCK)
+        gpu_lock.replace(GPU_LOCK)
     print(f"wrote {SERVE_LOCK.name} and {GPU_LOCK.name}: {len(pins)} pins, wheels for {ARCHES}")
     return 0
 

@@ -880,6 +880,38 @@ def test_the_gpu_pins_hold_everything_onnxruntime_gpu_installs(tmp_path: Path) -
     assert [u.rsplit(" ", 1)[1] for u in unpinned] == [f"({arch})" for arch in lock.ARCHES]
 
 
+def test_lock_writes_both_pins_files_or_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/lock.py wrote the CPU pins, then the GPU pins twice, checking as it went: a failure
+    between left the two files disagreeing, or the GPU pins without onnxruntime-gpu's own."""
+    files = {path: tmp_path / path.name for path in (SERVE_LOCK, GPU_LOCK)}
+    for real, copy in files.items():
+        shutil.copy2(real, copy)
+    before = {copy: copy.read_text() for copy in files.values()}
+    monkeypatch.setattr(lock, "SERVE_LOCK", files[SERVE_LOCK])
+    monkeypatch.setattr(lock, "GPU_LOCK", files[GPU_LOCK])
+    monkeypatch.setattr(sys, "argv", ["lock.py", "--onnxruntime-gpu", "9.9.9"])
+    resolved = {"lightship": "0.1.0", "onnxruntime": "9.9.0", "numpy": "9.0.0"}
+    monkeypatch.setattr(lock, "resolve", lambda *constraints: dict(resolved))
+    by_arch = {"x86_64": {"numpy": "9.0.0", "six": "1.0"}, "aarch64": {"six": "2.0"}}
+    monkeypatch.setattr(lock, "gpu_runtime_installs_by_arch", lambda path=None: by_arch)
+    checked: list[tuple[str, str]] = []
+    monkeypatch.setattr(lock, "check_wheels", lambda path, *a: checked.append((path.name, *a)))
+    with pytest.raises(SystemExit, match="installs six 2.0 on aarch64 but 1.0"):
+        lock.main()
+    assert {copy: copy.read_text() for copy in files.values()} == before
+    assert not checked  # no temporary folder left beside them either:
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files.values())
+    by_arch["aarch64"]["six"] = "1.0"  # agreed: both written, each checked before
+    assert lock.main() == 0
+    assert lock.read_pins(files[SERVE_LOCK]) == {"onnxruntime": "9.9.0", "numpy": "9.0.0"}
+    gpu = {"onnxruntime-gpu": "9.9.9", "numpy": "9.0.0", "six": "1.0"}
+    assert lock.read_pins(files[GPU_LOCK]) == gpu
+    assert len(checked) == 2 * len(lock.ARCHES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files.values())
+
+
 def test_every_pin_has_a_wheel_for_amd64_and_arm64() -> None:
     """Both images build for linux/amd64 and linux/arm64 from the same pins, no compiler needed."""
     cases = [(p, py, arch) for p, py in ((SERVE_LOCK, "3.11"), (GPU_LOCK, lock.GPU_PYTHON))
