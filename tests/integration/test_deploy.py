@@ -825,6 +825,27 @@ def test_the_cpu_images_bytecode_outlives_a_reproducible_builds_timestamps(tmp_p
     assert smoke.compiled_at_start(served, packages, venv) == []
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_python_code_installed_in_the_build_is_compiled_by_hash(dockerfile: Path) -> None:
+    """What pip or apt writes in a layer of the build gets hash-checked bytecode in that layer
+    (the pinned requirements' line: in the next, which compiles the whole virtualenv again): a
+    reproducible build's rewritten times leave mtime-stamped bytecode stale. The replay checks
+    the CPU image's; the GPU image's Ubuntu Python cannot be run here."""
+    _, stages = smoke.parse_dockerfile(dockerfile.read_text())
+    installs = [
+        inst
+        for stage in stages
+        for inst in stage.instructions
+        if inst.keyword == "RUN"
+        and re.search(r"pip\" install (?!--requirement)|apt-get install [^&]*python3", inst.args)
+    ]
+    assert installs, f"{dockerfile.name} installs no Python code?"
+    for inst in installs:
+        assert re.search(r"compileall .*--invalidation-mode checked-hash", inst.args), (
+            f"{dockerfile.name}:{inst.line} installs Python code without compiling it by hash"
+        )
+
+
 # -- the pinned serve-only install ----------------------------------------------------------
 
 
