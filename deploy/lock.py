@@ -105,11 +105,10 @@ def check_wheels(path: Path, arch: str, python: str) -> list[str]:
     return [i["download_info"]["url"].rsplit("/", 1)[-1] for i in items]
 
 
-def gpu_runtime_installs(arch: str, path: Path = GPU_LOCK) -> dict[str, str]:
-    """name -> version of what PATH's onnxruntime-gpu pin installs in the GPU image on ARCH,
-    held to PATH's other pins. It takes onnxruntime's place, so `.[serve]` never resolved its
+def gpu_runtime_installs(arch: str, pins: dict[str, str]) -> dict[str, str]:
+    """name -> version of what the GPU pins' onnxruntime-gpu installs in the GPU image on ARCH,
+    held to their other pins. It takes onnxruntime's place, so `.[serve]` never resolved its
     dependencies: one it has of its own would be installed unpinned, or not be installable."""
-    pins = read_pins(path)
     with tempfile.TemporaryDirectory() as tmp:
         held = Path(tmp) / "constraints.txt"
         held.write_text("".join(f"{n}=={v}\n" for n, v in pins.items() if n != "onnxruntime-gpu"))
@@ -122,10 +121,10 @@ def gpu_runtime_installs(arch: str, path: Path = GPU_LOCK) -> dict[str, str]:
     return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
 
 
-def gpu_runtime_installs_by_arch(path: Path = GPU_LOCK) -> dict[str, dict[str, str]]:
+def gpu_runtime_installs_by_arch(pins: dict[str, str]) -> dict[str, dict[str, str]]:
     """`gpu_runtime_installs` on every arch of ARCHES (resolved at once), by arch."""
     with ThreadPoolExecutor(len(ARCHES)) as pool:
-        installs = pool.map(lambda arch: gpu_runtime_installs(arch, path), ARCHES)
+        installs = pool.map(lambda arch: gpu_runtime_installs(arch, pins), ARCHES)
         return dict(zip(ARCHES, installs, strict=True))
 
 
@@ -133,11 +132,11 @@ def unpinned_for_gpu_runtime(
     path: Path = GPU_LOCK, installs: dict[str, dict[str, str]] | None = None
 ) -> list[str]:
     """What onnxruntime-gpu installs that PATH does not pin, as `name==version (arch)`
-    (`installs`: `gpu_runtime_installs_by_arch(path)`, resolved here unless given)."""
+    (`installs`: `gpu_runtime_installs_by_arch` of its pins, resolved here unless given)."""
     pins = read_pins(path)
     return [
         f"{name}=={version} ({arch})"
-        for arch, installed in (installs or gpu_runtime_installs_by_arch(path)).items()
+        for arch, installed in (installs or gpu_runtime_installs_by_arch(pins)).items()
         for name, version in installed.items()
         if pins.get(name) != version
     ]
@@ -163,10 +162,8 @@ def main() -> int:
         write_pins(serve_lock, pins, "Pins of the CPU serving image (Dockerfile).", python, python)
         gpu = {name: version for name, version in pins.items() if name != "onnxruntime"}
         gpu["onnxruntime-gpu"] = ort_gpu
-        what = "Pins of the GPU serving image (Dockerfile.gpu)."
-        write_pins(gpu_lock, gpu, what, python, GPU_PYTHON)
         # and onnxruntime-gpu's own dependencies, which `.[serve]` (onnxruntime's) never resolved
-        for arch, installed in gpu_runtime_installs_by_arch(gpu_lock).items():
+        for arch, installed in gpu_runtime_installs_by_arch(gpu).items():
             for name, version in installed.items():
                 if gpu.setdefault(name, version) != version:  # held to `.[serve]`: another arch's
                     raise SystemExit(
@@ -174,6 +171,7 @@ def main() -> int:
                         f"{gpu[name]} on another arch: pin {name} in `.[serve]`, or choose "
                         "another --onnxruntime-gpu"
                     )
+        what = "Pins of the GPU serving image (Dockerfile.gpu)."
         write_pins(gpu_lock, gpu, what, python, GPU_PYTHON)
         for path, py in ((serve_lock, python), (gpu_lock, GPU_PYTHON)):
             for arch in ARCHES:

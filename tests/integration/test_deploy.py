@@ -893,7 +893,7 @@ def test_the_gpu_pins_hold_everything_onnxruntime_gpu_installs(tmp_path: Path) -
     broken.write_text("".join(line for line in lines if not line.startswith("flatbuffers==")))
     with ThreadPoolExecutor(2) as pool:
         found = pool.submit(lock.unpinned_for_gpu_runtime, broken)
-        installs = lock.gpu_runtime_installs_by_arch(GPU_LOCK)
+        installs = lock.gpu_runtime_installs_by_arch(lock.read_pins(GPU_LOCK))
         unpinned = found.result()
     assert lock.unpinned_for_gpu_runtime(GPU_LOCK, installs) == []
     # and the GPU pins add nothing to the serve pins that onnxruntime-gpu does not install
@@ -918,7 +918,7 @@ def test_lock_writes_both_pins_files_or_neither(
     resolved = {"lightship": "0.1.0", "onnxruntime": "9.9.0", "numpy": "9.0.0"}
     monkeypatch.setattr(lock, "resolve", lambda *constraints: dict(resolved))
     by_arch = {"x86_64": {"numpy": "9.0.0", "six": "1.0"}, "aarch64": {"six": "2.0"}}
-    monkeypatch.setattr(lock, "gpu_runtime_installs_by_arch", lambda path=None: by_arch)
+    monkeypatch.setattr(lock, "gpu_runtime_installs_by_arch", lambda pins: by_arch)
     checked: list[tuple[str, str]] = []
     monkeypatch.setattr(lock, "check_wheels", lambda path, *a: checked.append((path.name, *a)))
     with pytest.raises(SystemExit, match="installs six 2.0 on aarch64 but 1.0"):
