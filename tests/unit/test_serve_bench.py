@@ -66,6 +66,7 @@ def test_cpu_sample_tells_the_main_thread_from_the_others() -> None:
     burn(0.3)
     third = bench.cpu_sample(os.getpid())
     assert first is not None and second is not None and third is not None
+
     # /proc counts in clock ticks (10 ms): allow two of them either way, counted in ticks (as
     # seconds, 31.31 - 30.93 is 0.3799999..., and exactly two ticks short failed)
     def ticks(seconds: float) -> int:
