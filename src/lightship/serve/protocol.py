@@ -51,6 +51,11 @@ MAX_HEAD_BYTES = 64 * 1024
 # How long a request's head may take to arrive when the server has no deadline of its own to
 # give it (no tensor routes); with them, the server's request deadline (--timeout-ms)
 HEAD_TIMEOUT_S = 10.0
+# A timer that would close a connection or refuse its head looks this long first, once: after
+# the event loop stalls, uvloop runs the timers that came due before it reads the sockets, and
+# a request waiting in the kernel's buffer met a timer that took it for never sent
+# (`LightshipProtocol._head_late`, `timeout_keep_alive_handler`)
+LOOK_S = 0.001
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
 # the client still sends, so that the client reads the answer (`LightshipProtocol._close`).
@@ -585,10 +590,11 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # Body bytes still to come of a request whose Upgrade (h2c, ...) is ignored: llhttp
         # hands everything after such a head to the new protocol, so they are read here
         _upgrade_body: int | None = None
-        # Armed while a request's head is incomplete (and on a new connection): uvicorn's
-        # keep-alive timer stops at the first byte, so a head that never ends held its
-        # connection open for good
+        # Armed while a request's head is incomplete: uvicorn's keep-alive timer stops at the
+        # first byte, so a head that never ends held its connection open for good
         _head_timer: asyncio.TimerHandle | None = None
+        _head_looked = False  # `_head_timer` went off once, and looks again (LOOK_S)
+        _idle_looked = False  # likewise the keep-alive timer (`timeout_keep_alive_handler`)
         # The answer to a request that could not be read, while those ahead of it are running
         _deferred_error: tuple[bytes, str] | None = None
         # Armed when a request answered before its body arrived (a 404, a GET with a body)
@@ -624,7 +630,29 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             self._out = _CoalescingTransport(transport, self.loop, self._close)
             super().connection_made(self._out)  # type: ignore[arg-type]
             self.flow = _HeldFlow(self._out, self)
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+            # Idle until its first byte, as a connection between requests is: closed at the
+            # keep-alive timeout, or the request deadline where that is longer. uvicorn arms
+            # nothing, and a connection that never sent a byte was held for good; closed at a
+            # short deadline (1.5 s), one of 48 client threads sharing 2 cores with the server
+            # wrote its request to a closed connection
+            self.timeout_keep_alive_task = self.loop.call_later(
+                max(self.timeout_keep_alive, head_timeout_s), self.timeout_keep_alive_handler
+            )
+
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn's close of an idle connection, after one more look (LOOK_S) for a
+            request that came as the loop stalled."""
+            if not self._idle_looked:
+                self._idle_looked = True
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    LOOK_S, self.timeout_keep_alive_handler
+                )
+                return
+            HttpToolsProtocol.timeout_keep_alive_handler(self)
+
+        def _unset_keepalive_if_required(self) -> None:
+            self._idle_looked = False
+            HttpToolsProtocol._unset_keepalive_if_required(self)
 
         def mark_closing(self, cycle: Any) -> None:
             """The server stops: `cycle`, the last request read, is answered with Connection:
@@ -701,20 +729,21 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.data_received(bytes(held))
 
         def _head_late(self) -> None:
-            """The head has not arrived in time: a partial one is answered 408, a connection
-            that sent nothing is closed, as an idle keep-alive one is."""
+            """The head has not arrived whole in time: answered 408, after one more look
+            (LOOK_S) for the rest of it, which may have come as the loop stalled."""
             self._head_timer = None
             if self._linger is not None or self._out.is_closing() or not self._in_head:
                 return
-            if self._head_bytes:
-                self._refuse(
-                    "head_timeout",
-                    b"408 Request Timeout",
-                    f"request head incomplete after {head_timeout_s:g} s: send the request "
-                    "line and headers at once",
-                )
-            elif self.cycle is None:
-                self._out.close_now()
+            if not self._head_looked:
+                self._head_looked = True
+                self._head_timer = self.loop.call_later(LOOK_S, self._head_late)
+                return
+            self._refuse(
+                "head_timeout",
+                b"408 Request Timeout",
+                f"request head incomplete after {head_timeout_s:g} s: send the request "
+                "line and headers at once",
+            )
 
         def _body_late(self) -> None:
             """The body of a request answered before it arrived is still coming: closed (the
@@ -849,6 +878,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             try:
                 self.parser.feed_data(data)
                 if self._in_head and self._head_bytes and self._head_timer is None:
+                    self._head_looked = False
                     self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
                 cycle = self.cycle
                 if (
