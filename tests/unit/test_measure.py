@@ -49,6 +49,27 @@ def test_speedup_spread_is_the_middle_half_of_the_within_round_ratios() -> None:
     assert base.speedup_spread(base) == pytest.approx([1.0, 1.0])
 
 
+def test_speedup_bounds_are_the_sign_tests_ranks_of_the_within_round_ratios() -> None:
+    base = Timing(throughput=[100.0] * 32)
+    ratios = np.linspace(1.0, 1.31, 32)  # 1.00, 1.01, ... 1.31
+    rng = np.random.default_rng(0)
+    fast = Timing(throughput=list(100.0 * rng.permutation(ratios)))  # in any order
+    assert fast.speedup_bounds(base) == pytest.approx((1.09, 1.22))  # the 10th and 23rd
+    eight = Timing(throughput=fast.throughput[:8])
+    assert eight.speedup_bounds(Timing(throughput=[100.0] * 8)) == pytest.approx(
+        (min(eight.throughput) / 100, max(eight.throughput) / 100)
+    )
+    one = Timing(throughput=[150.0])
+    assert one.speedup_bounds(Timing(throughput=[100.0])) == pytest.approx((1.5, 1.5))
+
+
+def test_a_timing_extended_holds_both_runs() -> None:
+    a = Timing([1.0], [100.0], others_cpu_s=0.1, machine_cpu_s=2.0)
+    a.extend(Timing([2.0, 3.0], [200.0], others_cpu_s=0.3, machine_cpu_s=2.0))
+    assert a == Timing([1.0, 2.0, 3.0], [100.0, 200.0], others_cpu_s=0.4, machine_cpu_s=4.0)
+    assert a.busy_share == pytest.approx(0.1)
+
+
 def test_speedups_print_with_their_spread_or_a_dash() -> None:
     v = {"speedup_vs_eager": 5.584, "speedup_vs_eager_iqr": [5.214, 5.936]}
     assert speedup(v, "eager") == "5.58 (5.21–5.94)"

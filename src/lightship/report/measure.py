@@ -12,6 +12,7 @@ ratio alike: `Timing.noise` says when, from the spread and from the CPU other pr
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -180,6 +181,23 @@ class Timing:
             if wide > NOISY_SPREAD:
                 found.append(f"{what} ±{wide:.0%}")
         return found
+
+    def speedup_bounds(self, base: Timing) -> tuple[float, float]:
+        """Where the median of the within-round ratios over `base` lies, with ~95 % confidence
+        and no assumption on their distribution: two of the sorted ratios, by the sign test's
+        ranks (n/2 ∓ 0.98 √n). 8 rounds: the lowest and the highest; 32: the 10th and 23rd."""
+        ratios = np.sort(self._ratios(base))
+        n = len(ratios)
+        low = max(math.floor((n - 1.96 * math.sqrt(n)) / 2), 1)
+        high = min(math.ceil(1 + (n + 1.96 * math.sqrt(n)) / 2), n)
+        return float(ratios[low - 1]), float(ratios[high - 1])
+
+    def extend(self, other: Timing) -> None:
+        """`other`'s calls and rounds added to this one's, as if timed in the same run."""
+        self.latency_ms.extend(other.latency_ms)
+        self.throughput.extend(other.throughput)
+        self.others_cpu_s += other.others_cpu_s
+        self.machine_cpu_s += other.machine_cpu_s
 
     def _ratios(self, base: Timing) -> np.ndarray:
         return np.asarray(self.throughput) / np.asarray(base.throughput)
