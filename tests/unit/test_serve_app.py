@@ -2939,13 +2939,14 @@ def test_a_new_connection_may_stay_silent_past_the_request_deadline(tmp_path: Pa
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("before", ["nothing", "half a head", "an answer"])
+@pytest.mark.parametrize("before", ["nothing", "half a head", "an answer", "an early answer"])
 def test_a_request_in_the_sockets_buffer_when_a_timer_goes_off_is_read_first(
     tmp_path: Path, before: str, loop: str
 ) -> None:
     """After the event loop stalls (a 2-core machine under overload), uvloop runs the timers
     that came due before it reads the sockets: a connection whose request waited in the
-    kernel's buffer was closed unanswered as silent, at its keep-alive timeout, or answered
+    kernel's buffer was closed unanswered as silent, at its keep-alive timeout, or as still
+    sending the body of a request answered before it came (a GET with a body), or answered
     408 at the request deadline as a head that never ended. Each looks once more first."""
     app, _ = make_app(tmp_path, timeout_ms=300)
     request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
@@ -2960,6 +2961,14 @@ def test_a_request_in_the_sockets_buffer_when_a_timer_goes_off_is_read_first(
             elif before == "an answer":
                 writer.write(request)
                 await asyncio.wait_for(read_answer(reader), 5)
+            elif before == "an early answer":
+                writer.write(
+                    b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\n"
+                )
+                await asyncio.wait_for(read_answer(reader), 5)
+                await asyncio.sleep(0.05)
+                writer.write(b"ab")  # 2 of the 5 bytes, after the answer
+                rest = b"cde" + request
             await asyncio.sleep(0.05)  # the server has it: its timer is armed
             loop = asyncio.get_running_loop()
             waker, woken = socket.socketpair()

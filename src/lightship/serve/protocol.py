@@ -54,7 +54,7 @@ HEAD_TIMEOUT_S = 10.0
 # A timer that would close a connection or refuse its head looks this long first, once: after
 # the event loop stalls, uvloop runs the timers that came due before it reads the sockets, and
 # a request waiting in the kernel's buffer met a timer that took it for never sent
-# (`LightshipProtocol._head_late`, `timeout_keep_alive_handler`)
+# (`LightshipProtocol._head_late`, `_body_late`, `timeout_keep_alive_handler`)
 LOOK_S = 0.001
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
@@ -601,6 +601,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         # gets more of it: the body must end in time. uvicorn's keep-alive timer stops at
         # every read, and a client trickling a byte now and then held the connection for good
         _body_timer: asyncio.TimerHandle | None = None
+        _body_looked = False  # `_body_timer` went off once, and looks again (LOOK_S)
         # The request read before the one in `cycle`: answered last before it, where that one
         # is taken out of the pipeline (`_refuse`)
         _before: Any = None
@@ -747,11 +748,18 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def _body_late(self) -> None:
             """The body of a request answered before it arrived is still coming: closed (the
-            answer went out; there is no other to give)."""
+            answer went out; there is no other to give), after one more look (LOOK_S) for
+            the rest of it, and any request after it, which may have come as the loop
+            stalled."""
             self._body_timer = None
             cycle = self.cycle
-            if not self._in_head and cycle is not None and cycle.more_body:
-                self._out.close_now()
+            if self._in_head or cycle is None or not cycle.more_body:
+                return
+            if not self._body_looked:
+                self._body_looked = True
+                self._body_timer = self.loop.call_later(LOOK_S, self._body_late)
+                return
+            self._out.close_now()
 
         def on_message_begin(self) -> None:
             # A head whose first bytes came in the read that ended the request before it was
@@ -888,6 +896,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     and cycle.response_complete
                     and cycle.more_body
                 ):
+                    self._body_looked = False
                     self._body_timer = self.loop.call_later(head_timeout_s, self._body_late)
             except httptools.HttpParserError as exc:
                 if self._broken:  # refused at its head (`_Refused`)
