@@ -733,7 +733,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             """The head has not arrived whole in time: answered 408, after one more look
             (LOOK_S) for the rest of it, which may have come as the loop stalled."""
             self._head_timer = None
-            if self._linger is not None or self._out.is_closing() or not self._in_head:
+            head_begun = self._in_head and self._head_bytes
+            if self._linger is not None or self._out.is_closing() or not head_begun:
                 return
             if not self._head_looked:
                 self._head_looked = True
