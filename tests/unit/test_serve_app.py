@@ -2939,28 +2939,39 @@ def test_a_new_connection_may_stay_silent_past_the_request_deadline(tmp_path: Pa
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("before", ["nothing", "half a head", "an answer", "an early answer"])
+@pytest.mark.parametrize(
+    "before", ["nothing", "half a head", "an answer", "an early answer", "an answer and SIGTERM"]
+)
 def test_a_request_in_the_sockets_buffer_when_a_timer_goes_off_is_read_first(
     tmp_path: Path, before: str, loop: str
 ) -> None:
     """After the event loop stalls (a 2-core machine under overload), uvloop runs the timers
     that came due before it reads the sockets: a connection whose request waited in the
     kernel's buffer was closed unanswered as silent, at its keep-alive timeout, or as still
-    sending the body of a request answered before it came (a GET with a body), or answered
-    408 at the request deadline as a head that never ended. Each looks once more first."""
+    sending the body of a request answered before it came (a GET with a body), or as idle
+    while the server stops (SIGTERM), or answered 408 at the request deadline as a head that
+    never ended. Each looks once more first."""
     app, _ = make_app(tmp_path, timeout_ms=300)
     request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
 
+    stopping = before == "an answer and SIGTERM"  # its keep-alive (5 s) not due in the stall
+
     async def main() -> tuple[int, str]:
-        async with raw_http(app, timeout_keep_alive=0.3) as (connect, _, http):
+        async with raw_http(app, timeout_keep_alive=5 if stopping else 0.3) as (
+            connect,
+            counting,
+            http,
+        ):
             reader, writer = await connect()
             rest = request
             if before == "half a head":
                 writer.write(request[:20])
                 rest = request[20:]
-            elif before == "an answer":
+            elif before.startswith("an answer"):
                 writer.write(request)
                 await asyncio.wait_for(read_answer(reader), 5)
+                for connection in list(counting.connections) if stopping else []:
+                    connection.shutdown()  # what SIGTERM does to each: idle, closed in 0.5 s
             elif before == "an early answer":
                 writer.write(
                     b"GET /v2/health/ready HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\n"

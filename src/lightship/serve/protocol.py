@@ -54,7 +54,7 @@ HEAD_TIMEOUT_S = 10.0
 # A timer that would close a connection or refuse its head looks this long first, once: after
 # the event loop stalls, uvloop runs the timers that came due before it reads the sockets, and
 # a request waiting in the kernel's buffer met a timer that took it for never sent
-# (`LightshipProtocol._head_late`, `_body_late`, `timeout_keep_alive_handler`)
+# (`LightshipProtocol._head_late`, `_body_late`, `_drain_idle`, `timeout_keep_alive_handler`)
 LOOK_S = 0.001
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
@@ -612,6 +612,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _marked_after_head = False  # whose answer had begun when it was marked
         _handed_over = 0  # marks taken back for a request read after (`_take_back_close`)
         _drain_timer: asyncio.TimerHandle | None = None
+        _drain_looked = False  # `_drain_timer` went off once, and looks again (LOOK_S)
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
         # When (loop time) an answer still waiting for its client to read it is dropped, the
@@ -853,10 +854,16 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 cycle.scope[BODY_STOPPED] = lambda: cycle.more_body  # type: ignore[literal-required]
 
         def _drain_idle(self) -> None:
+            """No request came in DRAIN_IDLE_S of the server stopping: closed, after one more
+            look (LOOK_S) for one that came as the loop stalled, as it may under load."""
             self._drain_timer = None
             cycle = self.cycle
             idle = cycle is None or cycle.response_complete
             if idle and not (self._in_head and self._head_bytes) and not self._out.is_closing():
+                if not self._drain_looked:
+                    self._drain_looked = True
+                    self._drain_timer = self.loop.call_later(LOOK_S, self._drain_idle)
+                    return
                 self._out.close_now()
 
         def data_received(self, data: bytes) -> None:
