@@ -4336,6 +4336,45 @@ def test_a_blank_line_after_a_request_leaves_the_connection_idle(tmp_path: Path,
     assert metric(text, 'lightship_rejections_total{reason="head_timeout"}') == 0
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_body_in_the_sockets_buffer_when_the_drain_stops_bodies_is_read_first(
+    tmp_path: Path, loop: str
+) -> None:
+    """The drain stops a body still arriving 1 s after SIGTERM (with a 7 s drain), answered
+    503. After a stall, uvloop ran that stop before it read a body that had come whole: a
+    request answered 503 where it could be answered. It looks once more first, as the
+    connection's other timers do."""
+    app, _ = make_app(tmp_path, timeout_ms=3000)
+    request = post(INFER, json.dumps(v2_json(X)).encode(), "content-type: application/json")
+    split = request.index(b"\r\n\r\n") + 10  # the head and 6 bytes of the body
+
+    async def main() -> int:
+        async with raw_http(app, timeout_graceful_shutdown=7) as (connect, counting, _):
+            reader, writer = await connect()
+            writer.write(request[:split])
+            await asyncio.sleep(0.05)
+            for connection in list(counting.connections):  # what SIGTERM does to each
+                connection.shutdown()
+            await asyncio.sleep(0.7)  # the stop comes due at 1 s, in the stall below
+            loop = asyncio.get_running_loop()
+            waker, woken = socket.socketpair()
+
+            def stall() -> None:
+                loop.remove_reader(woken.fileno())
+                writer.write(request[split:])
+                time.sleep(0.6)
+
+            loop.add_reader(woken.fileno(), stall)
+            waker.send(b"!")
+            status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
+            waker.close()
+            woken.close()
+            writer.close()
+            return status
+
+    assert run(main(), loop) == 200
+
+
 def test_a_connection_holds_at_most_max_pipelined_requests_waiting(tmp_path: Path) -> None:
     """llhttp parses every request of a read: a client pipelining without reading its answers
     queued 182,000 requests in 3 s. Past MAX_PIPELINED waiting, the next is answered 429 after

@@ -54,7 +54,8 @@ HEAD_TIMEOUT_S = 10.0
 # A timer that would close a connection or refuse its head looks this long first, once: after
 # the event loop stalls, uvloop runs the timers that came due before it reads the sockets, and
 # a request waiting in the kernel's buffer met a timer that took it for never sent
-# (`LightshipProtocol._head_late`, `_body_late`, `_drain_idle`, `timeout_keep_alive_handler`)
+# (`LightshipProtocol._head_late`, `_body_late`, `_drain_idle`, `_stop_body`,
+# `timeout_keep_alive_handler`)
 LOOK_S = 0.001
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
@@ -614,6 +615,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _drain_timer: asyncio.TimerHandle | None = None
         _drain_looked = False  # `_drain_timer` went off once, and looks again (LOOK_S)
         _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
+        _stop_looked = False  # `_body_stop` went off once, and looks again (LOOK_S)
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
         # When (loop time) an answer still waiting for its client to read it is dropped, the
         # server stopping: a second before uvicorn's drain would cancel it, with a traceback
@@ -837,12 +839,19 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             arriving, a request on a kept-alive connection) is stopped at `_stop_bodies_at`."""
             at = self._stop_bodies_at
             if at is not None and self._body_stop is None:
+                self._stop_looked = False
                 self._body_stop = self.loop.call_at(max(at, self.loop.time()), self._stop_body)
 
         def _stop_body(self) -> None:
+            """A body still arriving when the drain stops bodies: answered 503, after one more
+            look (LOOK_S) for the rest of it, which may have come as the loop stalled."""
             self._body_stop = None
             cycle = self.cycle
             if cycle is None or not cycle.more_body:  # no body under way: nothing to stop
+                return
+            if not self._stop_looked:
+                self._stop_looked = True
+                self._body_stop = self.loop.call_later(LOOK_S, self._stop_body)
                 return
             if isinstance(cycle, _TensorCycle):
                 cycle.stop_body()
