@@ -2696,6 +2696,29 @@ def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
 Exchange = tuple[int, dict[str, str], bytes, bytes]
 
 
+async def write_in_a_stall(writer: asyncio.StreamWriter, data: bytes, seconds: float = 0.6) -> None:
+    """`data` sent as the event loop stalls `seconds` where a busy server's does, in its reading
+    of sockets: it lies in the server's socket buffer until the loop's next turn, which on
+    uvloop runs the timers that came due meanwhile first."""
+    loop = asyncio.get_running_loop()
+    waker, woken = socket.socketpair()
+    stalled = loop.create_future()
+
+    def stall() -> None:
+        loop.remove_reader(woken.fileno())
+        writer.write(data)
+        time.sleep(seconds)
+        stalled.set_result(None)
+
+    loop.add_reader(woken.fileno(), stall)
+    waker.send(b"!")
+    try:
+        await stalled
+    finally:
+        waker.close()
+        woken.close()
+
+
 async def exchange(connect: Callable[[], Awaitable[Any]], *data: bytes) -> Exchange:
     """Send `data` on a new connection; the answer, then what follows it until the server
     closes (b"" when it closes right after the answer)."""
@@ -2981,19 +3004,8 @@ def test_a_request_in_the_sockets_buffer_when_a_timer_goes_off_is_read_first(
                 writer.write(b"ab")  # 2 of the 5 bytes, after the answer
                 rest = b"cde" + request
             await asyncio.sleep(0.05)  # the server has it: its timer is armed
-            loop = asyncio.get_running_loop()
-            waker, woken = socket.socketpair()
-
-            def stall() -> None:  # in the loop's reading of sockets, as a busy server's is
-                loop.remove_reader(woken.fileno())
-                writer.write(rest)  # into the server's socket buffer, read next turn
-                time.sleep(0.6)  # the server's timer comes due meanwhile
-
-            loop.add_reader(woken.fileno(), stall)
-            waker.send(b"!")
+            await write_in_a_stall(writer, rest)  # the server's timer comes due meanwhile
             status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
-            waker.close()
-            woken.close()
             writer.close()
             return status, (await http.get("/metrics")).text
 
@@ -4356,19 +4368,8 @@ def test_a_body_in_the_sockets_buffer_when_the_drain_stops_bodies_is_read_first(
             for connection in list(counting.connections):  # what SIGTERM does to each
                 connection.shutdown()
             await asyncio.sleep(0.7)  # the stop comes due at 1 s, in the stall below
-            loop = asyncio.get_running_loop()
-            waker, woken = socket.socketpair()
-
-            def stall() -> None:
-                loop.remove_reader(woken.fileno())
-                writer.write(request[split:])
-                time.sleep(0.6)
-
-            loop.add_reader(woken.fileno(), stall)
-            waker.send(b"!")
+            await write_in_a_stall(writer, request[split:])
             status, _, _ = await asyncio.wait_for(read_answer(reader), 5)
-            waker.close()
-            woken.close()
             writer.close()
             return status
 

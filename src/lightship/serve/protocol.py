@@ -51,11 +51,10 @@ MAX_HEAD_BYTES = 64 * 1024
 # How long a request's head may take to arrive when the server has no deadline of its own to
 # give it (no tensor routes); with them, the server's request deadline (--timeout-ms)
 HEAD_TIMEOUT_S = 10.0
-# A timer that would close a connection or refuse its head looks this long first, once: after
-# the event loop stalls, uvloop runs the timers that came due before it reads the sockets, and
-# a request waiting in the kernel's buffer met a timer that took it for never sent
-# (`LightshipProtocol._head_late`, `_body_late`, `_drain_idle`, `_stop_body`,
-# `timeout_keep_alive_handler`)
+# A timer that would close a connection or refuse its request acts this long after it comes
+# due (`_LookFirst`, `LightshipProtocol.timeout_keep_alive_handler`): after the event loop
+# stalls, uvloop runs the timers that came due before it reads the sockets, and a request
+# waiting in the kernel's buffer met a timer that took it for never sent
 LOOK_S = 0.001
 # How long a connection closed before its request arrived whole (a 413 by its length, a body
 # still arriving at its deadline, a 431 or a head that does not parse) reads and discards what
@@ -96,6 +95,25 @@ def _answering(cycle: Any) -> bool:
     """Whether `cycle`'s answer has begun (its head written) or is done: a `_TensorCycle`
     writes its answer whole; uvicorn's cycle says `response_started` at its head."""
     return bool(cycle.response_complete or getattr(cycle, "response_started", False))
+
+
+class _LookFirst:
+    """A timer whose callback runs LOOK_S after it comes due: a turn of the loop later, once
+    the loop has read its sockets, so that what arrived in time is read before it is judged
+    missing. One handle to cancel, whichever of the two is pending."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, when: float, callback: Callable[[], None]
+    ) -> None:
+        self._handle: asyncio.Handle = loop.call_at(when, self._look, loop, callback)
+
+    def _look(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        self._handle = loop.call_later(LOOK_S, callback)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def body_stop_after_s(drain_s: float) -> float:
@@ -593,16 +611,13 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _upgrade_body: int | None = None
         # Armed while a request's head is incomplete: uvicorn's keep-alive timer stops at the
         # first byte, so a head that never ends held its connection open for good
-        _head_timer: asyncio.TimerHandle | None = None
-        _head_looked = False  # `_head_timer` went off once, and looks again (LOOK_S)
-        _idle_looked = False  # likewise the keep-alive timer (`timeout_keep_alive_handler`)
+        _head_timer: _LookFirst | None = None
         # The answer to a request that could not be read, while those ahead of it are running
         _deferred_error: tuple[bytes, str] | None = None
         # Armed when a request answered before its body arrived (a 404, a GET with a body)
         # gets more of it: the body must end in time. uvicorn's keep-alive timer stops at
         # every read, and a client trickling a byte now and then held the connection for good
-        _body_timer: asyncio.TimerHandle | None = None
-        _body_looked = False  # `_body_timer` went off once, and looks again (LOOK_S)
+        _body_timer: _LookFirst | None = None
         # The request read before the one in `cycle`: answered last before it, where that one
         # is taken out of the pipeline (`_refuse`)
         _before: Any = None
@@ -612,10 +627,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
         _stop_marked: Any = None  # the request the server marked to close with (`mark_closing`)
         _marked_after_head = False  # whose answer had begun when it was marked
         _handed_over = 0  # marks taken back for a request read after (`_take_back_close`)
-        _drain_timer: asyncio.TimerHandle | None = None
-        _drain_looked = False  # `_drain_timer` went off once, and looks again (LOOK_S)
-        _body_stop: asyncio.TimerHandle | None = None  # a body still arriving at SIGTERM
-        _stop_looked = False  # `_body_stop` went off once, and looks again (LOOK_S)
+        _drain_timer: _LookFirst | None = None
+        _body_stop: _LookFirst | None = None  # a body still arriving at SIGTERM
         _stop_bodies_at: float | None = None  # when (loop time) `_body_stop` goes off
         # When (loop time) an answer still waiting for its client to read it is dropped, the
         # server stopping: a second before uvicorn's drain would cancel it, with a traceback
@@ -644,19 +657,12 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             )
 
         def timeout_keep_alive_handler(self) -> None:
-            """uvicorn's close of an idle connection, after one more look (LOOK_S) for a
-            request that came as the loop stalled."""
-            if not self._idle_looked:
-                self._idle_looked = True
-                self.timeout_keep_alive_task = self.loop.call_later(
-                    LOOK_S, self.timeout_keep_alive_handler
-                )
-                return
-            HttpToolsProtocol.timeout_keep_alive_handler(self)
-
-        def _unset_keepalive_if_required(self) -> None:
-            self._idle_looked = False
-            HttpToolsProtocol._unset_keepalive_if_required(self)
+            """The keep-alive timer, whoever armed it (uvicorn does after every answer): its
+            close of an idle connection LOOK_S later, for a request that came as the loop
+            stalled, as `_LookFirst` does for the protocol's own timers."""
+            self.timeout_keep_alive_task = self.loop.call_later(
+                LOOK_S, HttpToolsProtocol.timeout_keep_alive_handler, self
+            )
 
         def mark_closing(self, cycle: Any) -> None:
             """The server stops: `cycle`, the last request read, is answered with Connection:
@@ -733,15 +739,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.data_received(bytes(held))
 
         def _head_late(self) -> None:
-            """The head has not arrived whole in time: answered 408, after one more look
-            (LOOK_S) for the rest of it, which may have come as the loop stalled."""
+            """The head has not arrived whole in time: answered 408."""
             self._head_timer = None
             head_begun = self._in_head and self._head_bytes
             if self._linger is not None or self._out.is_closing() or not head_begun:
-                return
-            if not self._head_looked:
-                self._head_looked = True
-                self._head_timer = self.loop.call_later(LOOK_S, self._head_late)
                 return
             self._refuse(
                 "head_timeout",
@@ -752,18 +753,11 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         def _body_late(self) -> None:
             """The body of a request answered before it arrived is still coming: closed (the
-            answer went out; there is no other to give), after one more look (LOOK_S) for
-            the rest of it, and any request after it, which may have come as the loop
-            stalled."""
+            answer went out; there is no other to give)."""
             self._body_timer = None
             cycle = self.cycle
-            if self._in_head or cycle is None or not cycle.more_body:
-                return
-            if not self._body_looked:
-                self._body_looked = True
-                self._body_timer = self.loop.call_later(LOOK_S, self._body_late)
-                return
-            self._out.close_now()
+            if not self._in_head and cycle is not None and cycle.more_body:
+                self._out.close_now()
 
         def on_message_begin(self) -> None:
             # A head whose first bytes came in the read that ended the request before it was
@@ -832,26 +826,23 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 self.mark_closing(cycle)
                 self._arm_body_stop()
             elif not (self._in_head and self._head_bytes):  # no head arriving: idle
-                self._drain_timer = self.loop.call_later(DRAIN_IDLE_S, self._drain_idle)
+                self._drain_timer = self._look_first(DRAIN_IDLE_S, self._drain_idle)
 
         def _arm_body_stop(self) -> None:
             """While draining: a body under way, or one a request read since (a head that was
             arriving, a request on a kept-alive connection) is stopped at `_stop_bodies_at`."""
             at = self._stop_bodies_at
             if at is not None and self._body_stop is None:
-                self._stop_looked = False
-                self._body_stop = self.loop.call_at(max(at, self.loop.time()), self._stop_body)
+                self._body_stop = _LookFirst(self.loop, max(at, self.loop.time()), self._stop_body)
+
+        def _look_first(self, delay: float, callback: Callable[[], None]) -> _LookFirst:
+            return _LookFirst(self.loop, self.loop.time() + delay, callback)
 
         def _stop_body(self) -> None:
-            """A body still arriving when the drain stops bodies: answered 503, after one more
-            look (LOOK_S) for the rest of it, which may have come as the loop stalled."""
+            """A body still arriving when the drain stops bodies: answered 503."""
             self._body_stop = None
             cycle = self.cycle
             if cycle is None or not cycle.more_body:  # no body under way: nothing to stop
-                return
-            if not self._stop_looked:
-                self._stop_looked = True
-                self._body_stop = self.loop.call_later(LOOK_S, self._stop_body)
                 return
             if isinstance(cycle, _TensorCycle):
                 cycle.stop_body()
@@ -863,16 +854,10 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 cycle.scope[BODY_STOPPED] = lambda: cycle.more_body  # type: ignore[literal-required]
 
         def _drain_idle(self) -> None:
-            """No request came in DRAIN_IDLE_S of the server stopping: closed, after one more
-            look (LOOK_S) for one that came as the loop stalled, as it may under load."""
             self._drain_timer = None
             cycle = self.cycle
             idle = cycle is None or cycle.response_complete
             if idle and not (self._in_head and self._head_bytes) and not self._out.is_closing():
-                if not self._drain_looked:
-                    self._drain_looked = True
-                    self._drain_timer = self.loop.call_later(LOOK_S, self._drain_idle)
-                    return
                 self._out.close_now()
 
         def data_received(self, data: bytes) -> None:
@@ -903,8 +888,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             try:
                 self.parser.feed_data(data)
                 if self._in_head and self._head_bytes and self._head_timer is None:
-                    self._head_looked = False
-                    self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+                    self._head_timer = self._look_first(head_timeout_s, self._head_late)
                 cycle = self.cycle
                 if (
                     not self._in_head
@@ -913,8 +897,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                     and cycle.response_complete
                     and cycle.more_body
                 ):
-                    self._body_looked = False
-                    self._body_timer = self.loop.call_later(head_timeout_s, self._body_late)
+                    self._body_timer = self._look_first(head_timeout_s, self._body_late)
             except httptools.HttpParserError as exc:
                 if self._broken:  # refused at its head (`_Refused`)
                     return
