@@ -342,6 +342,100 @@ def test_markdown_gives_each_ratio_the_range_of_its_rounds() -> None:
     assert "c=16: 1.00 (same path 1.00, FastAPI 1.00)" in table  # the same every round: no range
 
 
+def _model(
+    name: str, rates: dict[tuple[str, str, int], list[float]], in_process: list[float], **more: Any
+) -> dict[str, Any]:
+    """A model's entry in the results, measured at `rates` ((endpoint, protocol, concurrency):
+    req/s by round), its p99 in ms the round's number x 100 + the concurrency."""
+    cells = []
+    for (endpoint, protocol, c), by_round in rates.items():
+        for r, rps in enumerate(by_round):
+            cell = _cell(endpoint, protocol, c, r, rps)
+            cell.model, cell.p99_ms = name, 100.0 * r + c
+            cells.append(cell)
+    concurrency = sorted({c for _, _, c in rates})
+    load, ratios, ranges = bench.summarise(cells, in_process, concurrency)
+    return {
+        "model": name,
+        "variant": "onnx-int8-static",
+        "in_process_ceiling": {"rows_per_s": in_process[0], "best_batch": 64},
+        "load": load,
+        "ratios": ratios,
+        "ratio_ranges": ranges,
+    } | more
+
+
+def test_the_serving_targets_are_judged_on_the_figures_the_run_measured() -> None:
+    s, f = bench.SERVER, bench.FASTAPI
+    resnet = _model(
+        "resnet18",
+        {(s, "json", 16): [800.0, 850.0], (s, "binary", 16): [920.0, 900.0]}
+        | {(s, p, 64): [950.0, 950.0] for p in bench.PROTOCOLS},
+        [1000.0, 1000.0],
+        startup={"seconds": 1.9, "correct": True},
+    )
+    digits = _model(
+        "digits",
+        {
+            (s, "json", 16): [1000.0, 1000.0],
+            (s, "json", 64): [1200.0, 1100.0],
+            (s, "binary", 16): [1400.0, 1200.0],
+            (s, "binary", 64): [1500.0, 1400.0],
+            (f, "json", 16): [1300.0, 1000.0],
+            (f, "json", 64): [1250.0, 1500.0],
+        },
+        [9000.0, 9000.0],
+        startup={"seconds": 0.7, "correct": True},
+    )
+    results = {"cpu": TEST_CPU, "cores": 2, "duration_s": 4, "rounds": 2}
+    judged = {
+        g["goal"].split(":")[0]: g for g in bench.goals(results | {"models": [resnet, digits]})
+    }
+    assert list(judged) == [
+        "ResNet-18 at 16 connections",
+        "p99 at 64 connections ≤ 800 ms",
+        "digits over JSON",
+        "digits",
+        "first correct answer ≤ 2 s after the server process starts",
+    ]
+    # the better protocol: binary 0.92 and 0.90 (median 0.91), JSON 0.825
+    resnet_16 = judged["ResNet-18 at 16 connections"]
+    assert (resnet_16["value"], resnet_16["bound"], resnet_16["met"]) == (0.91, 0.9, True)
+    assert resnet_16["figures"] == "json 0.82 (0.80–0.85), binary 0.91 (0.90–0.92)"
+    # the worst round of any model and protocol at 64 connections: round 1, 164 ms
+    p99 = judged["p99 at 64 connections ≤ 800 ms"]
+    assert (p99["value"], p99["met"]) == (164.0, True)
+    # best against best in each round: 1200 / 1300 and 1100 / 1500, median 0.83
+    fastapi = judged["digits over JSON"]
+    assert (fastapi["value"], fastapi["bound"], fastapi["met"]) == (0.828, 0.9, False)
+    assert fastapi["figures"] == "0.83 (0.73–0.92), best against best"
+    # binary / JSON: 1.3 at 16 connections (1.4 and 1.2), 1.26 at 64: the best concurrency
+    binary = judged["digits"]
+    assert (binary["value"], binary["bound"], binary["met"]) == (1.3, 1.3, True)
+    assert binary["figures"] == "c=16: 1.30 (1.20–1.40), c=64: 1.26 (1.25–1.27)"
+    first = judged["first correct answer ≤ 2 s after the server process starts"]
+    assert (first["value"], first["met"]) == (1.9, True)
+    assert first["figures"] == "resnet18 1.90 s, digits 0.70 s"
+    # a wrong first answer misses it, however soon
+    digits["startup"] = {"seconds": 0.7, "correct": False}
+    first = bench.goals(results | {"models": [resnet, digits]})[-1]
+    assert not first["met"] and "(a WRONG answer: digits)" in first["figures"]
+    table = bench.markdown(results | {"models": [resnet, digits]})
+    assert "| digits over JSON: req/s ≥ 0.90 of the FastAPI no-model endpoint's " in table
+    assert "| 0.83 (0.73–0.92), best against best | **missed** |" in table
+    assert "| c=16: 1.30 (1.20–1.40), c=64: 1.26 (1.25–1.27) | met |" in table
+
+
+def test_a_target_whose_cells_the_run_left_out_is_not_judged() -> None:
+    # digits alone, JSON at one connection: no ResNet-18, nothing at 64 connections, no
+    # FastAPI cell, no binary one, no first answer
+    s = bench.SERVER
+    digits = _model("digits", {(s, "json", 1): [500.0]}, [9000.0])
+    results = {"cpu": TEST_CPU, "cores": 2, "duration_s": 4, "rounds": 1, "models": [digits]}
+    assert bench.goals(results) == []
+    assert "performance targets" not in bench.markdown(results)
+
+
 def test_markdown_names_the_gpu_beside_the_cpu_when_the_model_ran_on_one() -> None:
     results = _results([_cell(bench.SERVER, "json", 16, 0, 1200.0)])
     assert "GPU" not in bench.markdown(results).splitlines()[0]  # a CPU run, as before

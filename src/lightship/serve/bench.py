@@ -739,6 +739,92 @@ def _ratio(m: dict[str, Any], kind: str, group: str, cell: str) -> str:
     return text
 
 
+def _finite(cells: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in cells.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The serving issue's five performance targets, judged on what this run measured: each
+    with the value judged, its bound, whether it holds, and the figures behind it as the table
+    prints them. A target whose cells the run left out (a model, a concurrency) is left out.
+
+    Where the issue names no protocol or concurrency, the server's best is judged and every
+    figure shown: ResNet-18 at 16 connections by its better protocol, binary / JSON for digits
+    at its best concurrency; the FastAPI no-model endpoint's ceiling is its best rate at any
+    concurrency, against the server's best (`peak`); p99 at 64 connections is the worst round
+    of any model and protocol, and the first answer the slowest model's, which must be right.
+    """
+    models = {m["model"]: m for m in results["models"]}
+    found: list[dict[str, Any]] = []
+
+    def judge(
+        goal: str, value: float, bound: float, at_least: bool, figures: str, right: bool = True
+    ) -> None:
+        met = right and (value >= bound if at_least else value <= bound)
+        found.append({"goal": goal, "value": value, "bound": bound, "met": met, "figures": figures})
+
+    if (resnet := models.get("resnet18")) is not None:
+        kind = "server_vs_in_process"
+        at_16 = _finite({p: resnet["ratios"].get(kind, {}).get(p, {}).get("16") for p in PROTOCOLS})
+        if at_16:
+            judge(
+                "ResNet-18 at 16 connections: req/s ≥ 0.90 of its in-process rows/s",
+                max(at_16.values()),
+                0.9,
+                True,
+                ", ".join(f"{p} {_ratio(resnet, kind, p, '16')}" for p in at_16),
+            )
+    worst = [
+        (cell.get("p99_ms_max", cell["p99_ms"]), m["model"], cell["protocol"])
+        for m in results["models"]
+        for cell in m["load"]
+        if cell["endpoint"] == SERVER and cell["concurrency"] == 64
+    ]
+    if worst:
+        p99, model, protocol = max(worst)
+        judge(
+            "p99 at 64 connections ≤ 800 ms",
+            p99,
+            800.0,
+            False,
+            f"{p99:.0f} ms at most ({model}, {protocol}; the worst round)",
+        )
+    if (digits := models.get("digits")) is not None:
+        kind = "server_vs_fastapi"
+        peak = _finite({"peak": digits["ratios"].get(kind, {}).get("json", {}).get("peak")})
+        if peak:
+            judge(
+                "digits over JSON: req/s ≥ 0.90 of the FastAPI no-model endpoint's",
+                peak["peak"],
+                0.9,
+                True,
+                f"{_ratio(digits, kind, 'json', 'peak')}, best against best",
+            )
+        by_c = _finite(digits["ratios"].get("binary_vs_json", {}).get(SERVER, {}))
+        if by_c:
+            judge(
+                "digits: binary V2 req/s ≥ 1.3x JSON",
+                max(by_c.values()),
+                1.3,
+                True,
+                ", ".join(f"c={c}: {_ratio(digits, 'binary_vs_json', SERVER, c)}" for c in by_c),
+            )
+    starts = [(m["startup"], m["model"]) for m in results["models"] if m.get("startup")]
+    if starts:
+        slowest = max(start["seconds"] for start, _ in starts)
+        wrong = [model for start, model in starts if not start["correct"]]
+        judge(
+            "first correct answer ≤ 2 s after the server process starts",
+            slowest,
+            2.0,
+            False,
+            ", ".join(f"{model} {start['seconds']:.2f} s" for start, model in starts)
+            + (f" (a WRONG answer: {', '.join(wrong)})" if wrong else ""),
+            right=not wrong,
+        )
+    return found
+
+
 def markdown(results: dict[str, Any]) -> str:
     device = results.get("device", "cpu")
     gpu = f"GPU: {results.get('gpu') or device}; " if device != "cpu" else ""
@@ -843,6 +929,18 @@ def markdown(results: dict[str, Any]) -> str:
                 f"- {m['model']}: first answer {start['seconds']:.2f} s after the server process "
                 f"was started ({verdict})"
             )
+    if judged := goals(results):
+        lines += [
+            "",
+            "The serving issue's performance targets, judged on this run:",
+            "",
+            "| target | measured | |",
+            "| --- | --- | --- |",
+        ]
+        lines += [
+            f"| {g['goal']} | {g['figures']} | {'met' if g['met'] else '**missed**'} |"
+            for g in judged
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -950,6 +1048,7 @@ def bench(
         "concurrency": concurrency,
         "models": measured,
     }
+    results["goals"] = goals(results)
     atomic_write_text(out, json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     atomic_write_text(out.with_suffix(".md"), table)
