@@ -23,6 +23,9 @@ a failure is marked and warned about.
 wrk and the server share the machine's cores: on a 2-core box the figures are a floor. Where
 the time goes is measured too (Linux): the CPU each endpoint's event loop spends per request,
 the cores its other threads (the model's) use, and how busy the whole machine was.
+
+The table ends with the serving issue's five performance targets, each judged met or missed on
+the figures the run measured (`goals`, also in the JSON).
 """
 
 from __future__ import annotations
