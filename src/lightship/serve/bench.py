@@ -761,9 +761,15 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def judge(
-        goal: str, value: float, bound: float, at_least: bool, figures: str, right: bool = True
+        goal: str,
+        figures: str,
+        value: float,
+        at_least: float = -math.inf,
+        at_most: float = math.inf,
+        right: bool = True,
     ) -> None:
-        met = right and (value >= bound if at_least else value <= bound)
+        bound = at_least if math.isfinite(at_least) else at_most
+        met = right and at_least <= value <= at_most
         found.append({"goal": goal, "value": value, "bound": bound, "met": met, "figures": figures})
 
     if (resnet := models.get("resnet18")) is not None:
@@ -772,10 +778,9 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         if at_16:
             judge(
                 "ResNet-18 at 16 connections: req/s ≥ 0.90 of its in-process rows/s",
-                max(at_16.values()),
-                0.9,
-                True,
                 ", ".join(f"{p} {_ratio(resnet, kind, p, '16')}" for p in at_16),
+                max(at_16.values()),
+                at_least=0.9,
             )
     worst = [
         (cell.get("p99_ms_max", cell["p99_ms"]), m["model"], cell["protocol"])
@@ -787,10 +792,9 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         p99, model, protocol = max(worst)
         judge(
             "p99 at 64 connections ≤ 800 ms",
-            p99,
-            800.0,
-            False,
             f"{p99:.0f} ms at most ({model}, {protocol}; the worst round)",
+            p99,
+            at_most=800.0,
         )
     if (digits := models.get("digits")) is not None:
         kind = "server_vs_fastapi"
@@ -798,19 +802,17 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         if peak:
             judge(
                 "digits over JSON: req/s ≥ 0.90 of the FastAPI no-model endpoint's",
-                peak["peak"],
-                0.9,
-                True,
                 f"{_ratio(digits, kind, 'json', 'peak')}, best against best",
+                peak["peak"],
+                at_least=0.9,
             )
         by_c = _finite(digits["ratios"].get("binary_vs_json", {}).get(SERVER, {}))
         if by_c:
             judge(
                 "digits: binary V2 req/s ≥ 1.3x JSON",
-                max(by_c.values()),
-                1.3,
-                True,
                 ", ".join(f"c={c}: {_ratio(digits, 'binary_vs_json', SERVER, c)}" for c in by_c),
+                max(by_c.values()),
+                at_least=1.3,
             )
     starts = [(m["startup"], m["model"]) for m in results["models"] if m.get("startup")]
     if starts:
@@ -818,11 +820,10 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         wrong = [model for start, model in starts if not start["correct"]]
         judge(
             "first correct answer ≤ 2 s after the server process starts",
-            slowest,
-            2.0,
-            False,
             ", ".join(f"{model} {start['seconds']:.2f} s" for start, model in starts)
             + (f" (a WRONG answer: {', '.join(wrong)})" if wrong else ""),
+            slowest,
+            at_most=2.0,
             right=not wrong,
         )
     return found
