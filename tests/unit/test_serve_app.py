@@ -2697,16 +2697,23 @@ Exchange = tuple[int, dict[str, str], bytes, bytes]
 
 
 async def write_in_a_stall(writer: asyncio.StreamWriter, data: bytes, seconds: float = 0.6) -> None:
-    """`data` sent as the event loop stalls `seconds` where a busy server's does, in its reading
-    of sockets: it lies in the server's socket buffer until the loop's next turn, which on
-    uvloop runs the timers that came due meanwhile first."""
+    """`data` sent as the event loop stalls `seconds` (`in_a_stall`): it lies in the server's
+    socket buffer until the loop's next turn."""
+    await in_a_stall(lambda: writer.write(data), seconds)
+
+
+async def in_a_stall(begin: Callable[[], None], seconds: float = 0.6) -> None:
+    """The event loop stalled `seconds` where a busy server's does, in its reading of sockets,
+    `begin()` called as the stall begins: what the client does meanwhile (send, read) the
+    server's loop sees only on its next turn, which on uvloop runs the timers that came due
+    meanwhile first."""
     loop = asyncio.get_running_loop()
     waker, woken = socket.socketpair()
     stalled = loop.create_future()
 
     def stall() -> None:
         loop.remove_reader(woken.fileno())
-        writer.write(data)
+        begin()
         time.sleep(seconds)
         stalled.set_result(None)
 
@@ -4255,6 +4262,80 @@ def test_a_client_reading_slowly_at_sigterm_gets_its_answers(tmp_path: Path) -> 
 
     got, text = run(main())
     assert got > 2 * 1_526_593  # both answers whole (the file and its head), then the close
+    assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 0
+
+
+def read_answers(sock: socket.socket, answers: int) -> list[int]:
+    """The statuses of `answers` HTTP answers read off a blocking socket (fewer where it ends
+    first)."""
+    data = b""
+    statuses: list[int] = []
+    with suppress(OSError):  # a reset: the server dropped the connection
+        while len(statuses) < answers:
+            head, found, rest = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head) if found else None
+            if length and len(rest) >= int(length[1]):
+                statuses.append(int(head.split()[1]))
+                data = rest[int(length[1]) :]
+            elif chunk := sock.recv(1 << 20):
+                data += chunk
+            else:
+                break
+    return statuses
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("timer", ["write timeout", "drain's end"])
+def test_a_client_that_reads_its_answers_as_a_stall_hides_it_keeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timer: str, loop: str
+) -> None:
+    """A client that had read none of its answers read them as the event loop stalled, as the
+    write timeout (or the drain's end after SIGTERM) came due: uvloop ran the timer before it
+    polled the socket, took the client for one that reads nothing and dropped it. The timers
+    look once more first."""
+    from lightship.serve import protocol
+
+    monkeypatch.setattr(protocol, "WRITE_TIMEOUT_S", 1.0 if timer == "write timeout" else 30.0)
+    # The write timeout: a second answer waits for the first to drain. The drain's end: the
+    # first's rest unsent (a second, written after it, would be unsent at the drain's end too)
+    requests = 2 if timer == "write timeout" else 1
+    app, _ = make_app(tmp_path)
+
+    async def main() -> tuple[list[int], str]:
+        async with raw_http(app, timeout_graceful_shutdown=3) as (_, counting, client):
+            host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
+            sock = socket.socket()  # blocking, read by a thread: not by this loop
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.settimeout(10)
+            while not counting.connections:
+                await asyncio.sleep(0.01)
+            (connection,) = counting.connections
+            # The kernel takes 1 MiB of the first answer (1.5 MB), and the rest waits in the
+            # server: paused, yet all sent in the one write after the client reads
+            server_sock = connection.transport.get_extra_info("socket")
+            server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 512 * 1024)
+            if server_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 1024 * 1024:
+                pytest.skip("this kernel caps a socket's send buffer below 1 MiB (wmem_max)")
+            sock.sendall(DOCS_BUNDLE * requests)
+            while not connection.flow.write_paused:
+                await asyncio.sleep(0.01)
+            unsent = connection.transport.get_write_buffer_size()
+            assert unsent < 1_526_593 - unsent, "the kernel took less than the rest: see above"
+            due = 1.0  # WRITE_TIMEOUT_S, or the drain's end 1 s before its 2 s
+            if timer == "drain's end":
+                connection.shutdown()  # SIGTERM, for this connection
+                due = 2.0
+            await asyncio.sleep(due - 0.3)
+            reading: list[list[int]] = []
+            reader = threading.Thread(target=lambda: reading.append(read_answers(sock, requests)))
+            await in_a_stall(reader.start)  # the timer comes due in it
+            await asyncio.to_thread(reader.join, 10)
+            sock.close()
+            return reading[0], (await client.get("/metrics")).text
+
+    statuses, text = run(main(), loop)
+    assert statuses == [200] * requests
     assert metric(text, 'lightship_rejections_total{reason="write_timeout"}') == 0
 
 

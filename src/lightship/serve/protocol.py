@@ -588,7 +588,8 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
 
         async def drain(self) -> None:
             """Until the client has read enough of what was written, WRITE_TIMEOUT_S at most:
-            then the connection is dropped (what writes after finds it closing)."""
+            then the connection is dropped (what writes after finds it closing), unless a
+            turn of the loop later (LOOK_S) it has: read as the loop stalled, in time."""
             protocol = self._protocol
             limit = WRITE_TIMEOUT_S
             if (at := protocol._writes_end_at) is not None:  # the server is stopping
@@ -597,7 +598,9 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 async with asyncio.timeout(limit):
                     await super().drain()
             except TimeoutError:
-                protocol.stalled()
+                await asyncio.sleep(LOOK_S)
+                if self.write_paused:
+                    protocol.stalled()
 
     class LightshipProtocol(HttpToolsProtocol):
         flow: _HeldFlow
@@ -820,7 +823,7 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
             if drain_s is not None:  # bodies arriving are answered before the drain ends
                 self._stop_bodies_at = self.loop.time() + body_stop_after_s(drain_s)
                 self._writes_end_at = self.loop.time() + max(drain_s - 1.0, 0.0)
-                self.loop.call_at(self._writes_end_at, self._stalled_if_unsent)
+                _LookFirst(self.loop, self._writes_end_at, self._stalled_if_unsent)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 self.mark_closing(cycle)
