@@ -247,6 +247,27 @@ def test_in_process_sweep_stays_within_the_servers_batch_limit(tmp_path: Path) -
     assert all(v > 0 for v in sweep.values())
 
 
+def test_a_slow_patch_during_the_in_process_sweep_lowers_no_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sizes are timed in rounds that take them in turn, and the median kept: timed one
+    after another, the sizes a slow patch of the machine fell on read slow (ResNet-18 on the
+    AVX2 EPYC: 151 rows/s at batch 8, then 270-285 at every size swept again)."""
+    from lightship.runtime import load_predictor
+
+    predictor = load_predictor(handmade_onnx(tmp_path / "m.onnx"), threads=1)
+    timed: list[tuple[int, float]] = []
+
+    def rows_per_s(_: Any, x: np.ndarray, seconds: float, *args: Any, **kwargs: Any) -> float:
+        timed.append((len(x), seconds))
+        return 400.0 if 2 <= len(timed) <= 4 else 1000.0  # three timings in a slow patch
+
+    monkeypatch.setattr(bench, "_rows_per_s", rows_per_s)
+    sweep = bench.in_process_sweep(predictor, max_batch_rows=20, seconds=0.6)
+    assert sweep == {1: 1000.0, 8: 1000.0, 16: 1000.0, 20: 1000.0}
+    assert timed == [(b, pytest.approx(0.2)) for _ in range(3) for b in (1, 8, 16, 20)]
+
+
 def _results(cells: list[bench.LoadResult], **model: Any) -> dict[str, Any]:
     """What `bench` hands `markdown`: one digits model measured as `cells` at 16 connections."""
     load, ratios, ranges = bench.summarise(cells, [9000.0], [16])
