@@ -443,8 +443,15 @@ def test_the_serving_targets_are_judged_on_the_figures_the_run_measured() -> Non
     assert not first["met"] and "(a WRONG answer: digits)" in first["figures"]
     table = bench.markdown(results | {"models": [resnet, digits]})
     assert "| digits over JSON: req/s ≥ 0.90 of the FastAPI no-model endpoint's " in table
-    assert "| 0.83 (0.73–0.92), best against best | **missed** |" in table
-    assert "| c=16: 1.30 (1.20–1.40), c=64: 1.26 (1.25–1.27) | met |" in table
+    assert "| 0.83 (0.73–0.92), best against best | **missed**: 0.828 < 0.9 |" in table
+    assert "| c=16: 1.30 (1.20–1.40), c=64: 1.26 (1.25–1.27) | met: 1.3 ≥ 1.3 |" in table
+    assert "; the worst round) | met: 164 ≤ 800 |" in table
+    assert (
+        "| resnet18 1.90 s, digits 0.70 s (a WRONG answer: digits) | **missed**: a wrong" in table
+    )
+    # a figure the table rounds to its bound still shows the side it fell on
+    near = {"value": 0.8974, "bound": 0.9, "rule": ">=", "right": True, "met": False}
+    assert bench._verdict(near) == "**missed**: 0.897 < 0.9"
 
 
 def test_a_target_whose_cells_the_run_left_out_is_not_judged() -> None:
