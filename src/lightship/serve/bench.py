@@ -858,14 +858,13 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
 def _verdict(goal: dict[str, Any]) -> str:
     """`met: 0.912 ≥ 0.9`, `**missed**: 0.897 < 0.9`: the value judged, to three figures, so
     that one the table rounds to its bound (0.90) still shows which side it fell."""
-    value, bound = goal["value"], goal["bound"]
-    if not goal.get("right", True):
-        why = "a wrong answer"
-    elif goal.get("rule", ">=") == ">=":
-        why = f"{value:.3g} {'≥' if value >= bound else '<'} {bound:g}"
+    met = goal["met"]
+    if goal["right"]:  # then `met` is the comparison itself: its sign, or the one against
+        sign = {">=": ("<", "≥"), "<=": (">", "≤")}[goal["rule"]][met]
+        why = f"{goal['value']:.3g} {sign} {goal['bound']:g}"
     else:
-        why = f"{value:.3g} {'≤' if value <= bound else '>'} {bound:g}"
-    return f"{'met' if goal['met'] else '**missed**'}: {why}"
+        why = "a wrong answer"
+    return f"{'met' if met else '**missed**'}: {why}"
 
 
 def markdown(results: dict[str, Any]) -> str:
