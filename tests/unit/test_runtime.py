@@ -26,7 +26,7 @@ from lightship.runtime.ort import (
     file_metadata,
     providers_for,
 )
-from tests.handmade import expected_logits, handmade_onnx
+from tests.handmade import batch_rows, expected_logits, handmade_onnx
 
 
 @pytest.fixture
@@ -475,6 +475,33 @@ def test_a_closed_torch_predictor_drops_its_module(tmp_path: Path) -> None:
     assert dropped() is None
     with pytest.raises(RuntimeError, match="was closed"):
         p.predict(x)
+
+
+def test_a_padding_predictor_runs_powers_of_two_and_answers_only_the_rows_sent(
+    tmp_path: Path,
+) -> None:
+    """On a GPU a torch model pads its batches to a power of two of rows (cuDNN picks its
+    kernels at each new shape): the padding's logits never reach an answer."""
+    p = load_predictor(handmade_onnx(tmp_path / "hand.onnx"))
+    seen = batch_rows(p)
+    x = np.random.default_rng(3).integers(1, 256, (9, *p.chw), dtype=np.uint8)
+    p.pads = True
+    for n in (1, 2, 3, 5, 8, 9):
+        np.testing.assert_array_equal(p.predict(x[:n]), expected_logits(x[:n]))
+    assert seen == [1, 2, 4, 8, 8, 16]
+    p.pads = False
+    np.testing.assert_array_equal(p.predict(x[:5]), expected_logits(x[:5]))
+    assert seen[-1] == 5
+
+
+def test_a_torch_model_pads_its_batches_on_a_gpu_only(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from lightship.runtime.torch_backends import TorchPredictor
+
+    meta = {"labels": ["a", "b"], "input_spec": {"shape": ["batch", 1, 1, 2]}}
+    made = {d: TorchPredictor(tmp_path / "m.ts", torch.nn.Flatten(), meta, "torchscript", d)
+            for d in ("cpu", "cuda:0")}  # fmt: skip
+    assert [p.pads for p in made.values()] == [False, True]
 
 
 def test_a_dynamic_int8_model_is_never_split(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ class TorchPredictor(Predictor):
         self.labels = list(meta["labels"])
         self.input_spec = dict(meta["input_spec"])
         self.module = module
-        self.pinned = device.startswith("cuda")
+        self.pinned = self.pads = device.startswith("cuda")
 
     def _run(self, x: np.ndarray) -> np.ndarray:
         if not x.flags.writeable:  # np.frombuffer's, a read-only memmap's: torch warns of it

@@ -187,7 +187,7 @@ def serve(
         int | None,
         typer.Option(
             help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1); on a GPU, batches of 1 "
-            "and --max-batch-rows rows run too"
+            "and --max-batch-rows rows run too, and for a torch model every power of two between"
         ),
     ] = None,
     top_k: Annotated[
