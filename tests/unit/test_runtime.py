@@ -494,7 +494,9 @@ def test_a_padding_predictor_runs_powers_of_two_and_answers_only_the_rows_sent(
     assert seen[-1] == 5
 
 
-def test_a_torch_model_pads_its_batches_on_a_gpu_only(tmp_path: Path) -> None:
+def test_a_model_pads_its_batches_on_a_gpu_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch = pytest.importorskip("torch")
     from lightship.runtime.torch_backends import TorchPredictor
 
@@ -502,6 +504,16 @@ def test_a_torch_model_pads_its_batches_on_a_gpu_only(tmp_path: Path) -> None:
     made = {d: TorchPredictor(tmp_path / "m.ts", torch.nn.Flatten(), meta, "torchscript", d)
             for d in ("cpu", "cuda:0")}  # fmt: skip
     assert [p.pads for p in made.values()] == [False, True]
+    # an ONNX model's GPU session, here a CPU one
+    monkeypatch.setattr(
+        OrtPredictor,
+        "_open_gpu",
+        lambda self, threads, spinning, device: self._open(
+            threads, spinning, ["CPUExecutionProvider"]
+        ),
+    )
+    path = handmade_onnx(tmp_path / "hand.onnx")
+    assert [OrtPredictor(path, device=d).pads for d in ("cpu", "cuda:0")] == [False, True]
 
 
 def test_a_dynamic_int8_model_is_never_split(tmp_path: Path) -> None:

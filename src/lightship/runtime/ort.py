@@ -390,6 +390,10 @@ class OrtPredictor(Predictor):
     ) -> None:
         self.path = Path(path)
         self.device = device
+        # cuDNN under the CUDA provider searches every algorithm at each new shape (its default,
+        # exhaustive search), and TensorRT sizes its engine to the shapes seen: on a GPU, the
+        # few batch sizes the warm-up runs (`Predictor.pads`)
+        self.pads = device != "cpu"
         if not self.path.is_file():
             raise RunError(f"ONNX model {self.path} not found: {export_hint(self.path)}")
         threads = threads or physical_cores()

@@ -231,9 +231,9 @@ class Service:
         it has seen, and built it again, in the batcher's thread, for the first batch past
         them, while the server was ready and queued requests waited out their deadlines.
         With the smallest and the largest seen, every batch to come is within the engine's
-        range. A predictor that pads its batches to powers of two (`Predictor.pads`) runs each
-        of those sizes too: cuDNN picks its kernels at each new shape, 17-24 ms a size for a
-        ResNet-18 on an H200, which live batches would otherwise pay."""
+        range. A predictor that pads its batches to powers of two (`Predictor.pads`, every one
+        on a GPU) runs each of those sizes too: cuDNN picks its kernels at each new shape,
+        17-24 ms a size for a TorchScript ResNet-18 on an H200, which live batches paid."""
         top = self.settings.max_batch_rows
         rows = min(self.settings.warmup_rows, top)
         sizes = [rows]

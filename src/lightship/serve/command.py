@@ -186,8 +186,8 @@ def serve(
     warmup_rows: Annotated[
         int | None,
         typer.Option(
-            help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1); on a GPU, batches of 1 "
-            "and --max-batch-rows rows run too, and for a torch model every power of two between"
+            help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1); on a GPU, which pads "
+            "batches to powers of two, every power of two up to --max-batch-rows runs too"
         ),
     ] = None,
     top_k: Annotated[
