@@ -480,8 +480,8 @@ def test_a_closed_torch_predictor_drops_its_module(tmp_path: Path) -> None:
 def test_a_padding_predictor_runs_powers_of_two_and_answers_only_the_rows_sent(
     tmp_path: Path,
 ) -> None:
-    """On a GPU a torch model pads its batches to a power of two of rows (cuDNN picks its
-    kernels at each new shape): the padding's logits never reach an answer."""
+    """On a GPU a model pads its batches to a power of two of rows (cuDNN picks its kernels
+    at each new shape): the padding's logits never reach an answer."""
     p = load_predictor(handmade_onnx(tmp_path / "hand.onnx"))
     seen = batch_rows(p)
     x = np.random.default_rng(3).integers(1, 256, (9, *p.chw), dtype=np.uint8)
