@@ -22,7 +22,7 @@ from lightship.runs import RunDir
 from lightship.runtime.base import physical_cores
 from lightship.serve import bench, v2
 from tests.conftest import ROOT
-from tests.handmade import handmade_onnx
+from tests.handmade import batch_rows, handmade_onnx
 
 
 def test_benchmark_bodies_are_valid_v2_requests_for_the_same_image() -> None:
@@ -266,6 +266,21 @@ def test_a_slow_patch_during_the_in_process_sweep_lowers_no_batch_size(
     sweep = bench.in_process_sweep(predictor, max_batch_rows=20, seconds=0.6)
     assert sweep == {1: 1000.0, 8: 1000.0, 16: 1000.0, 20: 1000.0}
     assert timed == [(b, pytest.approx(0.2)) for _ in range(3) for b in (1, 8, 16, 20)]
+
+
+def test_the_in_process_sweep_runs_the_batches_the_server_runs_padding_included(
+    tmp_path: Path,
+) -> None:
+    """It times `logits`, the batcher's call: on a GPU, where batches are padded to powers of
+    two, a batch of --max-batch-rows 12 rows runs as 16, in the server and in the ceiling."""
+    from lightship.runtime import load_predictor
+
+    predictor = load_predictor(handmade_onnx(tmp_path / "m.onnx"), threads=1)
+    predictor.pads = True
+    seen = batch_rows(predictor)
+    sweep = bench.in_process_sweep(predictor, max_batch_rows=12, seconds=0.03, rounds=1)
+    assert sorted(sweep) == [1, 8, 12]
+    assert set(seen) == {1, 8, 16}
 
 
 def _results(cells: list[bench.LoadResult], **model: Any) -> dict[str, Any]:

@@ -345,12 +345,13 @@ def _batch_rows(metrics_text: str) -> tuple[float, float]:
 def _rows_per_s(
     predictor: Predictor, x: np.ndarray, seconds: float, instances: int = 1, min_calls: int = 5
 ) -> float:
-    """Rows/s of the predictor's hot path (`_run`, what the server's batcher calls), from
-    `instances` threads calling it at once as the server's instances do."""
+    """Rows/s of the predictor's hot path (`logits`, what the server's batcher calls: on a GPU
+    with its padding), from `instances` threads calling it at once as the server's instances
+    do."""
     calls = [0] * instances
 
     def caller(i: int) -> None:
-        calls[i] = len(time_calls(lambda: predictor._run(x), seconds, min_calls))
+        calls[i] = len(time_calls(lambda: predictor.logits(x), seconds, min_calls))
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(instances)]
     start = time.perf_counter()
@@ -381,7 +382,7 @@ def in_process_sweep(
     }
     for x in batches.values():
         for _ in range(3):
-            predictor._run(x)
+            predictor.logits(x)
     measured: dict[int, list[float]] = {batch: [] for batch in batches}
     for _ in range(rounds):
         for batch, x in batches.items():
