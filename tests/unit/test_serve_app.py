@@ -5060,10 +5060,10 @@ def test_a_model_whose_output_does_not_follow_its_batch_is_a_500_not_a_short_ans
         ("cpu", False, 1, 8, [1]),
         ("cuda:0", False, 1, 8, [1, 8]),
         ("cpu", False, 4, 8, [4]),
-        ("cuda:0", False, 4, 8, [1, 4, 8]),
+        ("cuda:0", False, 4, 8, [1, 8, 4]),  # within the range of the first two
         ("cpu", True, 1, 8, [1]),
-        ("cuda:0", True, 1, 8, [1, 2, 4, 8]),
-        ("cuda:0", True, 3, 12, [1, 2, 4, 4, 8, 16]),  # 3 and 12 rows run as 4 and 16
+        ("cuda:0", True, 1, 8, [1, 8, 2, 4]),
+        ("cuda:0", True, 3, 12, [1, 16, 2, 4, 4, 8]),  # 12 and 3 rows run as 16 and 4
         ("cuda:0", True, 1, 1, [1]),
     ],
 )
@@ -5072,7 +5072,8 @@ def test_on_a_gpu_the_warm_up_runs_the_largest_batch_too(
 ) -> None:
     """TensorRT builds its engine for the batch sizes it has seen: warmed up on one row, it
     built again in the batcher's thread for the first larger batch, the server ready and its
-    queue waiting past deadlines. A padding predictor meets every power of two up to the
+    queue waiting past deadlines; so the smallest and the largest come first, and every size
+    after them is within its range. A padding predictor meets every power of two up to the
     largest batch's: cuDNN picks its kernels at each new shape, ~20 ms a size on an H200.
     (A CPU model here, said to be on the GPU.)"""
     path = handmade_onnx(tmp_path / "hand.onnx")

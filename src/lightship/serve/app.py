@@ -239,7 +239,9 @@ class Service:
         sizes = [rows]
         if self.predictor.device != "cpu":  # one row too: --warmup-rows 4 left 1 to rebuild at
             shapes = {1 << k for k in range((top - 1).bit_length())} if self.predictor.pads else ()
-            sizes = sorted({rows, 1, top, *shapes})
+            # the smallest and the largest first, then the sizes between, within the engine's
+            # range: in rising order, TensorRT would build its engine again at each
+            sizes = list(dict.fromkeys([1, top, *sorted({rows, *shapes})]))
         # Generous: a TensorRT engine is built on the first batch and may take minutes. Its
         # shape is checked as it runs (`Predictor.logits`), its values as the batcher delivers
         # them (NaN or infinite logits fail the request)
