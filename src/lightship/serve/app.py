@@ -52,7 +52,7 @@ from lightship.errors import ConfigError, LightshipError, RunError
 from lightship.quantize.isa import host_cpu
 from lightship.runs import RunDir
 from lightship.runtime import InputError, Predictor
-from lightship.runtime.base import physical_cores, trim_heap
+from lightship.runtime.base import bucket, physical_cores, trim_heap
 from lightship.runtime.ort import QUANTIZATION, file_metadata
 from lightship.serve import openapi, v1, v2
 from lightship.serve.batcher import (
@@ -238,7 +238,8 @@ class Service:
         rows = min(self.settings.warmup_rows, top)
         sizes = [rows]
         if self.predictor.device != "cpu":  # one row too: --warmup-rows 4 left 1 to rebuild at
-            shapes = {1 << k for k in range((top - 1).bit_length())} if self.predictor.pads else ()
+            # every size a batch of 1 to `top` rows reaches the model at, sent as `top` at most
+            shapes = {min(bucket(n), top) for n in range(1, top + 1)} if self.predictor.pads else ()
             # the smallest and the largest first, then the sizes between, within the engine's
             # range: in rising order, TensorRT would build its engine again at each
             sizes = list(dict.fromkeys([1, top, *sorted({rows, *shapes})]))
