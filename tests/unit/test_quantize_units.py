@@ -649,7 +649,7 @@ def test_an_ab_timing_too_noisy_to_trust_is_a_warning(
         else [
             "first conv in fp32: timings are noisy (other processes using over 10% of the CPU, "
             "batch-1 p90 over 3x p50, or the middle half of the rounds over ±20% from their "
-            f"median): {warned}. The machine was busy "
+            f"median): {warned}. The machine was busy, or its speed moved, "
             "while quantize timed it, so whether it is kept may be wrong: quantize again when "
             f"it is quiet (`{quantize_core._command(q.run, 'quantize', q.methods, q.repeat)}`)"
         ]

@@ -39,7 +39,7 @@ from lightship.errors import (
 )
 from lightship.quantize import fallback, isa, ptq
 from lightship.report.evaluate import logits, other_input
-from lightship.report.measure import NOISE_RULE, Timing, measure
+from lightship.report.measure import NOISE_RULE, Timing, measure, noise_cause
 from lightship.runs import (
     REPORT_FILES,
     SCRATCH_PREFIXES,
@@ -728,8 +728,8 @@ class Quantizer:
         rounds, and AB_ROUNDS more while the speed-up may lie either side of AB_MIN_GAIN, up
         to AB_MAX_ROUNDS: a gain near the bar is measured until it is clear. Timings too
         noisy to trust (`Timing.noise`, as the report judges its own: the CPU other processes
-        used, the spread of the rounds) are a warning: the machine was busy, and the choice
-        may be wrong."""
+        used, the spread of the rounds) are a warning: the machine was busy or its speed moved
+        (`noise_cause` says which), and the choice may be wrong."""
         before, after = Timing(), Timing()
         while True:
             timings = measure(
@@ -762,11 +762,12 @@ class Quantizer:
         ]
         if noise:
             log.warning(
-                "%s: timings are noisy (%s): %s. The machine was busy while quantize timed it, "
-                "so whether it is kept may be wrong: quantize again when it is quiet (%s)",
+                "%s: timings are noisy (%s): %s. %s, so whether it is kept may be wrong: "
+                "quantize again when it is quiet (%s)",
                 step,
                 NOISE_RULE,
                 ", ".join(noise),
+                noise_cause([before, after], "quantize timed it"),
                 f"`{_command(self.run, 'quantize', self.methods, self.repeat)}`",  # as asked
             )
         return before, after

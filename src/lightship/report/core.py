@@ -37,6 +37,7 @@ from lightship.report.measure import (
     give_back_freed_memory,
     keep_freed_memory,
     measure,
+    noise_cause,
 )
 from lightship.runs import (
     REPORT_FILES,
@@ -397,7 +398,7 @@ def _noise_warning(
     if not found:
         return None
     return (
-        f"timings are noisy ({NOISE_RULE}): {', '.join(found)}. The machine was busy while "
-        f"measuring, so the speed figures and the recommendation may be off: re-run "
-        f"{run.command('report')} when it is quiet"
+        f"timings are noisy ({NOISE_RULE}): {', '.join(found)}. "
+        f"{noise_cause(list(timings.values()))}, so the speed figures and the recommendation "
+        f"may be off: re-run {run.command('report')} when it is quiet"
     )

@@ -210,6 +210,25 @@ def busy_reason(share: float | None) -> str | None:
     return f"other processes used {share:.0%} of the CPU"
 
 
+def noise_cause(timings: Sequence[Timing], during: str = "measuring") -> str:
+    """Why timings `Timing.noise` found noisy spread, as far as what was measured beside them
+    says, as a sentence to go on with ", so ...": the machine was busy where other processes
+    used over `NOISY_BUSY` of the CPU while some of `timings` ran; where their share was
+    measured and stayed below that, the machine's own speed. A report made alone on a 2-core
+    KVM guest (other processes at 0.4 %) had eager's rounds ±23 %, and its warning called the
+    machine busy below report.md's line of that 0.4 %. /proc/stat counts a virtual machine's
+    steal (its host running other guests) as busy: a host's load reads as other processes."""
+    if any(busy_reason(t.busy_share) for t in timings):
+        return f"The machine was busy while {during}"
+    share = busy_share(timings)
+    if share is None:  # not measured (no /proc/stat): either may be
+        return f"The machine was busy, or its speed moved, while {during}"
+    return (
+        f"Other processes used only {share:.1%} of the CPU while {during}: the rounds varied "
+        "on their own (the CPU's clock, a virtual machine's host)"
+    )
+
+
 def busy_share(timings: Sequence[Timing]) -> float | None:
     """The share of the machine's CPU other processes used while `timings` were measured, all
     of them together; None where it was not measured (no /proc/stat)."""
