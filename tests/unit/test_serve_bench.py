@@ -467,6 +467,12 @@ def test_the_serving_targets_are_judged_on_the_figures_the_run_measured() -> Non
     # a figure the table rounds to its bound still shows the side it fell on
     near = {"value": 0.8974, "bound": 0.9, "rule": ">=", "right": True, "met": False}
     assert bench._verdict(near) == "**missed**: 0.897 < 0.9"
+    # and one three figures round onto it, with as many more as it takes
+    for value, shown in [(1.299, "1.299"), (1.2996, "1.2996"), (0.89996, "0.89996")]:
+        near = {"value": value, "bound": round(value, 1), "rule": ">=", "right": True}
+        assert bench._verdict(near | {"met": False}) == f"**missed**: {shown} < {near['bound']:g}"
+    at = {"value": 1.3, "bound": 1.3, "rule": ">=", "right": True, "met": True}
+    assert bench._verdict(at) == "met: 1.3 ≥ 1.3"
 
 
 def test_a_target_whose_cells_the_run_left_out_is_not_judged() -> None:

@@ -856,13 +856,24 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+def _judged(value: float, bound: float) -> str:
+    """`value` to three figures, or as many more as it takes not to read as `bound` where it
+    is not: binary / JSON at 1.299 read "missed: 1.3 < 1.3" (the AVX2 EPYC, 287a7b8)."""
+    for figures in range(3, 10):
+        shown = f"{value:.{figures}g}"
+        if value == bound or float(shown) != bound:
+            return shown
+    return repr(value)
+
+
 def _verdict(goal: dict[str, Any]) -> str:
-    """`met: 0.912 ≥ 0.9`, `**missed**: 0.897 < 0.9`: the value judged, to three figures, so
-    that one the table rounds to its bound (0.90) still shows which side it fell."""
+    """`met: 0.912 ≥ 0.9`, `**missed**: 0.897 < 0.9`: the value judged, to three figures (more
+    where those round it onto its bound), so that one the table rounds to its bound (0.90)
+    still shows which side it fell."""
     met = goal["met"]
     if goal["right"]:  # then `met` is the comparison itself: its sign, or the one against
         sign = {">=": ("<", "≥"), "<=": (">", "≤")}[goal["rule"]][met]
-        why = f"{goal['value']:.3g} {sign} {goal['bound']:g}"
+        why = f"{_judged(goal['value'], goal['bound'])} {sign} {goal['bound']:g}"
     else:
         why = "a wrong answer"
     return f"{'met' if met else '**missed**'}: {why}"
