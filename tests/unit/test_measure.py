@@ -22,6 +22,7 @@ from lightship.report.measure import (
     measure,
     noise_cause,
     spread,
+    steal_share,
 )
 from lightship.report.render import speedup
 from lightship.runtime import Predictor
@@ -71,9 +72,11 @@ def test_speedup_bounds_are_the_sign_tests_ranks_of_the_within_round_ratios() ->
 
 
 def test_a_timing_extended_holds_both_runs() -> None:
-    a = Timing([1.0], [100.0], others_cpu_s=0.1, machine_cpu_s=2.0)
+    a = Timing([1.0], [100.0], others_cpu_s=0.1, machine_cpu_s=2.0, steal_cpu_s=0.05)
     a.extend(Timing([2.0, 3.0], [200.0], others_cpu_s=0.3, machine_cpu_s=2.0))
-    assert a == Timing([1.0, 2.0, 3.0], [100.0, 200.0], others_cpu_s=0.4, machine_cpu_s=4.0)
+    assert a == Timing(
+        [1.0, 2.0, 3.0], [100.0, 200.0], others_cpu_s=0.4, machine_cpu_s=4.0, steal_cpu_s=0.05
+    )
     assert a.busy_share == pytest.approx(0.1)
 
 
@@ -171,6 +174,12 @@ def test_a_noisy_timing_is_put_down_to_a_busy_machine_only_where_others_were_mea
     assert noise_cause([busy, quiet], "quantize timed it") == (
         "The machine was busy while quantize timed it"
     )
+    # most of it the virtual machine's host's (steal): top shows no process to look for
+    guests = Timing(throughput=spread_out, others_cpu_s=4.8, machine_cpu_s=10.0, steal_cpu_s=4.0)
+    assert noise_cause([guests]) == (
+        "The machine was busy while measuring: its virtual machine's host took 40% of the CPU "
+        "(steal), for other guests"
+    )
     # no /proc/stat: nothing says which
     assert noise_cause([Timing(throughput=spread_out)]) == (
         "The machine was busy, or its speed moved, while measuring"
@@ -189,18 +198,18 @@ def test_measure_counts_the_cpu_others_used_while_each_variant_was_timed(
 ) -> None:
     """Each variant's share is taken over its own slices of each round (read before and after
     it): others busy while one variant ran show in that variant's share alone."""
-    clock = {"own": 0.0, "busy": 0.0, "total": 0.0}
+    clock = {"own": 0.0, "busy": 0.0, "total": 0.0, "steal": 0.0}
 
     class Busy(Recorder):
         def _run(self, x: np.ndarray) -> np.ndarray:  # 1 ms on 2 cores, others' share `busy`
             clock["total"] += 0.002
             clock["own"] += 0.001
             clock["busy"] += 0.001 + 0.002 * (0.6 if self.name == "b" else 0.0)
+            clock["steal"] += 0.002 * (0.5 if self.name == "b" else 0.0)  # of it, the host's
             return x
 
-    monkeypatch.setattr(
-        CpuClock, "now", staticmethod(lambda: CpuClock(clock["own"], clock["busy"], clock["total"]))
-    )
+    # own, busy, total and steal, in CpuClock's order
+    monkeypatch.setattr(CpuClock, "now", staticmethod(lambda: CpuClock(*clock.values())))
     calls: list[tuple[str, int]] = []
     predictors = {n: cast(Predictor, Busy(n, calls, 0.0)) for n in "ab"}
     images = np.zeros((3, 1, 2, 2), np.uint8)
@@ -209,6 +218,9 @@ def test_measure_counts_the_cpu_others_used_while_each_variant_was_timed(
     assert timings["b"].busy_share == pytest.approx(0.6)
     assert timings["b"].machine_cpu_s == pytest.approx(3 * 21 * 0.002)  # 20 + 1 calls a round
     assert timings["b"].noise(own_rounds=False) == ["other processes used 60% of the CPU"]
+    assert steal_share([timings["a"]]) == pytest.approx(0.0, abs=1e-9)
+    assert steal_share([timings["b"]]) == pytest.approx(0.5)
+    assert steal_share(list(timings.values())) == pytest.approx(0.25)
 
 
 def test_the_readme_says_what_each_round_times(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,28 +242,34 @@ def test_the_readme_says_what_each_round_times(monkeypatch: pytest.MonkeyPatch) 
 
 
 # /proc/stat on 2 CPUs (jiffies: user nice system idle iowait irq softirq steal guest guest_nice):
-# cpu1 busy 300 of 500, cpu0 100 of 500
-PROC_STAT = """cpu  300 0 100 580 20 0 0 0 0 0
+# cpu1 busy 330 of 530 (30 of them steal: its host ran another guest), cpu0 100 of 500
+PROC_STAT = """cpu  300 0 100 580 20 0 0 30 0 0
 cpu0 100 0 0 400 0 0 0 0 0 0
-cpu1 200 0 100 180 20 0 0 0 0 0
+cpu1 200 0 100 180 20 0 0 30 0 0
 intr 12345 0 0
 ctxt 678
 """
 
 
 @pytest.mark.parametrize(
-    ("allowed", "busy", "total"),
+    ("allowed", "busy", "total", "steal"),
     [
-        ({0, 1}, 400, 1000),
-        ({0, 1, 2}, 400, 1000),
-        ({1}, 300, 500),
+        ({0, 1}, 430, 1030, 30),
+        ({0, 1, 2}, 430, 1030, 30),
+        ({1}, 330, 530, 30),
+        ({0}, 100, 500, 0),
         # a CPU it does not list: a container's /proc/stat (lxcfs) numbers from 0 where the
         # affinity names the host's CPUs, and cpu0's line is some other CPU's: the sum
-        ({0, 7}, 400, 1000),
+        ({0, 7}, 430, 1030, 30),
     ],
 )
 def test_the_cpu_others_use_is_counted_on_the_cpus_this_process_may_run_on(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, allowed: set[int], busy: int, total: int
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    allowed: set[int],
+    busy: int,
+    total: int,
+    steal: int,
 ) -> None:
     """The report's threads run on its affinity set: others busy on the other cores warned
     of a busy machine (taskset -c 1 beside a loop on cpu 0). With every CPU in the set, the
@@ -262,6 +280,12 @@ def test_the_cpu_others_use_is_counted_on_the_cpus_this_process_may_run_on(
     monkeypatch.setattr(measure_module, "allowed_cpus", lambda: allowed)
     tick = os.sysconf("SC_CLK_TCK")
     assert measure_module.machine_cpu_s() == pytest.approx((busy / tick, total / tick))
+    with_steal = measure_module.machine_cpu_s_with_steal()
+    assert with_steal == pytest.approx((busy / tick, total / tick, steal / tick))
+    # a kernel that counts no steal (before 2.6.11: seven columns): none, the rest as read
+    stat.write_text("cpu  300 0 100 580 20 0 0\n")
+    monkeypatch.setattr(measure_module, "allowed_cpus", lambda: {0})
+    assert measure_module.machine_cpu_s_with_steal() == pytest.approx((400 / tick, 1000 / tick, 0))
 
 
 def test_without_proc_stat_the_share_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -239,6 +239,14 @@ def test_report_md_says_how_busy_other_processes_kept_the_machine() -> None:
     md = render.markdown(report_dict(machine_busy_share=0.003))
     assert "- other processes used 0.3% of the CPU while variants were timed\n" in md
     assert "other processes" not in render.markdown(report_dict(machine_busy_share=None))
+    # on a virtual machine, how much of it was its host's (steal): no process to look for
+    md = render.markdown(report_dict(machine_busy_share=0.12, machine_steal_share=0.1))
+    assert (
+        "- other processes used 12.0% of the CPU while variants were timed, 10.0% of it the "
+        "virtual machine's host (steal)\n"
+    ) in md
+    md = render.markdown(report_dict(machine_busy_share=0.003, machine_steal_share=0.0))
+    assert "- other processes used 0.3% of the CPU while variants were timed\n" in md
 
 
 def test_report_md_says_why_qat_is_far_from_fp32_in_sqnr() -> None:

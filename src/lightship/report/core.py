@@ -38,6 +38,7 @@ from lightship.report.measure import (
     keep_freed_memory,
     measure,
     noise_cause,
+    steal_share,
 )
 from lightship.runs import (
     REPORT_FILES,
@@ -246,6 +247,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "speedup_vs_onnx_fp32_iqr": t.speedup_spread(fp32) if fp32 else None,
                 "timing_noise": t.noise(eager, "eager"),
                 "machine_busy_share": _share(t.busy_share),
+                "machine_steal_share": _share(steal_share([t])),
                 # the fp32 model in another format keeps all of fp32's accuracy when it scores
                 # as eager does, whatever the gate (above 1, quantize's way to force its
                 # fallback, it failed eager against itself and left nothing to recommend)
@@ -286,6 +288,8 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "test_images": len(x),
         "malloc_keeps_freed_memory": kept,
         "machine_busy_share": _share(busy_share(list(timings.values()))),
+        # of it, a virtual machine's host's (steal): no process on this machine
+        "machine_steal_share": _share(steal_share(list(timings.values()))),
         "gate": gate,
         "fp32_accuracy": ref_acc,
         "versions": _versions(),

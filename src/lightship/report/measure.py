@@ -51,26 +51,37 @@ NOISE_RULE = (
 
 
 def machine_cpu_s() -> tuple[float, float] | None:
-    """The busy and total CPU seconds so far of the CPUs this process may run on (its affinity,
-    where the report's threads run), from Linux's /proc/stat; None where there is none (not
-    Linux). Other processes on cores outside the set do not slow the report, and counted they
-    warned of a busy machine where `taskset` had kept the report apart from them.
+    """The busy and total CPU seconds so far (`machine_cpu_s_with_steal`'s first two)."""
+    machine = machine_cpu_s_with_steal()
+    return None if machine is None else machine[:2]
+
+
+def machine_cpu_s_with_steal() -> tuple[float, float, float] | None:
+    """The busy, total and steal CPU seconds so far of the CPUs this process may run on (its
+    affinity, where the report's threads run), from Linux's /proc/stat; None where there is
+    none (not Linux). Other processes on cores outside the set do not slow the report, and
+    counted they warned of a busy machine where `taskset` had kept the report apart from them.
 
     A cgroup CPU quota (`docker run --cpus`) is not taken in: it throttles this process on any
     core of its set without binding it to some, so which others' CPU time stood in its way
     cannot be told from /proc/stat; a quota far below the set can then warn of others' load
-    on cores the report had no share of."""
+    on cores the report had no share of.
+
+    Steal is a virtual machine's time its host ran something else (another guest) while it had
+    work: busy for the report, which waited, but no process in it; 0 where the kernel counts
+    none (before Linux 2.6.11 the line ends sooner)."""
     try:
         tick = os.sysconf("SC_CLK_TCK")  # no os.sysconf on Windows
-        busy = total = 0
+        busy = total = steal = 0
         for line in cpu_lines(Path("/proc/stat").read_text(), allowed_cpus()):
             # user nice system idle iowait irq softirq steal (guest time is counted in user)
             jiffies = [int(v) for v in line.split()[1:9]]
             total += sum(jiffies)
             busy += sum(jiffies) - jiffies[3] - jiffies[4]
+            steal += jiffies[7] if len(jiffies) > 7 else 0
     except (AttributeError, OSError, ValueError, IndexError):
         return None
-    return busy / tick, total / tick
+    return busy / tick, total / tick, steal / tick
 
 
 def cpu_lines(stat: str, allowed: set[int]) -> list[str]:
@@ -90,17 +101,24 @@ def cpu_lines(stat: str, allowed: set[int]) -> list[str]:
 @dataclass(frozen=True)
 class CpuClock:
     """CPU seconds at one moment: this process's, all its threads together, and the machine's
-    busy and total, the CPUs this process may run on together (`machine_cpu_s`)."""
+    busy, total and steal (busy includes it), the CPUs this process may run on together
+    (`machine_cpu_s_with_steal`)."""
 
     own_s: float
     busy_s: float
     total_s: float
+    steal_s: float = 0.0
 
     @staticmethod
     def now() -> CpuClock | None:
         """None where there is no /proc/stat (not Linux): the busy share is then left out."""
-        machine = machine_cpu_s()
+        machine = machine_cpu_s_with_steal()
         return None if machine is None else CpuClock(time.process_time(), *machine)
+
+    def steal_since(self, start: CpuClock) -> float:
+        """CPU seconds the virtual machine's host took since `start` (steal), which
+        `others_since` counts among other processes'."""
+        return self.steal_s - start.steal_s
 
     def others_since(self, start: CpuClock) -> tuple[float, float]:
         """CPU seconds other processes used since `start` (the machine's busy time less this
@@ -126,6 +144,8 @@ class Timing:
     # seconds over the same intervals (0: not measured, no /proc/stat)
     others_cpu_s: float = 0.0
     machine_cpu_s: float = 0.0
+    # of others_cpu_s, the seconds a virtual machine's host took (steal): no process here
+    steal_cpu_s: float = 0.0
 
     def summary(self) -> dict[str, float]:
         lat = np.asarray(self.latency_ms)
@@ -198,6 +218,7 @@ class Timing:
         self.throughput.extend(other.throughput)
         self.others_cpu_s += other.others_cpu_s
         self.machine_cpu_s += other.machine_cpu_s
+        self.steal_cpu_s += other.steal_cpu_s
 
     def _ratios(self, base: Timing) -> np.ndarray:
         return np.asarray(self.throughput) / np.asarray(base.throughput)
@@ -216,9 +237,16 @@ def noise_cause(timings: Sequence[Timing], during: str = "measuring") -> str:
     used over `NOISY_BUSY` of the CPU while some of `timings` ran; where their share was
     measured and stayed below that, the machine's own speed. A report made alone on a 2-core
     KVM guest (other processes at 0.4 %) had eager's rounds ±23 %, and its warning called the
-    machine busy below report.md's line of that 0.4 %. /proc/stat counts a virtual machine's
-    steal (its host running other guests) as busy: a host's load reads as other processes."""
+    machine busy below report.md's line of that 0.4 %. Where a virtual machine's host took a
+    good part of the CPU (steal, which /proc/stat counts as busy), that is said: `top` shows
+    no process to look for."""
     if any(busy_reason(t.busy_share) for t in timings):
+        host = steal_share(timings)
+        if host is not None and host >= NOISY_BUSY / 2:  # no process to look for: say so
+            return (
+                f"The machine was busy while {during}: its virtual machine's host took "
+                f"{host:.0%} of the CPU (steal), for other guests"
+            )
         return f"The machine was busy while {during}"
     share = busy_share(timings)
     if share is None:  # not measured (no /proc/stat): either may be
@@ -227,6 +255,15 @@ def noise_cause(timings: Sequence[Timing], during: str = "measuring") -> str:
         f"Other processes used only {share:.1%} of the CPU while {during}: the rounds varied "
         "on their own (the CPU's clock, a virtual machine's host)"
     )
+
+
+def steal_share(timings: Sequence[Timing]) -> float | None:
+    """The share of the machine's CPU a virtual machine's host took (steal) while `timings`
+    were measured, part of `busy_share`; None where it was not measured."""
+    total = sum(t.machine_cpu_s for t in timings)
+    if total <= 0:
+        return None
+    return min(max(sum(t.steal_cpu_s for t in timings) / total, 0.0), 1.0)
 
 
 def busy_share(timings: Sequence[Timing]) -> float | None:
@@ -329,6 +366,7 @@ def measure(
                 others, machine = end.others_since(start)
                 timings[name].others_cpu_s += others
                 timings[name].machine_cpu_s += machine
+                timings[name].steal_cpu_s += end.steal_since(start)
             if on_step is not None:
                 on_step(name, r)
     return timings

@@ -184,7 +184,10 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"- **warning:** {few}")
     busy = r.get("machine_busy_share")  # absent from reports before it, None off Linux
     if busy is not None:
-        lines.append(f"- other processes used {busy:.1%} of the CPU while variants were timed")
+        steal = r.get("machine_steal_share") or 0.0  # absent before it
+        host = f", {steal:.1%} of it the virtual machine's host (steal)" if steal >= 5e-4 else ""
+        timed = "while variants were timed"
+        lines.append(f"- other processes used {busy:.1%} of the CPU {timed}{host}")
     cal = r.get("calibration")
     if cal:
         # peak_rss_mb before it was named for its unit: MiB too (VmHWM KiB / 1024)
