@@ -31,6 +31,7 @@ from lightship.report import render
 from lightship.report.evaluate import FP32_VARIANTS, candidates, logits
 from lightship.report.measure import (
     NOISE_RULE,
+    NOISY_SPREAD,
     Timing,
     busy_reason,
     busy_share,
@@ -297,7 +298,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "scheme_check": scheme_check,
         "recommended": best,
         "recommended_by": recommended_by,
-        "timing_warning": _noise_warning(run, rows, timings),
+        "timing_warning": _noise_warning(run, rows, timings, recommended_by["fastest"]),
         "variants": rows,
         "not_measured": left_out,  # listed in the manifest, left out: why and the fix
         # the sha256 of each one's file as it was left out (null: gone): `serve` tells a file
@@ -387,11 +388,12 @@ def recommend(
 
 
 def _noise_warning(
-    run: RunDir, rows: list[dict[str, Any]], timings: dict[str, Timing]
+    run: RunDir, rows: list[dict[str, Any]], timings: dict[str, Timing], fastest: str | None
 ) -> str | None:
     """What report.md, report.json and the terminal say when some variant's timings are noisy
     (each row's `timing_noise`); None when none is. Where other processes were busy over the
-    whole measurement, that is said once rather than for every variant."""
+    whole measurement, that is said once rather than for every variant. The recommendation is
+    called into doubt only where what it rests on was noisy (`_pick_in_doubt`)."""
     whole = busy_reason(busy_share(list(timings.values())))
     found = [f"{whole} while measuring"] if whole else []
     for r in rows:
@@ -401,8 +403,34 @@ def _noise_warning(
             found.append(f"{r['name']} ({'; '.join(reasons)})")
     if not found:
         return None
+    off = (
+        "the speed figures and the recommendation may be off"
+        if _pick_in_doubt(rows, timings, fastest)
+        else f"the speed figures may be off, though not the recommendation (the within-round "
+        f"ratios between the variants it chose from stayed within ±{NOISY_SPREAD:.0%})"
+    )
     return (
         f"timings are noisy ({NOISE_RULE}): {', '.join(found)}. "
-        f"{noise_cause(list(timings.values()))}, so the speed figures and the recommendation "
-        f"may be off: re-run {run.command('report')} when it is quiet"
+        f"{noise_cause(list(timings.values()))}, so {off}: re-run {run.command('report')} "
+        "when it is quiet"
+    )
+
+
+def _pick_in_doubt(
+    rows: list[dict[str, Any]], timings: dict[str, Timing], fastest: str | None
+) -> bool:
+    """Whether what the recommendation rests on was noisy: other processes busy while one of
+    the variants it chose from was timed, or the fastest one's within-round speed-up over
+    another spread past `NOISY_SPREAD`. Eager and the variants it does not recommend do not
+    count, nor does a spread that slowed every variant of a round alike: a report on the AVX2
+    EPYC warned of dynamic int8's rounds (±48 %: the machine slowed in 4 of 15, and dynamic
+    int8 most) and said the recommendation may be off, where static int8's ratio over QAT, the
+    closest it chose between, had its middle half at 0.99-1.03."""
+    if fastest is None:
+        return False
+    names = [r["name"] for r in rows if r["gate_passed"] and r["recommendable"]]
+    if any(busy_reason(timings[n].busy_share) for n in names):
+        return True
+    return any(
+        timings[fastest].speedup_noise(timings[b]) > NOISY_SPREAD for b in names if b != fastest
     )

@@ -169,6 +169,10 @@ class Timing:
         """Median over rounds of this variant's throughput / `base`'s in the same round."""
         return float(np.median(self._ratios(base)))
 
+    def speedup_noise(self, base: Timing) -> float:
+        """`spread` of the within-round ratios over `base`: past `NOISY_SPREAD`, noisy."""
+        return spread(self._ratios(base))
+
     def speedup_spread(self, base: Timing) -> list[float]:
         """The middle half (25th and 75th percentiles) of the within-round ratios: how far one
         figure of `speedup_over` can be trusted on a machine whose speed drifts."""
