@@ -264,19 +264,22 @@ def noise_cause(timings: Sequence[Timing], during: str = "measuring") -> str:
 def steal_share(timings: Sequence[Timing]) -> float | None:
     """The share of the machine's CPU a virtual machine's host took (steal) while `timings`
     were measured, part of `busy_share`; None where it was not measured."""
-    total = sum(t.machine_cpu_s for t in timings)
-    if total <= 0:
-        return None
-    return min(max(sum(t.steal_cpu_s for t in timings) / total, 0.0), 1.0)
+    return _cpu_share(timings, sum(t.steal_cpu_s for t in timings))
 
 
 def busy_share(timings: Sequence[Timing]) -> float | None:
     """The share of the machine's CPU other processes used while `timings` were measured, all
     of them together; None where it was not measured (no /proc/stat)."""
+    return _cpu_share(timings, sum(t.others_cpu_s for t in timings))
+
+
+def _cpu_share(timings: Sequence[Timing], seconds: float) -> float | None:
+    """`seconds` as a share of the machine's CPU seconds over `timings`, within 0..1 (clock
+    ticks can put one short interval's below zero); None where none were measured."""
     total = sum(t.machine_cpu_s for t in timings)
     if total <= 0:
         return None
-    return min(max(sum(t.others_cpu_s for t in timings) / total, 0.0), 1.0)
+    return min(max(seconds / total, 0.0), 1.0)
 
 
 # glibc mallopt parameters (malloc.h)
