@@ -541,6 +541,46 @@ def test_a_later_request_does_not_push_back_the_close_of_its_batch() -> None:
     assert newest_wait < 0.35, newest_wait
 
 
+def test_a_deadline_shorter_than_max_wait_closes_the_batch_in_time() -> None:
+    # max_wait 2 s, the client allows 0.4 s: alone on an idle batcher, waiting out max_wait
+    # would answer 504 at 0.4 s; the batch closes at half the time its deadline leaves.
+    model = SumModel()
+
+    async def main() -> float:
+        b = await started(model, max_batch_rows=8, max_wait_ms=2000)
+        t0 = time.monotonic()
+        assert (await b.infer(rows(3), 0.4))[0, 0] == 3
+        elapsed = time.monotonic() - t0
+        b._rows_per_s = 10.0  # a full batch (8 rows) takes 0.8 s: 0.2 s of 1.2 left to wait
+        assert b._wait_s(1.2) == pytest.approx(0.2) and b._wait_s(0.5) == 0.0
+        assert b._wait_s(100) == 2.0
+        await b.aclose()
+        return elapsed
+
+    elapsed = run(main)
+    assert 0.15 <= elapsed < 0.38, elapsed
+    assert model.sizes == [1]
+
+
+def test_a_request_answered_without_the_model_no_longer_sets_its_batchs_close() -> None:
+    # The first request (due at 300 ms) is abandoned at once; the second, 200 ms later, opens
+    # the batch: it closes 300 ms after the second arrived, not at the first's due time.
+    model = SumModel()
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=300, observer=rec)
+        b.submit(rows(1), 10).abandon()
+        await asyncio.sleep(0.2)
+        assert (await b.infer(rows(2), 10))[0, 0] == 2
+        await b.aclose()
+
+    run(main)
+    assert model.sizes == [1] and rec.rejections == ["disconnected"]
+    (wait,) = rec.waits
+    assert 0.28 <= wait < 0.6, wait  # its own 300 ms, not the 100 ms the first's due left
+
+
 def test_a_deadline_that_passed_before_the_loop_could_answer_it_is_still_not_computed() -> None:
     # The event loop is blocked, so the deadline timer cannot answer `late`: the worker itself
     # must see that its deadline passed and drop it (README: dropped before compute).

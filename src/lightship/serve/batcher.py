@@ -6,7 +6,8 @@
 
 - The queue is counted in rows; a request that would overflow it raises `QueueFull` at once.
 - A batch opens with the oldest queued request and closes when it holds `max_batch_rows` rows
-  or `max_wait_ms` after that request arrived, whichever comes first.
+  or `max_wait_ms` after that request arrived, whichever comes first; sooner where a request's
+  deadline is near (`Batcher._wait_s`).
 - The worker sleeps on a condition variable while the queue is empty (no polling) and only
   wakes early during the wait when the batch fills, so an idle server costs no CPU.
 - `instances` workers (Triton's instance count) may each run a batch at the same time, on one
@@ -214,7 +215,7 @@ class Batcher:
         if rows > self.max_batch_rows:
             raise TooManyRows.of(rows, self.max_batch_rows)
         now = time.monotonic()
-        due = now + self.max_wait_s if wait else now
+        due = now + self._wait_s(timeout_s) if wait else now
         item = _Item(x, rows, now, due, now + timeout_s, loop.create_future())
         with self._cond:
             if self.failure is not None:
@@ -240,6 +241,16 @@ class Batcher:
             self.observer.queue_depth(depth)
         item.timer = loop.call_later(timeout_s, self._expire, item)
         return Ticket(self, item)
+
+    def _wait_s(self, timeout_s: float) -> float:
+        """How long a request with `timeout_s` to go may hold its batch open for company:
+        max_wait, or half of what its deadline leaves once a full batch is computed (at the
+        speed measured so far), whichever is shorter. A client's short deadline
+        (x-request-timeout-ms) closes its batch in time to be answered, where waiting out
+        max_wait on an idle server let the deadline pass."""
+        rate = self._rows_per_s
+        compute_s = self.max_batch_rows / rate if rate > 0 else 0.0
+        return max(0.0, min(self.max_wait_s, (timeout_s - compute_s) / 2))
 
     async def infer(self, x: np.ndarray, timeout_s: float, wait: bool = True) -> np.ndarray:
         """Submit and await; raises TooManyRows, QueueFull, DeadlineExceeded, Closed (and its
@@ -324,8 +335,9 @@ class Batcher:
                     self._cond.wait()  # idle: sleeps until submit() notifies
                     self.wakeups += 1
                 while self._queue and self._rows < self.max_batch_rows and not self._draining:
-                    # The oldest request sets the close time; a later one may bring it forward.
-                    due = min(item.due for item in self._queue)
+                    # The oldest request still waiting sets the close time (one answered without
+                    # the model no longer does); a later one may bring it forward.
+                    due = min((item.due for item in self._queue if item.queued), default=0.0)
                     remaining = due - time.monotonic()
                     if remaining <= 0:
                         break
