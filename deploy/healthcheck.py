@@ -11,6 +11,7 @@ is PID 1's: `docker run IMAGE --port 9000` appends to the ENTRYPOINT, and under 
 
 from __future__ import annotations
 
+import http.client
 import os
 import sys
 import urllib.request
@@ -67,7 +68,8 @@ def main() -> int:
     try:
         with urllib.request.urlopen(url, timeout=2):
             return 0
-    except (OSError, ValueError) as exc:  # refused, 503 while starting or draining, a bad port
+    # refused, 503 while starting or draining, a port that is no number (InvalidURL)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         print(f"not ready: {url}: {exc}", file=sys.stderr)
         return 1
 

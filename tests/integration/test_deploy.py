@@ -194,6 +194,19 @@ def test_healthcheck_asks_the_port_the_server_listens_on(
     assert healthcheck.main() == int(env_port != "{port}")  # without the command line
 
 
+def test_healthcheck_says_not_ready_of_a_port_that_is_no_number(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # http.client's InvalidURL is neither OSError nor ValueError: it left a traceback
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_bytes(b"lightship\0serve\0--port\08241.0\0")
+    monkeypatch.setattr(healthcheck, "CMDLINE", cmdline)
+    assert healthcheck.main() == 1
+    assert capsys.readouterr().err.startswith(
+        "not ready: http://127.0.0.1:8241.0/v2/health/ready: nonnumeric port"
+    )
+
+
 def test_healthcheck_port_defaults_as_the_server_does(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightship.serve.command import _settings
 

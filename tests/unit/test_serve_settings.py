@@ -19,6 +19,7 @@ from lightship.runs import RunDir, sha256_file
 from lightship.serve.command import _settings
 from lightship.serve.model import choose, verify
 from lightship.serve.settings import ServeSettings
+from tests.conftest import last_line, run_cli
 from tests.handmade import handmade_onnx
 
 AVX2 = CpuInfo("test AVX2 CPU", "x86_64", frozenset({"avx2"}))
@@ -668,6 +669,13 @@ def test_a_port_is_digits_as_the_healthcheck_reads_it(
     )
     monkeypatch.setenv("LIGHTSHIP_PORT", " 8241 ")
     assert _settings().port == 8241
+    # the flag as the variable: click's int read `--port 8241.0` as 8241 before pydantic saw it
+    monkeypatch.delenv("LIGHTSHIP_PORT")
+    proc = run_cli("serve", "--run", "nowhere", "--port", port)
+    assert proc.returncode == 2, proc.stderr
+    assert last_line(proc.stderr) == (
+        f"error: invalid serve settings (--port {port}: port must be a whole number 0..65535)"
+    )
 
 
 def test_a_port_written_as_a_url_by_hand_is_a_bad_value() -> None:

@@ -127,7 +127,10 @@ def serve(
         ),
     ] = None,
     port: Annotated[
-        int | None, typer.Option(help=f"TCP port to listen on ({ENV}PORT; default 8000)")
+        # as given, for ServeSettings' digits-only check: click's int reads `8241.0` as 8241,
+        # which the image's HEALTHCHECK put in its URL, calling a serving container unhealthy
+        str | None,
+        typer.Option(help=f"TCP port to listen on ({ENV}PORT; default 8000)", metavar="INTEGER"),
     ] = None,
     model_name: Annotated[
         str | None,
