@@ -80,6 +80,17 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
     ("body", "length", "message"),
     [
         (b"{not json", None, "malformed JSON"),
+        # raw bytes without the header that says so: that header is the fix, not "char 0"
+        (
+            bytes(4),
+            None,
+            re.escape(
+                "malformed JSON: unexpected character, expected a JSON value: line 1 column 1 "
+                "(char 0) (a body that is the input's raw UINT8 tensor needs the header "
+                "Inference-Header-Content-Length: 0;"
+            ),
+        ),
+        (b"\x89PNG\r\n\x1a\n", None, r"^malformed JSON: the body is not UTF-8 text \(a body that"),
         (b"[1, 2]", None, "must be a JSON object"),
         (b'{"inputs": []}', None, "exactly one input 'input'; got 0"),
         # the simple protocol's body sent to V2 infer: which format goes where
@@ -366,6 +377,17 @@ def test_v1_instances_and_predictions() -> None:
     ("body", "message"),
     [
         (b'{"instances": [}', "malformed JSON"),
+        # an image sent here, as the body or as a form: where it goes, not "surrogates"
+        (
+            b"\x89PNG\r\n\x1a\n",
+            re.escape(
+                'malformed JSON: the body is not UTF-8 text: send {"instances": [image, ...]} '
+                "here; image files (PNG, JPEG) go to /v1/predict/image as multipart form field "
+                '"files"'
+            )
+            + "$",
+        ),
+        (b"--x\r\nContent-Disposition: form-data", "go to /v1/predict/image as multipart"),
         (b'{"instances": [[[[0, NaN]]]]}', r"contains NaN \(line 1 column 22\).*finite numbers"),
         # {} is a JSON object: it said "body must be a JSON object {"instances": ...}"
         (b'{"images": []}', re.escape('the body has no "instances": send {"instances": [image')),

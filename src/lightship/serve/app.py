@@ -1565,8 +1565,8 @@ def not_found(path: str) -> str:
     return f"no route {path}: the routes are listed at /docs (GET /v2 describes the server)"
 
 
-IMAGE_ROUTE = "/v1/predict/image"
-IMAGES_FIELD = "files"
+IMAGE_ROUTE = v1.IMAGE_ROUTE
+IMAGES_FIELD = v1.IMAGES_FIELD
 IMAGE_ROUTE_DOC = (
     "Each file becomes one {c} x {h} x {w} input the way training reads an image file: turned "
     "upright by its EXIF orientation, converted to gray or RGB with any alpha dropped, and "

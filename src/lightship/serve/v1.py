@@ -14,7 +14,7 @@ import orjson
 from lightship.data import images
 from lightship.runtime.base import softmax
 from lightship.serve.batcher import TooManyRows
-from lightship.serve.v2 import ProtocolError, holds_bool, json_error
+from lightship.serve.v2 import ProtocolError, holds_bool, json_error, not_json_at_all
 
 # Width x height above which an upload is refused before decoding (a small PNG can declare a
 # huge canvas: a decompression bomb). Far above any classifier's input. A JPEG its decoder
@@ -25,6 +25,9 @@ MAX_IMAGE_PIXELS = 40_000_000
 # declaring 40 MP each held a decode slot for 10 s, every other upload waiting, and ended in
 # 504; this is ~0.8 s of decoding.
 MAX_REQUEST_PIXELS = 100_000_000
+# Where image files go, and the multipart form field that holds them.
+IMAGE_ROUTE = "/v1/predict/image"
+IMAGES_FIELD = "files"
 
 
 # JSON's names of what orjson reads a document as, by its exact type (a bool is no number)
@@ -65,7 +68,13 @@ def decode_instances(
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise json_error(exc) from None
+        error = json_error(exc)
+        if not_json_at_all(exc):  # an image posted here, as a form or as the body
+            raise ProtocolError(
+                f'{error}: send {{"instances": [image, ...]}} here; image files (PNG, JPEG) go '
+                f'to {IMAGE_ROUTE} as multipart form field "{IMAGES_FIELD}"'
+            ) from None
+        raise error from None
     if not isinstance(doc, dict) or "instances" not in doc:
         v2_hint = (
             '; a V2 body ({"inputs": [...]}) goes to /v2/models/{name}/infer'

@@ -91,7 +91,18 @@ def json_error(exc: orjson.JSONDecodeError) -> ProtocolError:
             f"the body contains {token} (line {exc.lineno} column {exc.colno}), which JSON does"
             " not allow: send finite numbers (pixels are 0..255)"
         )
+    if "not valid UTF-8" in str(exc):
+        # orjson checks the whole body first and says "surrogates not allowed ... (char 0)" of
+        # an image or a form, wherever its first byte past ASCII is
+        return ProtocolError("malformed JSON: the body is not UTF-8 text")
     return ProtocolError(f"malformed JSON: {exc}")
+
+
+def not_json_at_all(exc: orjson.JSONDecodeError) -> bool:
+    """Whether the body was no JSON from its first byte (an image, raw bytes, a multipart
+    form: `--` and its boundary), not JSON broken further on: then where it should have gone
+    is the useful part of the 400."""
+    return exc.pos == 0 or exc.doc.startswith("--")
 
 
 def _parse_json(raw: bytes | memoryview, header_length: str | None = None) -> dict[str, Any]:
@@ -104,6 +115,11 @@ def _parse_json(raw: bytes | memoryview, header_length: str | None = None) -> di
             # orjson says "unexpected content after document", or "not valid UTF-8"
             hint = (
                 f" (binary tensors follow the JSON: say its length in the {HEADER_LENGTH} header)"
+            )
+        elif header_length is None and not_json_at_all(exc):
+            hint = (
+                f" (a body that is the input's raw UINT8 tensor needs the header {HEADER_LENGTH}:"
+                " 0; a JSON request with binary tensors after it, the JSON's length)"
             )
         raise ProtocolError(f"{error}{hint}") from None
     return _object(doc, "request body")
