@@ -4871,6 +4871,10 @@ def test_the_docs_state_the_infer_shape_and_headers_on_both_infer_routes(tmp_pat
         assert (shape["minItems"], shape["maxItems"]) == (3, 4), route
         headers = {p["name"] for p in infer["parameters"] if p["in"] == "header"}
         assert headers == {"Inference-Header-Content-Length", "x-request-timeout-ms"}, route
+    # /v1's routes honour the header too (400 for a bad one, 504 past it): the docs said not
+    for route in ("/v1/predict", "/v1/predict/image"):
+        params = {(p["in"], p["name"]) for p in paths[route]["post"]["parameters"]}
+        assert params == {("query", "top_k"), ("header", serve_app.TIMEOUT_HEADER)}, route
 
 
 @pytest.mark.parametrize("route", ["/v1/predict", "/v1/predict/image"])

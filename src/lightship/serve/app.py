@@ -89,7 +89,7 @@ from lightship.serve.v2 import ProtocolError, error_body
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TIMEOUT_HEADER = "x-request-timeout-ms"
+TIMEOUT_HEADER: str = openapi.TIMEOUT_PARAM["name"]
 TIMEOUT_HEADER_BYTES = TIMEOUT_HEADER.encode()
 HEADER_LENGTH_BYTES = v2.HEADER_LENGTH.lower().encode()
 PLATFORMS = {

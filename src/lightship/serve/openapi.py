@@ -134,6 +134,15 @@ TOP_K_QUERY: dict[str, Any] = {
     "schema": {"type": "integer", "minimum": 1},
 }
 
+# Every route that runs the model takes it (app.TIMEOUT_HEADER).
+TIMEOUT_PARAM: dict[str, Any] = {
+    "name": "x-request-timeout-ms",
+    "in": "header",
+    "required": False,
+    "description": "shortens the server's deadline for this request (504 past it)",
+    "schema": {"type": "number", "exclusiveMinimum": 0},
+}
+
 
 def image_body(field: str, max_files: int) -> dict[str, Any]:
     """`openapi_extra` of the image route, which parses its form and query itself."""
@@ -148,7 +157,7 @@ def image_body(field: str, max_files: int) -> dict[str, Any]:
     }
     schema = {"type": "object", "required": [field], "properties": {field: files}}
     return {
-        "parameters": [TOP_K_QUERY],
+        "parameters": [TOP_K_QUERY, TIMEOUT_PARAM],
         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}},
     }
 
@@ -375,13 +384,7 @@ def raw_paths(
             "UINT8 [N, C, H, W], and every output comes back binary)",
             "schema": {"type": "integer", "minimum": 0},
         },
-        {
-            "name": "x-request-timeout-ms",
-            "in": "header",
-            "required": False,
-            "description": "shortens the server's deadline for this request (504 past it)",
-            "schema": {"type": "number", "exclusiveMinimum": 0},
-        },
+        TIMEOUT_PARAM,
     ]
     return {
         "/v2/models/{model_name}/infer": {
@@ -402,7 +405,8 @@ def raw_paths(
                 "description": compressed,
                 "parameters": [
                     TOP_K_QUERY
-                    | {"description": "classes per image, as the body's top_k (which wins)"}
+                    | {"description": "classes per image, as the body's top_k (which wins)"},
+                    TIMEOUT_PARAM,
                 ],
                 **body(v1_request(chw, max_rows)),
                 "responses": {
