@@ -4571,18 +4571,32 @@ def test_expect_100_continue_over_http_is_answered_before_the_body(tmp_path: Pat
         ("/v2/models/nope/infer", True, "unknown model 'nope': this server serves 'hand'"),
         ("/v1/predict?top_k=x", False, "top_k must be a positive integer, got 'x'"),
         ("/v1/predict?top_k=x", True, "top_k must be a positive integer, got 'x'"),
+        # the headers alone refuse these too
+        (f"{INFER}|x-request-timeout-ms: abc", False, "x-request-timeout-ms must be a positive"),
+        ("/v1/predict|x-request-timeout-ms: abc", True, "x-request-timeout-ms must be a positive"),
+        (f"{INFER}|content-encoding: br", False, "Content-Encoding br is not supported: use gzip"),
+        (
+            "/v1/predict|content-encoding: br",
+            True,
+            "Content-Encoding br is not supported: use gzip",
+        ),
     ],
-    ids=["model", "model-asgi", "top_k", "top_k-asgi"],
+    ids=[
+        f"{what}{way}"
+        for what in ("model", "top_k", "timeout", "encoding")
+        for way in ("", "-asgi")
+    ],
 )
 def test_expect_100_continue_to_a_path_refused_is_answered_at_once(
     tmp_path: Path, path: str, origin: bool, error: str
 ) -> None:
-    """It got 100 Continue, then its 404 (or 400) only after the body it was asked for. The
-    path alone says it: answered at once, both ways in, and the connection closes, the body
-    never read."""
+    """It got 100 Continue, then its 404 (or 400, 415) only after the body it was asked for.
+    The path or a header alone says it: answered at once, both ways in, and the connection
+    closes, the body never read."""
     app, _ = make_app(tmp_path, cors_origins="*")
     body = json.dumps(v2_json(X)).encode()
-    extra = ("origin: http://a.example",) if origin else ()  # through ASGI (CORS)
+    path, *header = path.split("|")
+    extra = (*header, *(("origin: http://a.example",) if origin else ()))  # ASGI (CORS)
 
     async def main() -> tuple[int, dict[str, str], bytes, bytes]:
         async with raw_http(app) as (connect, _, _):
@@ -4597,8 +4611,9 @@ def test_expect_100_continue_to_a_path_refused_is_answered_at_once(
             return status, headers, answer, rest
 
     status, headers, answer, rest = run(main())
-    assert (status, headers.get("connection")) == (404 if "nope" in path else 400, "close")
-    assert json.loads(answer) == {"error": error}
+    expected = 404 if "nope" in path else 415 if "Encoding" in error else 400
+    assert (status, headers.get("connection")) == (expected, "close")
+    assert json.loads(answer)["error"].startswith(error)
     assert rest == b""
 
 

@@ -716,20 +716,29 @@ def _most_members(limit: int) -> int:
     return max(MAX_GZIP_MEMBERS, limit // BGZIP_BLOCK + 2)
 
 
+def content_coding(encoding: str) -> str:
+    """The Content-Encoding of a tensor route's body, as `_decode_content` undoes it: gzip,
+    deflate or identity; EncodingRefused (415) for any other."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):  # an empty header lists no encoding
+        return "identity"
+    if encoding == "x-gzip":  # the same as gzip (RFC 9110, 8.4.1.3)
+        return "gzip"
+    if encoding not in ("gzip", "deflate"):
+        raise EncodingRefused(
+            f"Content-Encoding {encoding} is not supported: use gzip or deflate", "gzip, deflate"
+        )
+    return encoding
+
+
 def _decode_content(body: bytes, encoding: str, limit: int) -> bytes:
     """Undo Content-Encoding gzip/deflate (tritonclient can compress), bounded by `limit`.
     gzip members one after another are one body (RFC 1952); a stream cut short, or bytes
     after the last one, are refused rather than answered from part of the body. Linear in
     the body's size, whatever its members."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):  # an empty header lists no encoding
+    encoding = content_coding(encoding)
+    if encoding == "identity":
         return body
-    if encoding == "x-gzip":  # the same as gzip (RFC 9110, 8.4.1.3)
-        encoding = "gzip"
-    if encoding not in ("gzip", "deflate"):
-        raise EncodingRefused(
-            f"Content-Encoding {encoding} is not supported: use gzip or deflate", "gzip, deflate"
-        )
     wbits = 31 if encoding == "gzip" else 15
     view = memoryview(body)
     out: list[bytes] = []
@@ -885,7 +894,7 @@ class TensorRoutes:
         compress_min_bytes: int,
         route_of: Callable[[Scope], str | None],
         cors: bool = False,
-        check_path: Callable[[str, dict[str, str]], None] = lambda name, params: None,
+        check_head: Callable[[str, dict[str, str], Head], None] = lambda name, params, head: None,
     ) -> None:
         self.handlers = handlers
         # CORS is on: a request with an Origin (a browser's) goes through ASGI, whose
@@ -898,9 +907,10 @@ class TensorRoutes:
         self.compress_min_bytes = compress_min_bytes  # 0: never
         # the route template of a request answered before routing (`count_gone`)
         self.route_of = route_of
-        # raises what the route would answer from its path alone (an unknown model's 404),
-        # for a client that waits for 100 Continue before it sends the body
-        self.check_path = check_path
+        # raises what the route would answer from its path and headers alone (an unknown
+        # model's 404, a bad x-request-timeout-ms, a Content-Encoding it does not take), for a
+        # client that waits for 100 Continue before it sends the body
+        self.check_head = check_head
 
     def read_head(self, headers: Iterable[tuple[bytes, bytes]]) -> Head:
         return read_head(headers, self.body_limit, self.timeout_s)
@@ -992,10 +1002,10 @@ class HotRoutes:
         try:
             head = head_of(scope) or routes.read_head(scope["headers"])
             if any(k == b"expect" and v.lower() == b"100-continue" for k, v in scope["headers"]):
-                # what the path alone refuses is answered now, before uvicorn's first
-                # receive() sends 100 Continue, not after the body
+                # what the path and headers alone refuse is answered now, before uvicorn's
+                # first receive() sends 100 Continue, not after the body
                 unread = True
-                routes.check_path(name, params)
+                routes.check_head(name, params, head)
                 unread = False
             body = await self._read(scope, receive)
             content, headers = await routes.answer(name, params, head, body, asgi_watch(receive))
@@ -1067,11 +1077,13 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
                 return getattr(route, "path", None)
         return None
 
-    def check_path(name: str, params: dict[str, str]) -> None:
+    def check_head(name: str, params: dict[str, str], head: Head) -> None:
         if name.startswith("v2_infer"):
             service.check_model(params["model_name"], params.get("version"))
         else:
             v1.query_top_k(params.get(QUERY), settings.top_k)
+        service.timeout_s(head)  # a bad x-request-timeout-ms: 400
+        content_coding(head.encoding or "")
 
     tensor_routes = TensorRoutes(
         hot_handlers,
@@ -1082,7 +1094,7 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         compress_min_bytes=settings.compress_min_bytes,
         route_of=route_of,
         cors=bool(settings.origins),
-        check_path=check_path,
+        check_head=check_head,
     )
     app.state.tensor_routes = tensor_routes  # the server's HTTP protocol answers them too
     app.add_middleware(HotRoutes, routes=tensor_routes)

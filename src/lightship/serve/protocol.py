@@ -404,10 +404,11 @@ class _TensorCycle:
             protocol = self._protocol
             transport = protocol.transport
             if self._expect_100 and not (transport.is_closing() or self._stopped):
-                # what the path alone refuses (an unknown model's 404) is answered now, not
-                # after a 100 and the body it asked for; and closes, the body never read
+                # what the path and headers alone refuse (an unknown model's 404, a bad
+                # deadline or encoding) is answered now, not after a 100 and the body it asked
+                # for; and closes, the body never read
                 try:
-                    self._routes.check_path(self._name, self._params)
+                    self._routes.check_head(self._name, self._params, self._head)
                 except Exception:
                     self.keep_alive = False
                     raise
