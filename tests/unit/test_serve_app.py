@@ -940,6 +940,25 @@ def test_nan_unknown_model_oversized_and_too_many_rows(tmp_path: Path, via: str)
                 "error": "no route /v2/nowhere: the routes are listed at /docs (GET /v2 "
                 "describes the server)"
             }
+            # a trailing slash: a 404 that names the route, on every route alike (a FastAPI
+            # route's was a 307 to a URL made of the Host header, a tensor route's a 404)
+            for method, path in [
+                ("GET", "/v2/health/live/"),
+                ("POST", "/v1/predict/image/"),
+                ("POST", "/v1/predict/"),
+                ("POST", f"{INFER}/"),
+            ]:
+                r = await client.request(method, path)
+                assert r.status_code == 404 and r.json() == {
+                    "error": f"no route {path}: the routes take no trailing slash ({path[:-1]})"
+                }, path
+            # the router's 405 says which method, as the tensor routes' does
+            r = await client.get("/v1/predict/image")
+            assert r.status_code == 405 and r.json() == {"error": "use POST for /v1/predict/image"}
+            r = await client.post("/v2/health/live")
+            assert r.status_code == 405 and r.json() == {"error": "use GET for /v2/health/live"}
+            r = await client.get("/v1/predict")
+            assert r.status_code == 405 and r.json() == {"error": "use POST for /v1/predict"}
             # tritonclient's calls of the V2 extensions this server lacks: what to use instead
             for method, path, what in [
                 ("GET", "/v2/models/hand/stats", "statistics extension"),

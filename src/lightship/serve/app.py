@@ -1062,6 +1062,9 @@ def create_app(predictor: Predictor, served: ServedModel, settings: ServeSetting
         lifespan=lifespan,
         docs_url=None,  # openapi.add_docs: the pages' files from this server, not a CDN
         redoc_url=None,
+        # /v2/health/live/ was a 307 to an absolute URL made of the Host header (http:// behind
+        # a TLS proxy), where /v1/predict/ was a 404: a 404 that names the path to use instead
+        redirect_slashes=False,
     )
     app.state.service = service
     answers = _error_answers(service)
@@ -1518,9 +1521,15 @@ def _add_error_handlers(app: FastAPI, answers: dict[type[Exception], ErrorAnswer
 
     async def http_error(request: Request, exc: Any) -> Response:
         detail = str(exc.detail)
+        headers = getattr(exc, "headers", None)
         if exc.status_code == 404 and detail == "Not Found":  # the router's: no such route
             detail = not_found(request.url.path)
-        return _error(exc.status_code, detail, getattr(exc, "headers", None))
+        elif exc.status_code == 405 and detail == "Method Not Allowed" and headers:
+            # the router's, as the tensor routes say it: which method the path takes
+            allow = next((v for k, v in headers.items() if k.lower() == "allow"), "")
+            allowed = " or ".join(m.strip() for m in allow.split(","))
+            detail = f"use {allowed} for {request.url.path}"
+        return _error(exc.status_code, detail, headers)
 
     async def validation_error(request: Request, exc: Any) -> Response:
         # 400 like every other bad input here, not FastAPI's 422 (openapi.py drops the 422
@@ -1574,6 +1583,8 @@ def not_found(path: str) -> str:
     for pattern, message in _EXTENSIONS:
         if pattern.fullmatch(path):
             return message
+    if len(path) > 1 and path.endswith("/"):
+        return f"no route {path}: the routes take no trailing slash ({path.rstrip('/')})"
     return f"no route {path}: the routes are listed at /docs (GET /v2 describes the server)"
 
 
