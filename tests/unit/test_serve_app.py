@@ -737,6 +737,16 @@ UNPARSED_FORMS: list[tuple[str, str, bytes, int, str]] = [
         413,
         re.escape("a text field is over 1024 KiB: " + CURL_IMAGES),
     ),
+    (  # the files were sent: "send one or more images" said otherwise
+        "cut short",
+        FORM_TYPE,
+        multipart(IMAGE_PART, IMAGE_PART).removesuffix(b"--b0undary--\r\n")[:-3],
+        400,
+        re.escape(
+            "the form ends inside its file part 2, before the boundary that closes it: send "
+            f"the whole form ({SEND_IMAGES})"
+        ),
+    ),
 ]
 
 

@@ -1620,7 +1620,13 @@ async def _uploaded_images(request: Request, limit: int) -> list[tuple[bytes, st
     if media_type != "multipart/form-data":
         raise ProtocolError(SEND_IMAGES)
     async with aclosing(request.stream()) as stream:
-        images = await _ImageForm(request.headers, stream, limit).images()
+        form = _ImageForm(request.headers, stream, limit)
+        images = await form.images()
+    if len(images) < form.count:  # a part begun and never closed: the body was cut short
+        raise ProtocolError(
+            f"the form ends inside its file part {form.count}, before the boundary that closes "
+            f"it: send the whole form ({SEND_IMAGES})"
+        )
     if not images:
         raise ProtocolError(SEND_IMAGES)
     return images
