@@ -666,6 +666,38 @@ def test_a_later_training_that_never_chose_its_best_is_warned_of(tmp_path: Path)
     assert "stopped before it chose" not in run_cli(*export_args, check=True).stderr
 
 
+def test_a_fresh_training_stopped_before_its_best_is_warned_of_at_any_step(
+    tmp_path: Path,
+) -> None:
+    """A new training (not a resume) killed after its first checkpoint replaced checkpoints/
+    and config.yaml, and left best.ckpt and its entry the earlier training's. Stopped at or
+    below the step that entry ended at, export said nothing: the top-k file best.ckpt was
+    copied from is what tells."""
+    run = tmp_path / "run"
+    one = ("--config", str(CONFIGS / "tiny.yaml"), "--set", "trainer.max_epochs=1")
+    run_cli("train", "--run", str(run), *one, check=True)
+    source = artifacts(run)["checkpoint"]["source_checkpoint"]
+    before = {p: (run / p).read_bytes() for p in ("best.ckpt", "manifest.json")}
+    # the same number of steps, other weights (a new seed): the kill found it past its first
+    # checkpoint and before best.ckpt, which is this training ended with its files put back
+    run_cli("train", "--run", str(run), *one, "--set", "seed=7", check=True)
+    for p, data in before.items():
+        (run / p).write_bytes(data)
+    last = run / "checkpoints" / "last.ckpt"
+    then = last.stat().st_mtime - 60  # as the kill left it: best.ckpt older than last.ckpt
+    os.utime(run / "best.ckpt", (then, then))
+    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert step == artifacts(run)["checkpoint"]["global_step"]
+    proc = run_cli("export", "--run", str(run), "--formats", "onnx", check=True)
+    (warned,) = [x for x in proc.stderr.splitlines() if "stopped before" in x]
+    assert warned.endswith(
+        f"best.ckpt is from a training that was copied from {source}, which a later training "
+        f"has replaced (checkpoints/last.ckpt is at step {step}): a later training of this run "
+        "stopped before it chose its best checkpoint; exporting the earlier best.ckpt "
+        f"({RunDir(run).train_command()} finishes that training and writes best.ckpt from it)"
+    ), warned
+
+
 def test_parity_compares_each_batch_with_eager_on_the_same_batch(
     small_cnn_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
