@@ -890,9 +890,13 @@ class RunDir:
     def command(self, *stages: str) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a
         message: one make call in the checkout, else a lightship command per stage; each with
-        the PYTHONPATH= the run's model needs (`pythonpath`)."""
+        the PYTHONPATH= the run's model needs (`pythonpath`). make's quantize writes the report
+        after it: a report that follows quantize is left to it, not run twice."""
         run, env = shlex.quote(str(self.root)), self.pythonpath()
-        make = f"{env}make {' '.join(stages)} RUN={run}"
+        targets = [
+            s for i, s in enumerate(stages) if s != "report" or stages[i - 1 : i] != ("quantize",)
+        ]
+        make = f"{env}make {' '.join(targets)} RUN={run}"
         cli = "`, then `".join(f"{env}lightship {stage} --run {run}" for stage in stages)
         return f"`{stage_command(make, cli, self.root)}`"
 

@@ -203,10 +203,35 @@ def test_int8_models_a_new_onnx_outdates_are_named_with_a_command_that_runs_from
     monkeypatch.chdir(tmp_path)
     core._discard_quantized_from_another(run, "b")
     assert capsys.readouterr().out == (
-        f"the new model.onnx outdates onnx-int8-static: re-run `lightship quantize --run {run.root}`\n"
+        "the new model.onnx outdates onnx-int8-static of this run: deleted; re-run "
+        f"`lightship quantize --run {run.root}`\n"
     )
     assert run.artifact("onnx-int8-static") is None
     assert not (run.root / "quantize" / "model.int8-static.onnx").exists()
+    # the report measured it and goes too: said, and made again (lightship quantize does not)
+    (run.root / "quantize").mkdir()  # the folder went, left empty
+    (run.root / "quantize" / "model.int8-static.onnx").write_bytes(b"old")
+    run.record(
+        "onnx-int8-static", {"file": "quantize/model.int8-static.onnx", "source_sha256": "a"}
+    )
+    (run.root / "report").mkdir()
+    (run.root / "report" / "report.json").write_text("{}")
+    core._discard_quantized_from_another(run, "b")
+    assert capsys.readouterr().out == (
+        "the new model.onnx outdates onnx-int8-static, the report of this run: deleted; re-run "
+        f"`lightship quantize --run {run.root}`, then `lightship report --run {run.root}`\n"
+    )
+    assert not (run.root / "report").exists()
+
+
+def test_a_command_of_quantize_then_report_leaves_the_report_to_makes_quantize(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(ROOT)  # in the checkout: make's quantize runs the report after it
+    run = RunDir(Path("runs/r"))
+    assert run.command("quantize", "report") == "`make quantize RUN=runs/r`"
+    assert run.command("export", "quantize", "report") == "`make export quantize RUN=runs/r`"
+    assert run.command("report") == "`make report RUN=runs/r`"
 
 
 def test_parity_without_the_runs_data_is_on_random_images_and_says_what_follows(

@@ -25,6 +25,7 @@ from lightship.export.parity import Parity, check_parity, check_reference, compa
 from lightship.models import module_file, spec_pythonpath, unusable_logits
 from lightship.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from lightship.runs import (
+    REPORT_FILES,
     RunDir,
     RunLike,
     as_run,
@@ -200,9 +201,13 @@ def _discard_quantized_from_another(run: RunDir, onnx_sha256: str) -> None:
         if entry.get("source_sha256") not in (None, onnx_sha256)
     ]
     if stale:
+        # the report measured them: it goes with them (`RunDir.discard`), and is made again
+        had_report = any((run.root / f).is_file() for f in REPORT_FILES)
         run.discard(*stale)
+        gone = [*stale, *(["the report"] if had_report else [])]
+        again = run.command("quantize", *(["report"] if had_report else []))
         print(
-            f"the new model.onnx outdates {', '.join(stale)}: re-run {run.command('quantize')}",
+            f"the new model.onnx outdates {', '.join(gone)} of this run: deleted; re-run {again}",
             flush=True,
         )
 
