@@ -282,6 +282,11 @@ def test_report_ranks_every_variant(quantized: Path) -> None:
     assert r["recommended"] == best["name"] and best["recommended"]
     assert r["recommended"] not in ("eager", "onnx-int8-dynamic")  # dynamic: conv net
     md = (quantized / "report" / "report.md").read_text()
+    # why, from quantize's entry: the console's footnote sends the reader to report.md for it
+    (dynamic,) = [v for v in r["variants"] if v["name"] == "onnx-int8-dynamic"]
+    assert dynamic["held_back"] == entries(quantized)["onnx-int8-dynamic"]["why"]
+    assert f"Not recommended: onnx-int8-dynamic: {dynamic['held_back']}." in md
+    assert "of multiply-adds are in convolutions" in dynamic["held_back"]
     assert r["cpu"]["model"] in md and "★" in md and "Scheme check" in md
     low, high = best["speedup_vs_eager_iqr"]
     assert f"{best['speedup_vs_eager']:.2f} ({low:.2f}–{high:.2f})" in md

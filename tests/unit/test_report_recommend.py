@@ -534,6 +534,18 @@ def test_the_console_marks_a_variant_held_back_but_not_the_eager_reference() -> 
     assert not _held_back(variant("onnx-int8-static", True))
 
 
+def test_report_md_says_why_a_variant_that_passes_is_held_back() -> None:
+    """The console's footnote says "report.md says why": it gave only "(not recommended)",
+    and the reason lay in manifest.json alone."""
+    r = report_dict()
+    why = "99.9% of multiply-adds are in convolutions: reported, not recommended"
+    dynamic = {**r["variants"][1], "name": "onnx-int8-dynamic", "recommendable": False}
+    r["variants"].append(dynamic | {"held_back": why, "recommended": False})
+    md = render.markdown(r)
+    assert f"\nNot recommended: onnx-int8-dynamic: {why}.\n" in md
+    assert md.count("Not recommended:") == 1  # the others are recommendable
+
+
 def test_the_cli_table_keeps_a_variants_name_on_its_row_in_80_columns() -> None:
     """Squeezed into 80 columns (a log; `pass*` widening the gate column), the variant column
     wrapped: the star stood alone beside the figures and the name on a row of its own."""

@@ -255,6 +255,10 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
                 "gate_passed": (c.name in FP32_VARIANTS and acc >= ref_acc)
                 or passes_gate(acc, ref_acc, gate, len(y)),
                 "recommendable": recommendable,
+                # why quantize held it back however fast (dynamic int8 on a conv net)
+                "held_back": None
+                if c.entry.get("recommendable", True)
+                else str(c.entry.get("why") or "quantize marked it not recommendable"),
                 "refused_here": refused,
                 "target": c.entry.get("target"),
                 # ONNX on CPU: batches of `split_rows`+ rows run as one slice per lane

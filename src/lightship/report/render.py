@@ -234,6 +234,8 @@ def markdown(r: dict[str, Any]) -> str:
     for name, why in r.get("not_measured", {}).items():  # absent from reports before it
         lines.append(f"\nNot measured: {name}, {why}.")
     for v in r["variants"]:
+        if v.get("held_back"):  # absent from reports before it
+            lines.append(f"\nNot recommended: {v['name']}: {v['held_back']}.")
         if v.get("refused_here"):  # absent from reports before it
             lines.append(
                 f"\nNot recommended: {v['name']}, which `lightship serve` refuses on this CPU: "
