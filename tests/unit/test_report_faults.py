@@ -104,7 +104,7 @@ def test_interrupted_while_measuring_says_the_old_report_stands_and_how_to_repor
 
     message = interrupt_message()
     assert message.startswith(f"interrupted: {run / 'report'} is as it was"), message
-    assert f"lightship report --run {run}" in message or f"make report RUN={run}" in message
+    assert message.endswith(f"report again with `make report RUN={run} REPORT_ARGS='{FAST_FLAGS}'`")
 
 
 def test_a_sync_that_fails_leaves_the_old_report_whole(
@@ -240,8 +240,9 @@ BUSY_WARNING = (
     "the middle half of the rounds over ±20% from their median): other processes used 48% of "
     "the CPU while measuring, eager (p90 200x p50), torchscript (img/s ±30%; x eager ±30%). "
     "The machine was busy while measuring, so the speed figures and the recommendation may be "
-    "off: re-run `make report RUN={run}` when it is quiet"
+    "off: re-run `make report RUN={run} REPORT_ARGS='{flags}'` when it is quiet"
 )
+FAST_FLAGS = "--threads 1 --rounds 1"  # FAST's, as the command to report again gives them
 
 
 def test_a_busy_machine_is_a_warning_in_report_md_and_report_json(
@@ -259,7 +260,7 @@ def test_a_busy_machine_is_a_warning_in_report_md_and_report_json(
     }
     assert result["machine_busy_share"] == 0.48
     assert all(v["machine_busy_share"] == 0.48 for v in result["variants"])
-    warning = BUSY_WARNING.format(run=run)
+    warning = BUSY_WARNING.format(run=run, flags=FAST_FLAGS)
     assert result["timing_warning"] == warning
     on_disk = json.loads((run / "report" / "report.json").read_text())
     assert on_disk["timing_warning"] == warning and on_disk["machine_busy_share"] == 0.48
@@ -280,7 +281,8 @@ def test_the_cli_prints_the_timing_warning_once_below_its_table(
     monkeypatch.setattr(sys, "stderr", out)
     cli.report(run=run, threads=1, rounds=1, batch=64, gate=0.99)
     lines = out.getvalue().splitlines()
-    warning = f"warning: {BUSY_WARNING.format(run=run)}"
+    # the options given, in the command to report again: without them another gate judges
+    warning = f"warning: {BUSY_WARNING.format(run=run, flags=FAST_FLAGS + ' --gate 0.99')}"
     assert lines.count(warning) == 1 and out.getvalue().count("timings are noisy") == 1
     table_end = max(i for i, line in enumerate(lines) if line.startswith("└"))
     recommended = next(i for i, line in enumerate(lines) if line.startswith("recommended:"))
@@ -377,7 +379,7 @@ def test_a_noisy_report_on_a_quiet_machine_says_its_speed_moved_not_that_it_was_
         "processes used only 0.4% of the CPU while measuring: the rounds varied on their own "
         "(the CPU's clock, a virtual machine's host), so the speed figures may be off, though "
         "not the recommendation (the within-round ratios between the variants it chose from "
-        f"stayed within ±20%): re-run {RunDir(run).command('report')} when it is quiet"
+        f"stayed within ±20%): re-run {FAST.again(RunDir(run))} when it is quiet"
     )
     assert "busy" not in result["timing_warning"].split("):", 1)[1]
 

@@ -51,6 +51,7 @@ from lightship.runs import (
     check_writable,
     lock_run,
     note_interrupt,
+    stage_on,
 )
 from lightship.runtime import Predictor, physical_cores
 from lightship.runtime.base import caller_state_kept
@@ -80,6 +81,19 @@ class ReportSettings:
             check_gate(self.gate, "report")
         if not self.seconds > 0:
             raise ConfigError(f"report seconds per round must be positive, got {self.seconds}")
+
+    def again(self, run: RunDir) -> str:
+        """The command that reports `run` again with these settings, quoted for a message: the
+        options given (`make report REPORT_ARGS='--gate 0.95'`); without them another gate
+        could judge and another variant be chosen."""
+        defaults = ReportSettings()
+        flags = [
+            word
+            for name in ("threads", "rounds", "batch", "gate")
+            if (value := getattr(self, name)) is not None and value != getattr(defaults, name)
+            for word in (f"--{name}", f"{value:g}" if isinstance(value, float) else str(value))
+        ]
+        return f"`{stage_on(run.root, 'report', run.pythonpath(), flags=flags)}`"
 
 
 def _versions() -> dict[str, str]:
@@ -189,7 +203,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
     # Stopped from here on, the report's files are as they were: say so, and how to start over.
     note_interrupt(
         f"{run.root / 'report'} is as it was (nothing measured is kept); "
-        f"report again with {run.command('report')}"
+        f"report again with {s.again(run)}"
     )
     kept = keep_freed_memory()  # a steady eager baseline: see its docstring
     try:
@@ -302,7 +316,7 @@ def _report(run: RunDir, s: ReportSettings) -> dict[str, Any]:
         "scheme_check": scheme_check,
         "recommended": best,
         "recommended_by": recommended_by,
-        "timing_warning": _noise_warning(run, rows, timings, recommended_by["fastest"]),
+        "timing_warning": _noise_warning(s.again(run), rows, timings, recommended_by["fastest"]),
         "variants": rows,
         "not_measured": left_out,  # listed in the manifest, left out: why and the fix
         # the sha256 of each one's file as it was left out (null: gone): `serve` tells a file
@@ -392,7 +406,7 @@ def recommend(
 
 
 def _noise_warning(
-    run: RunDir, rows: list[dict[str, Any]], timings: dict[str, Timing], fastest: str | None
+    again: str, rows: list[dict[str, Any]], timings: dict[str, Timing], fastest: str | None
 ) -> str | None:
     """What report.md, report.json and the terminal say when some variant's timings are noisy
     (each row's `timing_noise`); None when none is. Where other processes were busy over the
@@ -415,7 +429,7 @@ def _noise_warning(
     )
     return (
         f"timings are noisy ({NOISE_RULE}): {', '.join(found)}. "
-        f"{noise_cause(list(timings.values()))}, so {off}: re-run {run.command('report')} "
+        f"{noise_cause(list(timings.values()))}, so {off}: re-run {again} "
         "when it is quiet"
     )
 
