@@ -1044,6 +1044,49 @@ class RunDir:
             f"from {self.train_command()}"
         )
 
+    def later_training(self, recorded: dict[str, Any]) -> str | None:
+        """How checkpoints/ tells of a later training than the one whose best.ckpt the entry
+        `recorded` describes, stopped before it chose and recorded its best checkpoint (killed,
+        Ctrl-C, a crash): its last.ckpt trained past the step that entry ended at (a resume,
+        more epochs), or, for a new training stopped at any step, the top-k file best.ckpt was
+        copied from is gone or another file and last.ckpt was written after best.ckpt (an
+        edited best.ckpt, or a run copied in another order, is no sign of one). Said as what
+        follows "best.ckpt is from a training that"; None where there is no such training.
+        last.ckpt is read with mmap: its step alone, not the weights."""
+        import torch  # a stage's: never on a serving path
+
+        try:
+            ended = int(recorded["global_step"])
+            last = torch.load(self.last_ckpt, map_location="cpu", weights_only=True, mmap=True)
+            step = int(last["global_step"])
+        except Exception:  # no last.ckpt, or one unreadable: nothing to say of it here
+            return None
+        last_name = self.relative(self.last_ckpt)
+        if step > ended:
+            return f"ended at step {ended}, but {last_name} reached step {step}"
+        try:
+            newer = self.last_ckpt.stat().st_mtime_ns > self.best_ckpt.stat().st_mtime_ns
+        except OSError:
+            return None
+        source = recorded.get("source_checkpoint")
+        if not newer or not isinstance(source, str) or not source or Path(source).is_absolute():
+            return None
+        path = self.root / source
+        if self.root.resolve() not in path.resolve().parents:
+            return None
+        try:
+            same = path.stat().st_size == recorded.get("bytes") and (
+                sha256_file(path) == recorded.get("sha256")
+            )
+        except OSError:  # gone
+            same = False
+        if same:
+            return None
+        return (
+            f"was copied from {source}, which a later training has replaced ({last_name} is at "
+            f"step {step})"
+        )
+
     def artifact(self, key: str) -> dict[str, Any] | None:
         entry = self.manifest()["artifacts"].get(key)
         return dict(entry) if entry is not None else None

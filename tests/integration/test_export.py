@@ -696,6 +696,15 @@ def test_a_fresh_training_stopped_before_its_best_is_warned_of_at_any_step(
         "stopped before it chose its best checkpoint; exporting the earlier best.ckpt "
         f"({RunDir(run).train_command()} finishes that training and writes best.ckpt from it)"
     ), warned
+    # a new training over it says what it replaces, as over a last.ckpt with no best.ckpt
+    proc = run_cli("train", "--run", str(run), *one, check=True)
+    (note,) = [x for x in proc.stderr.splitlines() if x.startswith("note: ")]
+    assert note.startswith(
+        f"note: {run} holds an unfinished training (checkpoints/last.ckpt; best.ckpt is from a "
+        f"training that was copied from {source}, which a later training has replaced "
+        f"(checkpoints/last.ckpt is at step {step})); this new one replaces it at its first "
+        "checkpoint."
+    ), note
 
 
 def test_parity_compares_each_batch_with_eager_on_the_same_batch(

@@ -273,67 +273,17 @@ def _batch_dependence(references: dict[int, np.ndarray], atol: float) -> dict[st
     return None
 
 
-def _source_replaced(run: RunDir, recorded: dict[str, Any]) -> str | None:
-    """The run-relative top-k file best.ckpt was copied from (`source_checkpoint`), where it is
-    gone or another file now (sha256): a later training replaced the run's checkpoints/. None
-    where it is still there as recorded, or the entry names none inside the run."""
-    source = recorded.get("source_checkpoint")
-    if not isinstance(source, str) or not source or Path(source).is_absolute():
-        return None
-    path = run.root / source
-    root = run.root.resolve()
-    if root not in path.resolve().parents:
-        return None
-    try:
-        same = path.stat().st_size == recorded.get("bytes") and (
-            sha256_file(path) == recorded.get("sha256")
-        )
-    except OSError:  # gone
-        same = False
-    return None if same else source
-
-
-def _written_after(later: Path, earlier: Path) -> bool:
-    """Whether `later` was modified after `earlier`: a training copies best.ckpt once its
-    last.ckpt is written, so a last.ckpt newer than best.ckpt is a later training's (and a
-    best.ckpt edited since, or a run copied in another order, is no sign of one)."""
-    try:
-        return later.stat().st_mtime_ns > earlier.stat().st_mtime_ns
-    except OSError:
-        return False
-
-
 def _warn_unfinished_training(run: RunDir, recorded: dict[str, Any]) -> None:
-    """A warning when checkpoints/ holds a later training than best.ckpt's entry: one whose
-    last.ckpt trained past the step that entry ended at (a resume, more epochs), or a fresh
-    training that replaced the top-k file best.ckpt was copied from, its last.ckpt written
-    after best.ckpt (stopped at any step), before it chose and recorded its best checkpoint
-    (killed, Ctrl-C, a crash), so best.ckpt is the earlier training's. last.ckpt is read with
-    mmap: the step alone, not the weights."""
-    try:
-        ended = int(recorded["global_step"])
-        last = torch.load(run.last_ckpt, map_location="cpu", weights_only=True, mmap=True)
-        step = int(last["global_step"])
-    except Exception:  # no last.ckpt, or one unreadable: nothing to say of it here
-        return
-    if step > ended:
-        what = f"ended at step {ended}, but {run.relative(run.last_ckpt)} reached step {step}"
-    elif _written_after(run.last_ckpt, run.best_ckpt) and (
-        source := _source_replaced(run, recorded)
-    ):
-        what = (
-            f"was copied from {source}, which a later training has replaced "
-            f"({run.relative(run.last_ckpt)} is at step {step})"
+    """A warning when checkpoints/ holds a later training than best.ckpt's entry, one stopped
+    before it chose and recorded its best checkpoint (`RunDir.later_training`)."""
+    if (what := run.later_training(recorded)) is not None:
+        log.warning(
+            "best.ckpt is from a training that %s: a later training of this run stopped before "
+            "it chose its best checkpoint; exporting the earlier best.ckpt (%s finishes that "
+            "training and writes best.ckpt from it)",
+            what,
+            run.train_command(),
         )
-    else:
-        return
-    log.warning(
-        "best.ckpt is from a training that %s: a later training of this run stopped before it "
-        "chose its best checkpoint; exporting the earlier best.ckpt (%s finishes that training "
-        "and writes best.ckpt from it)",
-        what,
-        run.train_command(),
-    )
 
 
 def _check_deterministic(

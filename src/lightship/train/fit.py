@@ -778,6 +778,26 @@ class _ConfigAtFirstCheckpoint(Callback):
             self.write()
 
 
+def _unfinished_training(run: RunDir) -> str | None:
+    """What tells that the run's checkpoints/ hold a training that never chose its best
+    checkpoint: last.ckpt without best.ckpt, or beside the best.ckpt of an earlier training
+    (`RunDir.later_training`); None where they hold none."""
+    if not run.last_ckpt.is_file():
+        return None
+    if not run.best_ckpt.is_file():
+        return "checkpoints/last.ckpt, no best.ckpt"
+    try:
+        recorded = run.artifact("checkpoint")
+    except RunError:  # a malformed manifest.json: its own error says so where it is read
+        return None
+    later = run.later_training(recorded) if recorded is not None else None
+    return (
+        None
+        if later is None
+        else f"checkpoints/last.ckpt; best.ckpt is from a training that {later}"
+    )
+
+
 @contextlib.contextmanager
 def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool]:
     """A new training replaces the run's checkpoints and config.yaml, but only once it has a
@@ -798,13 +818,13 @@ def _replacing_previous(run: RunDir, keep: bool, env: str = "") -> Iterator[bool
     stash = None
     if not keep:
         run.checkpoints.mkdir(parents=True, exist_ok=True)
-        if run.last_ckpt.is_file() and not run.best_ckpt.is_file():
+        if (unfinished := _unfinished_training(run)) is not None:
             # a training that never finished (killed, out of memory): rerunning its command
             # started over without a word, and its epochs went with the first new checkpoint
             print(
-                f"note: {run.root} holds an unfinished training (checkpoints/last.ckpt, no "
-                "best.ckpt); this new one replaces it at its first checkpoint. To keep it, stop "
-                f"now (Ctrl-C puts it back) and resume it: {run.train_command(env=env)}",
+                f"note: {run.root} holds an unfinished training ({unfinished}); this new one "
+                "replaces it at its first checkpoint. To keep it, stop now (Ctrl-C puts it "
+                f"back) and resume it: {run.train_command(env=env)}",
                 file=sys.stderr,
                 flush=True,
             )
