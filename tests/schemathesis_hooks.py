@@ -19,22 +19,21 @@ HEADER = "x-request-timeout-ms"
 
 
 @schemathesis.hook
-def map_headers(ctx: Any, headers: dict[str, Any] | None) -> dict[str, Any] | None:
+def before_call(ctx: Any, case: Any, **kwargs: Any) -> None:
+    """On every request it sends, in every phase: `map_headers` and `map_body` missed the
+    coverage phase's, whose `x-request-timeout-ms: 1.0` on an upload of one valid PNG was
+    answered 504, as it should be, and failed the run."""
+    headers = case.headers
     if headers and HEADER in headers:
         ms = _number(headers[HEADER])
         if ms is not None and 0 < ms < 1000:
             headers[HEADER] = f"{ms + 1000:g}"
-    return headers
-
-
-@schemathesis.hook
-def map_body(ctx: Any, body: Any) -> Any:
+    body = case.body
     parameters = body.get("parameters") if isinstance(body, dict) else None
     if isinstance(parameters, dict):
         timeout = parameters.get("timeout")
         if isinstance(timeout, int) and not isinstance(timeout, bool) and 0 < timeout < 10**6:
             parameters["timeout"] = timeout + 10**6
-    return body
 
 
 def _number(value: Any) -> float | None:
