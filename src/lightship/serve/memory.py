@@ -3,7 +3,9 @@
 glibc keeps the heap a burst grew: after 15 s of clients sending 2.25 MB uploads and leaving, a
 server that idled at 102 MB stayed at 262 MB for good. `malloc_trim` gives back what is free
 (156 MB there), in a few milliseconds: done once the server has answered nothing for
-`QUIET_S`, after answering something since it last did. An idle server does not wake for it.
+`QUIET_S`, after answering something since it last did. Probes and scrapes (`metrics.POLLED`)
+are not counted: every 5 s, they kept a server from ever being quiet. An idle server does not
+wake for it.
 """
 
 from __future__ import annotations

@@ -63,6 +63,19 @@ LEFT = "lightship.left"
 # still being answered (HTTP pipelining) was read: its latency counts from then, not from its
 # turn (the protocol sets it; uvicorn starts a pipelined request's task only at its turn)
 ARRIVED = "lightship.arrived"
+# Routes that probes and scrapes call every few seconds: their answers grow no heap to speak of,
+# and counted as traffic, a Kubernetes readiness probe every 5 s (deploy/kubernetes) or a
+# Prometheus scrape kept the server from ever being quiet, and the heap a burst grew was never
+# handed back (`memory.trim_when_quiet` watches `Metrics.answered`, which leaves them out)
+POLLED = frozenset(
+    {
+        "/metrics",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/{model_name}/ready",
+        "/v2/models/{model_name}/versions/{version}/ready",
+    }
+)
 # Status for a client that left before its answer (nginx's convention); only metrics see it.
 CLIENT_CLOSED = 499
 
@@ -170,7 +183,9 @@ class Metrics:
             registry=r,
         )
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
-        self.answered = 0  # requests answered over HTTP (`memory.trim_when_quiet` watches it)
+        # requests answered over HTTP but the probes' and scrapes' (POLLED):
+        # `memory.trim_when_quiet` watches it
+        self.answered = 0
         # `memory.trim_when_quiet`'s, while the server is quiet: the next answer resolves it
         self.next_answer: asyncio.Future[None] | None = None
 
@@ -201,6 +216,8 @@ class Metrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        if route in POLLED:
+            return
         self.answered += 1
         if (waiting := self.next_answer) is not None:
             self.next_answer = None
