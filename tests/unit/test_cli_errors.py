@@ -719,6 +719,47 @@ def test_sigterm_while_the_cli_is_imported_ends_it_at_once() -> None:
     assert 'lightship = "lightship._start:main"' in (ROOT / "pyproject.toml").read_text()
 
 
+SIGTERM_INSIDE_EXEC = """
+import importlib.abc, sys
+
+class SignalInsideExec(importlib.abc.MetaPathFinder):  # as dataclasses' exec runs in FastAPI's
+    def find_spec(self, name, path, target=None):
+        if name == "fastapi":
+            sys.meta_path.remove(self)
+            exec("import os, signal; os.kill(os.getpid(), signal.SIGTERM); sum(range(10**6))")
+        return None
+
+sys.meta_path.insert(0, SignalInsideExec())
+"""
+
+
+def test_python_m_lightship_stopped_inside_an_exec_exits_as_the_script_does(
+    tmp_path: Path,
+) -> None:
+    # CPython 3.11 ended `python -m` with SIGINT (130) after a KeyboardInterrupt had left an
+    # exec of a string anywhere, though the CLI had caught it and exited 143
+    (tmp_path / "sitecustomize.py").write_text(SIGTERM_INSIDE_EXEC)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    args = ["serve", "--run", str(tmp_path / "absent")]
+    as_module = subprocess.run(
+        [sys.executable, "-m", "lightship", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert (as_module.returncode, as_module.stderr.strip()) == (143, "interrupted")
+    (tmp_path / "sitecustomize.py").unlink()  # and without the stop, its own error
+    plain = subprocess.run(
+        [sys.executable, "-m", "lightship", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert plain.returncode == 4 and "does not exist" in plain.stderr
+
+
 @pytest.mark.parametrize("argv", [["bench", "train"], ["bench", "serve"]])
 def test_a_benchmarks_out_given_a_folder_asks_for_a_file(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
