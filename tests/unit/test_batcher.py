@@ -213,6 +213,60 @@ def test_deadline_passed_in_the_queue_is_dropped_before_compute() -> None:
     assert rec.rejections == ["deadline"]
 
 
+def test_a_deadline_its_batch_cannot_meet_is_dropped_before_compute() -> None:
+    # Batches of one row have taken 0.3 s (held at the gate), so a batch of two takes no less:
+    # taken at 0.3 s, `short` (deadline 0.5 s) would be answered after its client had its 504.
+    # It is not computed, and `keep` runs alone.
+    gate = threading.Event()
+    model = SumModel(gate)
+    rec = Recorder()
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=0, observer=rec)
+        busy = b.submit(rows(1), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        short = b.submit(rows(7), 0.5)
+        keep = b.submit(rows(2), 10)
+        await asyncio.sleep(0.3)
+        gate.set()
+        await busy.future
+        assert (await keep.future)[0, 0] == 2
+        with pytest.raises(DeadlineExceeded):
+            await short.future
+        await b.aclose()
+        assert b.dropped_rows == 1
+
+    run(main)
+    assert np.concatenate(model.batches).ravel().tolist() == [1, 2]
+    assert rec.rejections == ["deadline"]
+
+
+def test_only_batches_no_longer_than_this_one_bound_its_time() -> None:
+    # A batch of 8 rows took 0.3 s: one of 2 may take less, so 2 rows due in 0.2 s are
+    # computed; 8 rows due in 0.2 s are not. 4 rows are bound by the fast batches of 1 and 2
+    # rows, not by the slow one of 8: due in 0.25 s, they are computed.
+    gate = threading.Event()
+    model = SumModel(gate)
+
+    async def main() -> None:
+        b = await started(model, max_batch_rows=8, max_wait_ms=0)
+        busy = b.submit(rows(*range(8)), 10)
+        await asyncio.to_thread(model.entered.wait, 10)
+        await asyncio.sleep(0.3)
+        gate.set()
+        await busy.future
+        assert (await b.infer(rows(5, 6), 0.2)).ravel().tolist() == [5, 6]
+        with pytest.raises(DeadlineExceeded):
+            await b.infer(rows(*range(8)), 0.2)
+        assert (await b.infer(rows(9), 0.2)).ravel().tolist() == [9]  # fast now: 1 row
+        assert (await b.infer(rows(1, 2, 3, 4), 0.25)).ravel().tolist() == [1, 2, 3, 4]
+        await b.aclose()
+        assert b.dropped_rows == 8
+
+    run(main)
+    assert model.sizes == [8, 2, 1, 4]
+
+
 def test_abandoned_request_is_not_computed_and_others_are() -> None:
     gate = threading.Event()
     model = SumModel(gate)

@@ -14,7 +14,10 @@
   shared model: its `run` must be thread-safe (ONNX Runtime sessions and TorchScript are).
 - Requests whose deadline passed or whose client left are dropped before compute, and their
   rows leave the queue's count at once (room for others, the gauge); results go only to
-  futures still waiting.
+  futures still waiting. So is a request whose deadline would pass before its batch could be
+  computed, going by the shortest time any batch as long or shorter has taken
+  (`_unanswerable`): its client gets 504 at the deadline either way, and the model's time goes
+  to requests that can still be answered.
 - A model error fails its batch only. A worker that dies anyway (an error outside that, a bug)
   fails every queued request and all later ones with `WorkerDied`, and `alive` turns false:
   nothing would run them, and the process should be restarted.
@@ -179,6 +182,8 @@ class Batcher:
         self._draining = False  # no waiting for more rows: nothing new is coming
         self._closed = False  # no new requests; the worker exits once the queue is empty
         self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
+        # the shortest compute seen for each batch length, in rows: the least a batch takes
+        self._least_s: dict[int, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self.failure: str | None = None  # why a worker died (then `WorkerDied`); None: all run
@@ -371,6 +376,7 @@ class Batcher:
                 # A done future was answered without the model (deadline, client gone, awaiting
                 # task cancelled). done() only reads the future's state: safe from this thread.
                 live = [it for it in batch if not it.future.done() and it.deadline > now]
+                live = self._unanswerable(live, now)
                 if dropped := sum(it.rows for it in batch) - sum(it.rows for it in live):
                     with self._cond:  # instances may drop at the same time
                         self.dropped_rows += dropped
@@ -394,6 +400,9 @@ class Batcher:
                     self._rows_per_s = (
                         rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
                     )
+                if compute_s < self._least_s.get(len(x), math.inf):
+                    with self._cond:  # instances read and write it at the same time
+                        self._least_s[len(x)] = compute_s
                 self.observer.batch(len(x), [now - it.arrival for it in live], compute_s)
                 try:
                     loop.call_soon_threadsafe(self._deliver, live, y, error, bad)
@@ -401,6 +410,24 @@ class Batcher:
                     return
         except BaseException as crash:  # not the model's error (answered above): a bug
             self._die(crash, batch or [])
+
+    def _unanswerable(self, live: list[_Item], now: float) -> list[_Item]:
+        """`live` less the requests whose deadline passes before the batch left could be
+        computed: an answer past its deadline reaches nobody (the timer has answered 504), and
+        under overload with short deadlines computing them spent the model on answers thrown
+        away. A batch takes at least the shortest time seen for any batch of as many rows or
+        fewer: a lower bound, so that a slow batch (the first one, a busy machine) or a first
+        long batch (faster a row than those seen) never drops a request that could be
+        answered."""
+        while live:
+            rows = sum(it.rows for it in live)
+            with self._cond:
+                least = max((s for n, s in self._least_s.items() if n <= rows), default=0.0)
+            kept = [it for it in live if it.deadline > now + least]
+            if len(kept) == len(live):
+                break
+            live = kept  # fewer rows compute sooner: look again at what is left
+        return live
 
     def _die(self, exc: BaseException, batch: list[_Item]) -> None:
         """Fail the batch in hand and the queue, refuse new requests, stop the other workers."""
