@@ -738,25 +738,13 @@ def test_python_m_lightship_stopped_inside_an_exec_exits_as_the_script_does(
 ) -> None:
     # CPython 3.11 ended `python -m` with SIGINT (130) after a KeyboardInterrupt had left an
     # exec of a string anywhere, though the CLI had caught it and exited 143
-    (tmp_path / "sitecustomize.py").write_text(SIGTERM_INSIDE_EXEC)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    args = ["serve", "--run", str(tmp_path / "absent")]
-    as_module = subprocess.run(
-        [sys.executable, "-m", "lightship", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert (as_module.returncode, as_module.stderr.strip()) == (143, "interrupted")
+    serve = [sys.executable, "-m", "lightship", "serve", "--run", str(tmp_path / "absent")]
+    (tmp_path / "sitecustomize.py").write_text(SIGTERM_INSIDE_EXEC)
+    stopped = subprocess.run(serve, capture_output=True, text=True, timeout=120, env=env)
+    assert (stopped.returncode, stopped.stderr.strip()) == (143, "interrupted")
     (tmp_path / "sitecustomize.py").unlink()  # and without the stop, its own error
-    plain = subprocess.run(
-        [sys.executable, "-m", "lightship", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    plain = subprocess.run(serve, capture_output=True, text=True, timeout=120, env=env)
     assert plain.returncode == 4 and "does not exist" in plain.stderr
 
 
