@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -182,8 +183,10 @@ class Batcher:
         self._draining = False  # no waiting for more rows: nothing new is coming
         self._closed = False  # no new requests; the worker exits once the queue is empty
         self._rows_per_s = 0.0  # moving average of one instance's speed, for Retry-After
-        # the shortest compute seen for each batch length, in rows: the least a batch takes
+        # the shortest compute seen for each batch length, in rows, and from it the least a
+        # batch of n rows takes: the longest of those for n rows or fewer (`_unanswerable`)
         self._least_s: dict[int, float] = {}
+        self._bound_s = [0.0] * (max_batch_rows + 1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self.failure: str | None = None  # why a worker died (then `WorkerDied`); None: all run
@@ -401,8 +404,7 @@ class Batcher:
                         rate if self._rows_per_s == 0 else (0.8 * self._rows_per_s + 0.2 * rate)
                     )
                 if compute_s < self._least_s.get(len(x), math.inf):
-                    with self._cond:  # instances read and write it at the same time
-                        self._least_s[len(x)] = compute_s
+                    self._shortest(len(x), compute_s)
                 self.observer.batch(len(x), [now - it.arrival for it in live], compute_s)
                 try:
                     loop.call_soon_threadsafe(self._deliver, live, y, error, bad)
@@ -419,15 +421,21 @@ class Batcher:
         fewer: a lower bound, so that a slow batch (the first one, a busy machine) or a first
         long batch (faster a row than those seen) never drops a request that could be
         answered."""
+        bound = self._bound_s  # replaced whole, never changed in place: read without the lock
         while live:
-            rows = sum(it.rows for it in live)
-            with self._cond:
-                least = max((s for n, s in self._least_s.items() if n <= rows), default=0.0)
-            kept = [it for it in live if it.deadline > now + least]
+            done_by = now + bound[sum(it.rows for it in live)]
+            kept = [it for it in live if it.deadline > done_by]
             if len(kept) == len(live):
                 break
             live = kept  # fewer rows compute sooner: look again at what is left
         return live
+
+    def _shortest(self, rows: int, compute_s: float) -> None:
+        """A batch of `rows` ran faster than any before it of that length."""
+        with self._cond:  # instances may set it at the same time
+            self._least_s[rows] = compute_s
+            least = (self._least_s.get(n, 0.0) for n in range(self.max_batch_rows + 1))
+            self._bound_s = list(itertools.accumulate(least, max))
 
     def _die(self, exc: BaseException, batch: list[_Item]) -> None:
         """Fail the batch in hand and the queue, refuse new requests, stop the other workers."""
