@@ -2245,11 +2245,16 @@ def test_answers_are_compressed_as_accept_encoding_asks(tmp_path: Path, via: str
     for (accept, body, _, coding), r in zip(cases, answers, strict=True):
         assert r.status_code == 200, r.text
         assert r.headers.get("content-encoding") == coding, (accept, r.headers)
+        # compressed or not, an answer that would go compressed to a client that asked says
+        # it varies by Accept-Encoding; one under 1 KiB does not vary
+        large = len(body) > 1000
+        assert r.headers.get("vary") == ("accept-encoding" if large else None), accept
         # content-length counts the bytes sent; httpx decoded them into r.content
         assert (int(r.headers["content-length"]) < len(r.content)) == (coding is not None)
-        x = rows if len(body) > 1000 else X
+        x = rows if large else X
         np.testing.assert_array_equal(logits_of(r), expected_logits(x))
     assert error.status_code == 400 and "content-encoding" not in error.headers
+    assert "vary" not in error.headers
     assert v1_answer.headers["content-encoding"] == "gzip"
     assert len(v1_answer.json()["predictions"]) == 256
 
@@ -2283,6 +2288,7 @@ def test_the_compression_threshold_is_a_setting_and_0_turns_it_off(
     off, off_v1, doc = run(answers(make_app(tmp_path, max_batch_rows=256)[0]))
     size = int(off.headers["content-length"])  # ~7 KB of JSON, sent as it is
     assert size > 4096 and coding(off) is None and coding(off_v1) is None
+    assert "vary" not in off.headers and "vary" not in off_v1.headers  # never compressed
     np.testing.assert_array_equal(logits_of(off), expected_logits(rows))
     assert doc.endswith(
         ". Answers go uncompressed whatever Accept-Encoding asks (--compress-min-bytes 0)."

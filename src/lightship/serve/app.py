@@ -937,18 +937,19 @@ class TensorRoutes:
         compressed body is inflated by the handler, as it parses it (`parse_body`)."""
         hot = HotRequest(head, params, body, watch)
         content, headers = await self.handlers[name.removesuffix("_version")](hot)
+        if not 0 < self.compress_min_bytes <= len(content):
+            return content, headers
+        # an answer this long goes compressed to a client that asks: a cache keeps it apart
+        # by Accept-Encoding, asked or not (RFC 9110 12.5.5)
+        headers["vary"] = "accept-encoding"
         accept = head.accept
-        if (
-            accept is not None
-            and 0 < self.compress_min_bytes <= len(content)
-            and (coding := response_coding(accept)) is not None
-        ):
+        if accept is not None and (coding := response_coding(accept)) is not None:
             if len(content) >= COMPRESS_IN_THREAD_BYTES:
                 content = await run_in_threadpool(_compress, content, coding)
             else:
                 content = _compress(content, coding)
             # Inference-Header-Content-Length still counts the JSON before compression
-            headers.update({"content-encoding": coding, "vary": "accept-encoding"})
+            headers["content-encoding"] = coding
         return content, headers
 
     def error(self, exc: BaseException) -> Response | None:
