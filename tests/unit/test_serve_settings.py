@@ -149,6 +149,32 @@ def test_help_lists_every_variable_serve_reads(capsys: pytest.CaptureFixture[str
         assert name in out, name
 
 
+def test_help_gives_each_settings_variable_and_its_default() -> None:
+    # `--variant auto (the default)` in the README, no default in --help; and "; cpu" beside
+    # "; default 8000": each option now says "(env LIGHTSHIP_X; default Y)", Y the setting's
+    import re
+
+    import typer
+
+    from lightship import cli
+
+    serve = typer.main.get_command(cli.app).commands["serve"]  # type: ignore[attr-defined]
+    helps = {p.name: p.help or "" for p in serve.params}
+
+    def shown(value: object) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, int) and value and value % 2**20 == 0:
+            return f"{value // 2**20} MiB"
+        return "none" if value == "" else f"{value:g}" if isinstance(value, float) else str(value)
+
+    for name, field in ServeSettings.model_fields.items():
+        found = re.search(rf"\(env LIGHTSHIP_{name.upper()}; default (.+)\)", helps[name])
+        assert found, (name, helps[name])
+        if field.default is not None:  # else made at start (threads, model name): said in words
+            assert found.group(1).split(")")[0] == shown(field.default), name
+
+
 def test_the_compression_threshold_comes_from_the_flag_or_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -647,12 +673,17 @@ def test_a_variable_serve_does_not_read_leaves_the_default_and_says_so(
         if value.startswith("tcp://")
         else "give it a value or leave it out"
         if not value.strip()
-        else "(LIGHTSHIP_PORT)"
+        else "(LIGHTSHIP_PORT); the default 8000 is used"
     )
     # given as a flag, the flag's value is what is used instead
     field = variable.upper().removeprefix("LIGHTSHIP_").lower()
     (said,) = unknown_variables(os.environ, [field])
-    assert f"--{field} is used" in said or "is not read" in said
+    assert f"--{field} is used" in said
+    if variable != variable.upper():  # and the variable in upper case, where it is set too
+        monkeypatch.setenv(variable.upper(), "9001")
+        (said,) = unknown_variables(os.environ)
+        assert said.endswith("(LIGHTSHIP_PORT); LIGHTSHIP_PORT is used")
+        assert _settings().port == 9001
 
 
 @pytest.mark.parametrize("port", ["8241.0", "8_241", "+8241"])
@@ -693,7 +724,8 @@ def test_tensorrts_variables_in_another_case_are_warned_of() -> None:
     from lightship.serve.settings import unknown_variables
 
     assert unknown_variables({"lightship_tensorrt": "0", "LIGHTSHIP_TRT_CACHE": "/c"}) == [
-        "lightship_tensorrt is not read: lightship's variables are upper case (LIGHTSHIP_TENSORRT)"
+        "lightship_tensorrt is not read: lightship's variables are upper case (LIGHTSHIP_TENSORRT); "
+        "its default is used"
     ]
 
 

@@ -269,19 +269,23 @@ def unread_variables(environ: Mapping[str, str], flags: Collection[str] = ()) ->
         upper = name.upper()
         key = upper.removeprefix(ENV_PREFIX)
         setting = upper.startswith(ENV_PREFIX) and key.lower() in fields
-        if name != upper and (setting or upper in OTHER_VARIABLES):  # those read elsewhere too
-            unread[name] = f"{name} is not read: lightship's variables are upper case ({upper})"
+        if not setting and not (name != upper and upper in OTHER_VARIABLES):
             continue
-        if not setting:
-            continue
-        default = fields[key.lower()].default
+        default = fields[key.lower()].default if setting else None
         used = (
             f"{flag(key.lower())} is used"
             if key.lower() in flags
+            else f"{upper} is used"
+            if name != upper and upper in environ
             else "its default is used"
             if default is None
             else f"the default {default} is used"
         )
+        if name != upper:  # those read elsewhere (OTHER_VARIABLES) too
+            unread[name] = (
+                f"{name} is not read: lightship's variables are upper case ({upper}); {used}"
+            )
+            continue
         if _is_link(name, value, environ):
             unread[name] = (
                 f"{name}={value} is the link Kubernetes sets for a Service named lightship, "
