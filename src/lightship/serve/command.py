@@ -113,11 +113,11 @@ def serve(
             help="auto (the report's recommendation; onnx-fp32 without a report or on a GPU), "
             "onnx-fp32, "
             "onnx-int8-static, onnx-int8-dynamic, onnx-int8-qat, torchscript, pt2, checkpoint "
-            f"(best.ckpt, the report's eager) ({ENV}VARIANT)"
+            f"(best.ckpt, the report's eager) ({ENV}VARIANT; default auto)"
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE; cpu)")
+        str | None, typer.Option(help=f"cpu, cuda or cuda:N ({ENV}DEVICE; default cpu)")
     ] = None,
     host: Annotated[
         str | None,
@@ -130,91 +130,104 @@ def serve(
         # as given, for ServeSettings' digits-only check: click's int reads `8241.0` as 8241,
         # which the image's HEALTHCHECK put in its URL, calling a serving container unhealthy
         str | None,
-        typer.Option(help=f"TCP port to listen on ({ENV}PORT; default 8000)", metavar="INTEGER"),
+        typer.Option(help=f"TCP port to listen on ({ENV}PORT; default 8000)", metavar="<int>"),
     ] = None,
     model_name: Annotated[
         str | None,
-        typer.Option(help=f"name under /v2/models/ (default: the run's name) ({ENV}MODEL_NAME)"),
+        typer.Option(
+            help=f"name under /v2/models/ ({ENV}MODEL_NAME; default the run directory's name, or "
+            "the model file's less its suffix)"
+        ),
     ] = None,
     max_batch_rows: Annotated[
-        int | None, typer.Option(help=f"a batch closes at this many rows ({ENV}MAX_BATCH_ROWS; 64)")
+        int | None,
+        typer.Option(help=f"a batch closes at this many rows ({ENV}MAX_BATCH_ROWS; default 64)"),
     ] = None,
     max_wait_ms: Annotated[
         float | None,
-        typer.Option(help=f"...or this long after its oldest request ({ENV}MAX_WAIT_MS; 0)"),
+        typer.Option(
+            help="a batch not full closes this long after its oldest request arrived; 0: it "
+            f"takes what queued while the model ran the last batch ({ENV}MAX_WAIT_MS; default 0)"
+        ),
     ] = None,
     max_queue_rows: Annotated[
-        int | None, typer.Option(help=f"queue bound; beyond it 429 ({ENV}MAX_QUEUE_ROWS; 1024)")
+        int | None,
+        typer.Option(
+            help=f"rows queued at most; a request past them gets 429 ({ENV}MAX_QUEUE_ROWS; "
+            "default 1024)"
+        ),
     ] = None,
     timeout_ms: Annotated[
         float | None,
-        typer.Option(help=f"request deadline; then 504 ({ENV}TIMEOUT_MS; 10000)"),
+        typer.Option(help=f"request deadline; then 504 ({ENV}TIMEOUT_MS; default 10000)"),
     ] = None,
     max_body_bytes: Annotated[
-        int | None, typer.Option(help=f"larger bodies get 413 ({ENV}MAX_BODY_BYTES; 16 MiB)")
+        int | None,
+        typer.Option(help=f"larger bodies get 413 ({ENV}MAX_BODY_BYTES; default 16 MiB)"),
     ] = None,
     compress_min_bytes: Annotated[
         int | None,
         typer.Option(
             help="answers this large or larger go gzip/deflate compressed when the client's "
             "Accept-Encoding asks; 0: never, for clients on localhost or a fast LAN "
-            f"({ENV}COMPRESS_MIN_BYTES; 1024)"
+            f"({ENV}COMPRESS_MIN_BYTES; default 1024)"
         ),
     ] = None,
     threads: Annotated[
         int | None,
         typer.Option(
-            help="threads per model instance (cores / instances; 1 for a torch model on a GPU) "
-            f"({ENV}THREADS)"
+            help=f"threads per model instance ({ENV}THREADS; default the physical cores, no "
+            "more than a container's CPU limit, over --instances; 1 for a torch model on a GPU)"
         ),
     ] = None,
     instances: Annotated[
         int | None,
-        typer.Option(help=f"model instances computing batches at once ({ENV}INSTANCES; 1)"),
+        typer.Option(help=f"model instances computing batches at once ({ENV}INSTANCES; default 1)"),
     ] = None,
     split_batches: Annotated[
         bool | None,
         typer.Option(
             "--split-batches/--no-split-batches",
             help=f"long batches as one slice per thread on one-thread ONNX Runtime sessions "
-            f"({ENV}SPLIT_BATCHES; on)",
+            f"({ENV}SPLIT_BATCHES; default on)",
         ),
     ] = None,
     isa_check: Annotated[
         str | None,
         typer.Option(
-            help=f"int8 model made for another CPU: refuse or warn ({ENV}ISA_CHECK; refuse)"
+            help=f"int8 model made for another CPU: refuse or warn ({ENV}ISA_CHECK; default refuse)"
         ),
     ] = None,
     warmup_rows: Annotated[
         int | None,
         typer.Option(
-            help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; 1); on a GPU, which pads "
+            help=f"rows of the warm-up batch ({ENV}WARMUP_ROWS; default 1); on a GPU, which pads "
             "batches to powers of two, every power of two up to --max-batch-rows runs too"
         ),
     ] = None,
     top_k: Annotated[
-        int | None, typer.Option(help=f"default top-k of /v1/predict ({ENV}TOP_K; 5)")
+        int | None,
+        typer.Option(help=f"top-k of /v1/predict when not asked ({ENV}TOP_K; default 5)"),
     ] = None,
     cors_origins: Annotated[
         str | None,
         typer.Option(
             help="origins a web page may call the server from, comma-separated "
-            f"(http://localhost:3000), or * ({ENV}CORS_ORIGINS; none)"
+            f"(http://localhost:3000), or * ({ENV}CORS_ORIGINS; default none)"
         ),
     ] = None,
     access_log: Annotated[
         bool | None,
         typer.Option(
             "--access-log/--no-access-log",
-            help=f"a log line per request, uvicorn's ({ENV}ACCESS_LOG; off)",
+            help=f"a log line per request, uvicorn's ({ENV}ACCESS_LOG; default off)",
         ),
     ] = None,
     log_level: Annotated[
         str | None,
         typer.Option(
             help="critical, error, warning, info or debug: uvicorn's and lightship's lines "
-            f"below it are dropped ({ENV}LOG_LEVEL; info)"
+            f"below it are dropped ({ENV}LOG_LEVEL; default info)"
         ),
     ] = None,
 ) -> None:
