@@ -55,6 +55,7 @@ from lightship.runtime import InputError, Predictor
 from lightship.runtime.base import bucket, physical_cores, trim_heap
 from lightship.runtime.ort import QUANTIZATION, file_metadata
 from lightship.serve import openapi, v1, v2
+from lightship.serve.accept import Acceptor
 from lightship.serve.batcher import (
     Batcher,
     ClientGone,
@@ -2054,6 +2055,26 @@ class _Server(uvicorn.Server):
         while not await self.on_tick(counter):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.STOP_BACKSTOP_S)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, but each listening socket takes every connection waiting at a turn of
+        the loop (`Acceptor`), where uvloop's server takes one."""
+        loop = asyncio.get_running_loop()
+        if sockets is None or not hasattr(loop, "add_reader"):
+            await super().startup(sockets)
+            return
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(uvicorn.config.STARTUP_FAILURE)
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        self.servers = [Acceptor(loop, sock, create_protocol, config.backlog) for sock in sockets]  # type: ignore[misc]
+        self.started = True
 
     def _wake(self) -> None:
         """Wake `main_loop` at once: from a signal handler, through the loop's self-pipe."""
