@@ -217,7 +217,12 @@ def quantize(
         str,
         typer.Option(help="CPU/accelerator the int8 model is for: auto|avx2|vnni|arm64|tensorrt"),
     ] = "auto",
-    calibration_samples: Annotated[int, typer.Option(help="training images to calibrate")] = 256,
+    calibration_samples: Annotated[
+        int,
+        typer.Option(
+            help="training images to calibrate static int8 with (dynamic and QAT take none)"
+        ),
+    ] = 256,
     calibration_method: Annotated[
         str, typer.Option(help="minmax | entropy | percentile")
     ] = "minmax",

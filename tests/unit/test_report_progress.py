@@ -48,3 +48,7 @@ def test_a_dumb_terminal_gets_the_lines_too(
         "measured round 1/2",
         "measured round 2/2",
     ]
+    with _progress(["eager"], 3) as on_step:  # a run with nothing exported yet
+        for r in range(3):
+            on_step("eager", r)
+    assert capsys.readouterr().err.splitlines()[0] == "measuring 1 variant, 3 rounds: eager"

@@ -119,7 +119,8 @@ def _progress(names: list[str], rounds: int) -> Iterator[Callable[[str, int], No
             task = bar.add_task("measuring variants", total=len(names) * rounds)
             yield lambda name, r: bar.update(task, advance=1, description=f"round {r + 1}: {name}")
         return
-    print(f"measuring {len(names)} variants, {rounds} rounds: {', '.join(names)}", file=sys.stderr)
+    what = f"{len(names)} variant{'s' if len(names) != 1 else ''}"
+    print(f"measuring {what}, {rounds} rounds: {', '.join(names)}", file=sys.stderr)
     steps = itertools.count(1)
 
     def on_step(name: str, r: int) -> None:
