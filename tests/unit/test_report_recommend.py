@@ -59,6 +59,17 @@ def test_a_variant_faster_in_most_rounds_wins_whatever_its_sqnr_or_its_median_im
     assert by["tied"] == [] and by["tie_break"] is None
 
 
+def test_a_tie_is_judged_on_the_spread_report_json_gives() -> None:
+    # the fastest's ratio over b was 1.0004 at the 25th percentile: report.json showed
+    # [1.0, ...], a tie by the rule it states, and the report had recommended no tie (CI once)
+    a = Timing(throughput=[1000.4, 1000.4, 1000.4, 1100.0])
+    b = Timing(throughput=[1000.0, 1000.0, 1000.0, 1000.0])
+    rows = [row("a", 10.0, 100), row("b", 40.0, 100)]
+    best, by = recommend(rows, {"a": a, "b": b}, 64)
+    assert by["fastest"] == "a" and by["over"]["b"]["iqr"][0] == 1.0
+    assert by["tied"] == ["a", "b"] and best == "b"  # the higher SQNR
+
+
 def test_a_tie_at_the_same_sqnr_goes_to_the_smaller_file() -> None:
     rows = [row("torchscript", 120.0, 571_000), row("onnx-fp32", 120.0, 582_000)]
     same = Timing(throughput=[1000.0, 1010.0, 990.0, 1000.0])

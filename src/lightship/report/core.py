@@ -380,12 +380,12 @@ def recommend(
         names, key=lambda a: min((ratio(a, b) for b in names if b != a), default=math.inf)
     )
     others = [b for b in names if b != fastest]
-    spreads = {b: timings[fastest].speedup_spread(timings[b]) for b in others}
-    tied = [fastest, *(b for b in others if spreads[b][0] <= 1.0)]
-    over = {
-        b: {"ratio": round(ratio(fastest, b), 3), "iqr": [round(v, 3) for v in spreads[b]]}
-        for b in others
+    # as report.json gives them, and judged so: a spread of 1.0004 shown as 1.0 was no tie
+    spreads = {
+        b: [round(v, 3) for v in timings[fastest].speedup_spread(timings[b])] for b in others
     }
+    tied = [fastest, *(b for b in others if spreads[b][0] <= 1.0)]
+    over = {b: {"ratio": round(ratio(fastest, b), 3), "iqr": spreads[b]} for b in others}
     by_row = {r["name"]: r for r in eligible}
 
     def closeness(name: str) -> tuple[float, int]:  # higher SQNR, then fewer bytes
