@@ -2059,13 +2059,10 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's, but each listening socket takes every connection waiting at a turn of
         the loop (`Acceptor`), where uvloop's server takes one."""
-        loop = asyncio.get_running_loop()
-        if sockets is None or not hasattr(loop, "add_reader"):
+        if sockets is None or sys.platform == "win32":  # a proactor loop has no add_reader
             await super().startup(sockets)
             return
-        await self.lifespan.startup()
-        if self.lifespan.should_exit:
-            sys.exit(uvicorn.config.STARTUP_FAILURE)
+        await super().startup([])  # the lifespan's start-up and its failure exit, no listener
         config = self.config
 
         def create_protocol() -> asyncio.Protocol:
@@ -2073,8 +2070,8 @@ class _Server(uvicorn.Server):
                 config=config, server_state=self.server_state, app_state=self.lifespan.state
             )
 
+        loop = asyncio.get_running_loop()
         self.servers = [Acceptor(loop, sock, create_protocol, config.backlog) for sock in sockets]  # type: ignore[misc]
-        self.started = True
 
     def _wake(self) -> None:
         """Wake `main_loop` at once: from a signal handler, through the loop's self-pipe."""
