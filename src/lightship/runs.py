@@ -22,7 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1193,14 +1193,46 @@ class RunDir:
             if path.is_file() and (rel := path.relative_to(self.root).as_posix()) not in listed
         ]
 
-    def discard_derived(self) -> list[str]:
+    def discard_derived(self, keep: Collection[str] = ()) -> list[str]:
         """Everything made from best.ckpt goes, before a new best.ckpt replaces it: every entry
         but the checkpoint is discarded, with any unlisted leftover of export, quantize or report
         (DERIVED_FILES), so the disk matches the manifest and `make`, which sees files, rebuilds
-        them. Returns the unlisted keys."""
-        keys = [k for k in self.manifest()["artifacts"] if k != "checkpoint"]
-        self._remove(*DERIVED_FILES)
+        them. Entries in `keep` stay with their files (`made_from`: the best.ckpt they record is
+        the one that stays), and the report with them where nothing else goes. Returns the
+        unlisted keys."""
+        artifacts = self.manifest()["artifacts"]
+        keys = [k for k in artifacts if k != "checkpoint" and k not in keep]
+        kept = set(_entry_files(artifacts[k] for k in keep if k in artifacts))
+        leftovers = [
+            rel
+            for pattern in DERIVED_FILES
+            for path in sorted(self.root.glob(pattern))
+            if (rel := path.relative_to(self.root).as_posix()) not in kept
+            and rel not in REPORT_FILES
+        ]
+        # the report measured what goes, or nothing is kept that it could speak for
+        report = REPORT_FILES if leftovers or keys or not kept else ()
+        self._remove(*report, *(glob.escape(rel) for rel in leftovers))
         return self.discard(*keys)
+
+    def made_from(self, checkpoint_sha256: str) -> list[str]:
+        """The keys of the entries that record being made from the checkpoint whose sha256 is
+        given: exports by their `source_checkpoint_sha256`, int8 models by their
+        `source_sha256`, that of such an onnx-fp32. What a finished run's resume keeps where
+        its manifest lost the checkpoint's entry but not theirs."""
+        artifacts = self.manifest()["artifacts"]
+        exports = [
+            k
+            for k, e in artifacts.items()
+            if isinstance(e, dict) and e.get("source_checkpoint_sha256") == checkpoint_sha256
+        ]
+        onnx = (artifacts.get("onnx-fp32") or {}).get("sha256") if "onnx-fp32" in exports else None
+        quantized = [
+            k
+            for k, e in artifacts.items()
+            if onnx and isinstance(e, dict) and e.get("source_sha256") == onnx and k not in exports
+        ]
+        return exports + quantized
 
     def _save(self, data: dict[str, Any]) -> None:
         data["schema"] = MANIFEST_SCHEMA

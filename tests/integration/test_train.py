@@ -612,6 +612,60 @@ def test_a_finished_run_that_lost_its_manifest_says_what_its_resume_deletes(
     assert manifest(run)["checkpoint"]["train_seconds"] is None  # not this session's 0.2 s
 
 
+@pytest.mark.parametrize("foreign", [False, True])
+def test_a_finished_run_that_lost_its_checkpoint_entry_keeps_what_records_its_source(
+    foreign: bool, exported_run: Path, tmp_path: Path
+) -> None:
+    """Exports record the sha256 of the checkpoint they came from, int8 models that of their
+    model.onnx: where only the checkpoint's entry was lost, the resume keeps those made from
+    the best.ckpt it records again, with the report. An export of another checkpoint goes,
+    and the report, which measured it, with it."""
+    run = tmp_path / "lost-entry"
+    shutil.copytree(exported_run, run)
+    data = json.loads((run / "manifest.json").read_text())
+    artifacts = data["artifacts"]
+    best = artifacts.pop("checkpoint")
+    assert artifacts["onnx-fp32"]["source_checkpoint_sha256"] == best["sha256"]
+    int8 = run / "quantize" / "model.int8-static.onnx"
+    int8.parent.mkdir()
+    int8.write_text("int8")
+    artifacts["onnx-int8-static"] = {
+        "file": "quantize/model.int8-static.onnx",
+        "source_sha256": artifacts["onnx-fp32"]["sha256"],
+    }
+    if foreign:
+        artifacts["torchscript"]["source_checkpoint_sha256"] = "0" * 64
+    (run / "manifest.json").write_text(json.dumps(data))
+    (run / "report").mkdir()
+    (run / "report" / "report.json").write_text('{"recommended": "onnx-int8-static"}')
+    files = [run / "export" / "model.onnx", int8, run / "report" / "report.json"]
+    before = {p: p.read_bytes() for p in files}
+    proc = run_cli("train", "--run", str(run), "--resume", check=True)
+    kept = manifest(run)
+    assert kept["checkpoint"]["sha256"] == best["sha256"]
+    assert {"onnx-fp32", "onnx-int8-static"} <= set(kept)
+    assert all(p.read_bytes() == before[p] for p in files[:2])  # model.onnx, the int8 model
+    said = proc.stdout.splitlines()
+    if foreign:
+        assert "torchscript" not in kept and not (run / "export" / "model.ts").exists()
+        assert not (run / "report" / "report.json").exists()
+        assert (
+            "manifest.json does not record what torchscript, the report of this run were made "
+            f"from: deleted; re-run {RunDir(run).command('export', 'quantize')}"
+        ) in said, proc.stdout
+        assert said[-1] == f"next: make report RUN={run}   (or `lightship report --run {run}`)"
+    else:
+        assert "torchscript" in kept and (run / "export" / "model.ts").is_file()
+        assert (run / "report" / "report.json").read_bytes() == before[files[2]]
+        assert not any("were made from" in line for line in said), proc.stdout
+        assert (
+            "onnx-fp32, torchscript, onnx-int8-static and the report kept: their entries "
+            "record this best.ckpt"
+        ) in said, proc.stdout
+        assert "its best.ckpt is recorded in manifest.json again: test_acc" in proc.stdout
+        assert said[-1] == f"next: make serve RUN={run}   (or `lightship serve --run {run}`)"
+
+
 def test_a_run_whose_config_yaml_is_broken_resumes_with_the_config_it_trained_with(
     tiny_run: Path, tmp_path: Path
 ) -> None:

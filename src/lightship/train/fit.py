@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -729,15 +729,20 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
     return trainer
 
 
-def _discard_derived(run: RunDir, new_best: bool = True) -> None:
+def _discard_derived(run: RunDir, new_best: bool = True, keep: Sequence[str] = ()) -> None:
     """A new best.ckpt outdates every artifact made from the old one: unlist them and delete
     their files, the report's and any unlisted leftover, so the disk matches the manifest.
     Not `new_best`: best.ckpt stays, but the manifest that said what they were made from is
-    gone."""
+    gone, less the entries in `keep`, which record it themselves (`RunDir.made_from`)."""
     unlisted = run.unlisted_derived()  # the report's files among them: never listed
     exports = [f for f in unlisted if f not in REPORT_FILES]
-    report = ["the report"] if len(exports) < len(unlisted) else []
-    gone = [*run.discard_derived(), *exports, *report]
+    gone = [*run.discard_derived(keep), *exports]
+    reported = len(exports) < len(unlisted)
+    gone += (
+        ["the report"]
+        if reported and not any((run.root / f).exists() for f in REPORT_FILES)
+        else []
+    )
     if gone:
         why = (
             f"the new best.ckpt outdates {', '.join(gone)} of this run"
@@ -745,6 +750,13 @@ def _discard_derived(run: RunDir, new_best: bool = True) -> None:
             else f"manifest.json does not record what {', '.join(gone)} of this run were made from"
         )
         print(f"{why}: deleted; re-run {run.command('export', 'quantize')}", flush=True)
+
+
+def _said_kept(run: RunDir, keep: Sequence[str]) -> str:
+    """The entries `keep` names, and the report where it stayed with them."""
+    report = ["the report"] if (run.report_dir / "report.json").is_file() else []
+    said = [*keep, *report]
+    return ", ".join(said[:-1]) + f" and {said[-1]}" if len(said) > 1 else said[0]
 
 
 def _best_state(run: RunDir, best_sha256: str) -> tuple[bool, bool]:
@@ -1288,9 +1300,12 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
             # run's, as last.ckpt is
             _check_same_run(loaded.hparams, resumed["hyper_parameters"], run, best)
         _check_finite(loaded.model, splits.test_x, cfg, trainer)  # one resumed, trained no further
+    # what a finished run whose manifest lost only the checkpoint's entry keeps: the entries
+    # that record being made from this very best.ckpt
+    keep = run.made_from(best_sha256) if was_there and not unchanged else []
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
-        _discard_derived(run, new_best=not was_there)
+        _discard_derived(run, new_best=not was_there, keep=keep)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
     entry = {
@@ -1335,9 +1350,11 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
                 then(run.record, "checkpoint", entry)
     if unchanged and not in_place:
         print(restored, flush=True)
-    kept, after = _kept(run) if unchanged else ("", "export")
+    kept, after = _kept(run) if unchanged or keep else ("", "export")
     if unchanged:
         print(f"best.ckpt is unchanged (no better checkpoint): {kept} kept", flush=True)
+    if keep:
+        print(f"{_said_kept(run, keep)} kept: their entries record this best.ckpt", flush=True)
     if trained_nothing:  # a finished run whose best.ckpt, or its manifest entry, was lost
         done = (
             f"{finished}; its best.ckpt is recorded in manifest.json again"
