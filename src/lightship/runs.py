@@ -862,13 +862,25 @@ class RunDir:
         (deleted, as a malformed one's message says): the run's own training records it again,
         resumed where it can be. A plain `train` would train make's default model over it."""
         if self.best_ckpt.is_file() or self.last_ckpt.is_file():
+            lost = f"{self.manifest_path} does not record {self.best_ckpt.name}: run "
+            if self.last_ckpt.is_file() and self._lists_derived():  # only its entry was lost
+                return RunError(
+                    f"{lost}{self.train_command()} (a finished run trains nothing more and "
+                    "keeps what manifest.json records was made from its best.ckpt; it names "
+                    "what to run next)"
+                )
             resumed = " (a finished run trains nothing more)" if self.last_ckpt.is_file() else ""
-            return RunError(
-                f"{self.manifest_path} does not record {self.best_ckpt.name}: run "
-                f"{self.train_command()}{resumed}, then {self.command(*then)}"
-            )
+            return RunError(f"{lost}{self.train_command()}{resumed}, then {self.command(*then)}")
         named = "" if self.root.is_dir() else check_the_name(self.root)
         return RunError(f"no trained run in {self.root}: run {self.command('train', *then)}{named}")
+
+    def _lists_derived(self) -> bool:
+        """Whether manifest.json lists anything made from best.ckpt (read, never raising: the
+        caller is already an error's message)."""
+        try:
+            return any(k != "checkpoint" for k in self.manifest()["artifacts"])
+        except (RunError, LookupError, TypeError):
+            return False
 
     def pythonpath(self) -> str:
         """'PYTHONPATH=DIR ' where a stage must import the run's own model module from a folder

@@ -520,6 +520,28 @@ def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_
         report(RunDir(Path("run")), FAST)
 
 
+def test_a_run_that_lost_only_its_checkpoint_entry_is_told_the_resume_keeps_its_exports(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exports' entries stay and record the best.ckpt the resume records again, which
+    keeps them (`RunDir.made_from`): the message said to export and quantize again after it."""
+    from lightship.quantize.core import quantize
+
+    monkeypatch.chdir(run.parent)
+    data = json.loads((run / "manifest.json").read_text())
+    del data["artifacts"]["checkpoint"]
+    (run / "manifest.json").write_text(json.dumps(data))
+    expected = (
+        "run/manifest.json does not record best.ckpt: run `lightship train --run run --resume` "
+        "(a finished run trains nothing more and keeps what manifest.json records was made "
+        "from its best.ckpt; it names what to run next)"
+    )
+    for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
+        with pytest.raises(RunError) as err:
+            stage(RunDir(Path("run")))
+        assert str(err.value) == expected
+
+
 @pytest.mark.parametrize("other", ["shape", "checkpoint"])
 def test_another_models_file_recorded_in_the_run_is_left_out_of_the_report(
     run: Path, caplog: pytest.LogCaptureFixture, other: str
