@@ -495,13 +495,23 @@ def quiet_timings(
     return {name: Timing([0.5] * 10, [1000.0, 1000.0, 1000.0]) for name in predictors}
 
 
+def _stages_refuse_run() -> list[str]:
+    """The errors report and quantize give for ./run, which must refuse it."""
+    from lightship.quantize.core import quantize
+
+    said = []
+    for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
+        with pytest.raises(RunError) as err:
+            stage(RunDir(Path("run")))
+        said.append(str(err.value))
+    return said
+
+
 def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_retrain(
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The manifest deleted (as a malformed one's message says): report and quantize said to
     `train` the run, which trains make's default model over it, the run's own lost."""
-    from lightship.quantize.core import quantize
-
     monkeypatch.chdir(run.parent)  # outside lightship's checkout: the lightship commands
     (run / "manifest.json").unlink()
     expected = (
@@ -509,10 +519,7 @@ def test_a_trained_run_whose_manifest_lost_its_checkpoint_is_told_to_resume_not_
         "(a finished run trains nothing more), then `lightship export --run run`, then "
         "`lightship quantize --run run`"
     )
-    for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
-        with pytest.raises(RunError) as err:
-            stage(RunDir(Path("run")))
-        assert str(err.value) == expected
+    assert _stages_refuse_run() == [expected, expected]  # report, quantize
     for ckpt in (run / "checkpoints").glob("*.ckpt"):
         ckpt.unlink()
     (run / "best.ckpt").unlink()  # nothing trained: a training of its own
@@ -525,8 +532,6 @@ def test_a_run_that_lost_only_its_checkpoint_entry_is_told_the_resume_keeps_its_
 ) -> None:
     """The exports' entries stay and record the best.ckpt the resume records again, which
     keeps them (`RunDir.made_from`): the message said to export and quantize again after it."""
-    from lightship.quantize.core import quantize
-
     monkeypatch.chdir(run.parent)
     data = json.loads((run / "manifest.json").read_text())
     del data["artifacts"]["checkpoint"]
@@ -536,10 +541,7 @@ def test_a_run_that_lost_only_its_checkpoint_entry_is_told_the_resume_keeps_its_
         "(a finished run trains nothing more and keeps what manifest.json records was made "
         "from its best.ckpt; it names what to run next)"
     )
-    for stage in (lambda rd: report(rd, FAST), lambda rd: quantize(rd, "dynamic")):
-        with pytest.raises(RunError) as err:
-            stage(RunDir(Path("run")))
-        assert str(err.value) == expected
+    assert _stages_refuse_run() == [expected, expected]  # report, quantize
 
 
 @pytest.mark.parametrize("other", ["shape", "checkpoint"])
