@@ -271,6 +271,31 @@ def test_parity_on_the_test_split_holds_no_more_than_it(tmp_path: Path) -> None:
     assert y is not None and len(x) == len(y) == 269 and held.nbytes == x.nbytes
 
 
+def test_torchs_batch_size_check_in_a_trace_is_not_passed_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """BatchNorm without running statistics checks its batch's size in torch.nn.functional;
+    the tracer warned there, in three blocks of torch's text, of nothing in the model."""
+    import warnings as w
+
+    import torch
+
+    from lightship.export.failure import warn_frozen
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False)
+    ).eval()
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        torch.jit.trace(model, torch.randn(2, 1, 8, 8))
+    checks = [m for m in caught if issubclass(m.category, torch.jit.TracerWarning)]
+    assert checks and all(Path(m.filename).name == "functional.py" for m in checks)
+    with caplog.at_level(logging.WARNING), w.catch_warnings(record=True) as passed:
+        w.simplefilter("always")
+        warn_frozen(logging.getLogger("test.frozen"), caught, "torch.jit.trace", 2)
+    assert [str(m.message) for m in passed] == [] and caplog.messages == []
+
+
 def test_torchs_own_trace_warnings_are_not_called_frozen_control_flow(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

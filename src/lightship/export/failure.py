@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import re
@@ -91,7 +93,11 @@ def warn_frozen(
         and not Path(w.filename).is_relative_to(torch_dir)
     ]
     for w in caught:
-        if w not in frozen and not issubclass(w.category, DeprecationWarning):
+        if (
+            w not in frozen
+            and not issubclass(w.category, DeprecationWarning)
+            and not _size_check(w.filename, w.lineno)
+        ):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if frozen:
         where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in frozen})
@@ -103,3 +109,25 @@ def warn_frozen(
             str(frozen[0].message).split(". ")[0],
             batch,
         )
+
+
+@functools.cache
+def _size_checks() -> tuple[tuple[str, int, int], ...]:
+    """(file, first line, last line) of torch.nn.functional's size checks: BatchNorm without
+    running statistics (and InstanceNorm) test the batch's size to raise a clearer error on one
+    value per channel. The tracer warns there of a tensor made a Python bool, but the graph does
+    not branch on it: three blocks of torch's text beside nothing of the model's."""
+    import torch.nn.functional as F
+
+    found = []
+    for name in ("_verify_batch_size", "_verify_spatial_size"):
+        try:
+            lines, first = inspect.getsourcelines(getattr(F, name))
+            found.append((inspect.getsourcefile(getattr(F, name)) or "", first, first + len(lines)))
+        except (AttributeError, OSError, TypeError):  # renamed or gone in another torch
+            continue
+    return tuple(found)
+
+
+def _size_check(filename: str, lineno: int) -> bool:
+    return any(filename == file and first <= lineno < last for file, first, last in _size_checks())
