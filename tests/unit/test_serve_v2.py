@@ -118,6 +118,12 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
             None,
             "fractional numbers but its datatype is UINT8",
         ),
+        # above 255 only by its fraction: it was said to be out of range
+        (
+            json_request([255.4, 2, 3, 4], [1, 1, 2, 2]),
+            None,
+            "fractional numbers but its datatype is UINT8",
+        ),
         (json_request(["a", "b", "c", "d"], [1, 1, 2, 2], "FP32"), None, "not numbers"),
         (
             json_request([1.5, 2, 3, 4], [1, 1, 2, 2], "INT64"),

@@ -248,10 +248,11 @@ def _from_json_data(
         # Not only fractions: numpy makes floats of int64 and uint64 values together, orjson of
         # integers beyond 64 bits. The values as parsed tell which (Python compares exactly).
         values = np.asarray(data, dtype=object).ravel().tolist()
-        _check_range(min(values), max(values), dtype, name)
         floats = [v for v in values if type(v) is float]
+        # before the range: 255.4 is refused for what it is, not for being above 255
         if any(not v.is_integer() for v in floats):
             raise ProtocolError(f"input data holds fractional numbers but its datatype is {name}")
+        _check_range(min(values), max(values), dtype, name)
         if floats:  # 3.0, 1e2, or an integer beyond 64 bits (rounded: not the value sent)
             raise ProtocolError(
                 f"input data holds {floats[0]!r}, a JSON float (written with a point or an "
