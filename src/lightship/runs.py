@@ -879,7 +879,7 @@ class RunDir:
         caller is already an error's message)."""
         try:
             return any(k != "checkpoint" for k in self.manifest()["artifacts"])
-        except (RunError, LookupError, TypeError):
+        except RunError:  # unreadable or malformed: manifest() checked its shape
             return False
 
     def pythonpath(self) -> str:
@@ -1232,17 +1232,17 @@ class RunDir:
         given: exports by their `source_checkpoint_sha256`, int8 models by their
         `source_sha256`, that of such an onnx-fp32. What a finished run's resume keeps where
         its manifest lost the checkpoint's entry but not theirs."""
-        artifacts = self.manifest()["artifacts"]
+        artifacts = self.manifest()["artifacts"]  # every entry a dict: manifest() checks
         exports = [
             k
             for k, e in artifacts.items()
-            if isinstance(e, dict) and e.get("source_checkpoint_sha256") == checkpoint_sha256
+            if e.get("source_checkpoint_sha256") == checkpoint_sha256
         ]
-        onnx = (artifacts.get("onnx-fp32") or {}).get("sha256") if "onnx-fp32" in exports else None
+        if "onnx-fp32" not in exports:
+            return exports
+        onnx = artifacts["onnx-fp32"].get("sha256")
         quantized = [
-            k
-            for k, e in artifacts.items()
-            if onnx and isinstance(e, dict) and e.get("source_sha256") == onnx and k not in exports
+            k for k, e in artifacts.items() if e.get("source_sha256") == onnx and k not in exports
         ]
         return exports + quantized
 

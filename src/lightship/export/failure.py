@@ -122,8 +122,9 @@ def _size_checks() -> tuple[tuple[str, int, int], ...]:
     found = []
     for name in ("_verify_batch_size", "_verify_spatial_size"):
         try:
-            lines, first = inspect.getsourcelines(getattr(F, name))
-            found.append((inspect.getsourcefile(getattr(F, name)) or "", first, first + len(lines)))
+            check = getattr(F, name)
+            lines, first = inspect.getsourcelines(check)
+            found.append((inspect.getsourcefile(check) or "", first, first + len(lines)))
         except (AttributeError, OSError, TypeError):  # renamed or gone in another torch
             continue
     return tuple(found)

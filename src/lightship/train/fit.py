@@ -755,8 +755,12 @@ def _discard_derived(run: RunDir, new_best: bool = True, keep: Sequence[str] = (
 def _said_kept(run: RunDir, keep: Sequence[str]) -> str:
     """The entries `keep` names, and the report where it stayed with them."""
     report = ["the report"] if (run.report_dir / "report.json").is_file() else []
-    said = [*keep, *report]
-    return ", ".join(said[:-1]) + f" and {said[-1]}" if len(said) > 1 else said[0]
+    return _listed([*keep, *report])
+
+
+def _listed(words: Sequence[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else words[0]
 
 
 def _best_state(run: RunDir, best_sha256: str) -> tuple[bool, bool]:
@@ -941,7 +945,7 @@ def _kept(run: RunDir) -> tuple[str, str]:
     kept += ["exports"] if any(k in artifacts for k in ("onnx-fp32", "torchscript", "pt2")) else []
     kept += ["quantized models"] if quantized else []
     kept += ["report"] if reported else []
-    said = ", ".join(kept[:-1]) + f" and {kept[-1]}" if len(kept) > 1 else kept[0]
+    said = _listed(kept)
     after = (
         "export"
         if not exported
