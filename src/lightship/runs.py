@@ -22,7 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -479,17 +479,19 @@ def made_next_by_make(stage: str) -> bool:
     return stage in os.environ.get(MAKE_GOALS, "").split() or stage == os.environ.get(MAKE_THEN)
 
 
-def next_command(stage: str, run: Path, env: str = "") -> str:
+def next_command(stage: str, run: Path, env: str = "", flag: str = "") -> str:
     """What a `next:` line says to run after a stage: `stage` on `run`, `env` (PYTHONPATH=...)
-    first: make's target and the lightship command in the checkout, else the latter; only
-    `stage`'s name where the make running this stage runs it next (`made_next_by_make`)."""
+    first, with the options `flag` (make: `STAGE_ARGS='...'`): make's target and the lightship
+    command in the checkout, else the latter; only `stage`'s name where the make running this
+    stage runs it next (`made_next_by_make`)."""
     if made_next_by_make(stage):  # `make quantize`: the report comes
         return f"{stage}, which make runs now"
     q = shlex.quote(str(run))
-    cli = f"{env}lightship {stage} --run {q}"
+    cli = f"{env}lightship {stage} --run {q}" + (f" {flag}" if flag else "")
+    args = f" {stage.upper()}_ARGS='{flag}'" if flag else ""
     # the lightship command's run path is the checkout's: no alternative from elsewhere
     also = "" if make_elsewhere() else f"   (or `{cli}`)"
-    return stage_command(f"{env}make {stage} RUN={q}{also}", cli, run)
+    return stage_command(f"{env}make {stage} RUN={q}{args}{also}", cli, run)
 
 
 def check_the_name(root: Path) -> str:
@@ -536,6 +538,10 @@ def variant_of(model: Path) -> str:
         return "onnx-int8-" + model.name.split(".int8-", 1)[1].removesuffix(".onnx")
     suffixes = {".ts": "torchscript", ".pt2": "pt2", ".ckpt": "checkpoint"}
     return suffixes.get(model.suffix, "onnx-fp32")
+
+
+# The manifest keys of the exports, and the `--formats` names that make them
+_FORMAT_OF = {"onnx-fp32": "onnx", "torchscript": "torchscript", "pt2": "pt2"}
 
 
 def _stage_of(variant: str) -> str:
@@ -899,18 +905,41 @@ class RunDir:
             return ""
         return spec_pythonpath(spec)
 
-    def command(self, *stages: str) -> str:
+    def command(self, *stages: str, flags: Mapping[str, str] | None = None) -> str:
         """`stages` on this run, in order, as a command that runs from here, quoted for a
         message: one make call in the checkout, else a lightship command per stage; each with
-        the PYTHONPATH= the run's model needs (`pythonpath`). make's quantize writes the report
-        after it: a report that follows quantize is left to it, not run twice."""
-        run, env = shlex.quote(str(self.root)), self.pythonpath()
+        the PYTHONPATH= the run's model needs (`pythonpath`), and the options `flags` gives it
+        (make: `STAGE_ARGS='...'`). make's quantize writes the report after it: a report that
+        follows quantize is left to it, not run twice."""
+        run, env, flags = shlex.quote(str(self.root)), self.pythonpath(), flags or {}
         targets = [
             s for i, s in enumerate(stages) if s != "report" or stages[i - 1 : i] != ("quantize",)
         ]
-        make = f"{env}make {' '.join(targets)} RUN={run}"
-        cli = "`, then `".join(f"{env}lightship {stage} --run {run}" for stage in stages)
+        args = "".join(f" {s.upper()}_ARGS='{flags[s]}'" for s in stages if flags.get(s))
+        make = f"{env}make {' '.join(targets)} RUN={run}{args}"
+        cli = "`, then `".join(
+            f"{env}lightship {s} --run {run}" + (f" {flags[s]}" if flags.get(s) else "")
+            for s in stages
+        )
         return f"`{stage_command(make, cli, self.root)}`"
+
+    def remake_flags(self, variants: Iterable[str]) -> dict[str, str] | None:
+        """The stages that make `variants` of this run again, in order, each with the option
+        that makes only those (`--formats onnx,pt2`, `--methods dynamic`), and the report after
+        them, for `command(*flags, flags=flags)`; None where one of them is not a variant a
+        stage makes by name."""
+        formats: list[str] = []
+        methods: list[str] = []
+        for variant in variants:
+            if variant in _FORMAT_OF:
+                formats.append(_FORMAT_OF[variant])
+            elif variant.startswith("onnx-int8-"):
+                methods.append(variant.removeprefix("onnx-int8-"))
+            else:
+                return None
+        flags = {"export": f"--formats {','.join(dict.fromkeys(formats))}"} if formats else {}
+        flags |= {"quantize": f"--methods {','.join(dict.fromkeys(methods))}"} if methods else {}
+        return flags | {"report": ""}
 
     def can_make(self) -> bool:
         """Whether a stage can make this run's variants here: not where it has no best.ckpt,

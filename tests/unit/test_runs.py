@@ -1011,6 +1011,37 @@ def test_commands_in_messages_run_from_where_the_user_is(
     )
 
 
+def test_what_went_of_a_run_is_made_again_by_name_and_the_report_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a resume that kept some exports said `make export quantize`, which made the kept ones again
+    run = RunDir(Path("runs/r"))
+    flags = run.remake_flags(["pt2", "onnx-int8-qat", "onnx-fp32", "onnx-int8-dynamic"])
+    assert flags == {
+        "export": "--formats pt2,onnx",
+        "quantize": "--methods qat,dynamic",
+        "report": "",
+    }
+    assert list(flags) == ["export", "quantize", "report"]  # the stages' order
+    assert run.remake_flags(["onnx-int8-static"]) == {"quantize": "--methods static", "report": ""}
+    assert run.remake_flags(["torchscript", "notes"]) is None  # no stage makes it by name
+    monkeypatch.chdir(ROOT)  # one make call; make's quantize writes the report
+    assert run.command(*flags, flags=flags) == (
+        "`make export quantize RUN=runs/r EXPORT_ARGS='--formats pt2,onnx' "
+        "QUANTIZE_ARGS='--methods qat,dynamic'`"
+    )
+    assert runs.next_command("export", run.root, "", flags["export"]) == (
+        "make export RUN=runs/r EXPORT_ARGS='--formats pt2,onnx'   "
+        "(or `lightship export --run runs/r --formats pt2,onnx`)"
+    )
+    monkeypatch.chdir(tmp_path)  # a lightship command each
+    assert run.command(*flags, flags=flags) == (
+        "`lightship export --run runs/r --formats pt2,onnx`, then "
+        "`lightship quantize --run runs/r --methods qat,dynamic`, then "
+        "`lightship report --run runs/r`"
+    )
+
+
 def test_the_stages_take_a_run_as_its_path_too(tmp_path: Path) -> None:
     # a script passing "runs/x" got AttributeError: 'str' object has no attribute 'root'
     from lightship.export.core import export

@@ -74,6 +74,7 @@ from lightship.runs import (
     sha256_file,
     stage_command,
     then_held,
+    variant_of,
 )
 from lightship.runtime.base import caller_state_kept, random_state_kept
 from lightship.train.module import LitClassifier
@@ -729,27 +730,41 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
     return trainer
 
 
-def _discard_derived(run: RunDir, new_best: bool = True, keep: Sequence[str] = ()) -> None:
+def _discard_derived(
+    run: RunDir, new_best: bool = True, keep: Sequence[str] = ()
+) -> dict[str, str] | None:
     """A new best.ckpt outdates every artifact made from the old one: unlist them and delete
     their files, the report's and any unlisted leftover, so the disk matches the manifest.
     Not `new_best`: best.ckpt stays, but the manifest that said what they were made from is
-    gone, less the entries in `keep`, which record it themselves (`RunDir.made_from`)."""
+    gone, less the entries in `keep`, which record it themselves (`RunDir.made_from`). Where
+    some are kept and others go, returns the stages that make only those again, with their
+    options (`RunDir.remake_flags`): the next line's; None where all go or none."""
     unlisted = run.unlisted_derived()  # the report's files among them: never listed
     exports = [f for f in unlisted if f not in REPORT_FILES]
-    gone = [*run.discard_derived(keep), *exports]
+    keys = run.discard_derived(keep)
+    gone = [*keys, *exports]
     reported = len(exports) < len(unlisted)
     gone += (
         ["the report"]
         if reported and not any((run.root / f).exists() for f in REPORT_FILES)
         else []
     )
-    if gone:
-        why = (
-            f"the new best.ckpt outdates {', '.join(gone)} of this run"
-            if new_best
-            else f"manifest.json does not record what {', '.join(gone)} of this run were made from"
-        )
-        print(f"{why}: deleted; re-run {run.command('export', 'quantize')}", flush=True)
+    if not gone:
+        return None
+    # an unlisted qat.ckpt: what QAT's int8 model is made from, and made again with it
+    made = [
+        *keys,
+        *(variant_of(Path(f.replace("qat.ckpt", "model.int8-qat.onnx"))) for f in exports),
+    ]
+    flags = run.remake_flags(made) if keep else None
+    why = (
+        f"the new best.ckpt outdates {', '.join(gone)} of this run"
+        if new_best
+        else f"manifest.json does not record what {', '.join(gone)} of this run were made from"
+    )
+    again = run.command(*flags, flags=flags) if flags else run.command("export", "quantize")
+    print(f"{why}: deleted; re-run {again}", flush=True)
+    return flags
 
 
 def _said_kept(run: RunDir, keep: Sequence[str]) -> str:
@@ -1307,9 +1322,10 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     # what a finished run whose manifest lost only the checkpoint's entry keeps: the entries
     # that record being made from this very best.ckpt
     keep = run.made_from(best_sha256) if was_there and not unchanged else []
+    remake = None
     if not unchanged:
         # The old artifacts go before the new best.ckpt arrives: never listed beside it.
-        _discard_derived(run, new_best=not was_there, keep=keep)
+        remake = _discard_derived(run, new_best=not was_there, keep=keep)
     test_acc = evaluate(loaded.model, splits.test_x, splits.test_y, cfg.data.eval_batch_size)
     best_score = checkpoint.best_model_score
     entry = {
@@ -1355,6 +1371,8 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     if unchanged and not in_place:
         print(restored, flush=True)
     kept, after = _kept(run) if unchanged or keep else ("", "export")
+    # what went of a run that keeps the rest is made again by name, not the whole stage
+    after, flag = next(iter(remake.items())) if remake else (after, "")
     if unchanged:
         print(f"best.ckpt is unchanged (no better checkpoint): {kept} kept", flush=True)
     if keep:
@@ -1378,7 +1396,7 @@ def _fit(cfg: Config, run: RunDir, resume: bool) -> RunDir:
     print(
         f"\n{done}: test_acc {test_acc:.4f} on {len(splits.test_y)} images\n"
         f"run directory: {run.root}  (best.ckpt, checkpoints/, config.yaml, logs/, manifest.json)\n"
-        f"next: {next_command(after, run.root, pythonpath)}",
+        f"next: {next_command(after, run.root, pythonpath, flag)}",
         flush=True,
     )
     return run
