@@ -498,3 +498,27 @@ def test_a_broken_chunked_body_counts_as_refused_not_as_a_client_that_left(
     template = IMAGES if path == IMAGES else "/v2/models/{model_name}/infer"
     assert metric(text, f'lightship_requests_total{{route="{template}",status="400"}}') == 1
     assert metric(text, 'lightship_rejections_total{reason="disconnected"}') == 0
+
+
+TARGETS = [
+    ("port out of range", request(f"http://x:99999{INFER}", "host: x", length())),
+    ("GET, port out of range", b"GET http://x:99999/v2 HTTP/1.1\r\nhost: x\r\n\r\n"),
+    ("GET, unclosed IPv6", b"GET http://[::1/v2 HTTP/1.1\r\nhost: x\r\n\r\n"),
+    ("CONNECT", b"CONNECT x:443 HTTP/1.1\r\nhost: x:443\r\n\r\n"),
+]
+
+
+@pytest.mark.parametrize("data", [t[1] for t in TARGETS], ids=[t[0] for t in TARGETS])
+def test_a_request_target_the_url_parser_refuses_is_a_400_not_a_bug(
+    tmp_path: Path, data: bytes
+) -> None:
+    """llhttp takes these request lines and httptools' URL parser does not: they were a 500
+    with "a bug" in the log, counted nowhere."""
+    answer, reached, bad_http = refused(tmp_path, data)
+    said = data.split(b" ")[1].decode()
+    assert_refused(
+        answer,
+        400,
+        f"malformed request target {said!r}: send a path, such as /v2/health/ready",
+    )
+    assert (reached, bad_http) == ([], 1)

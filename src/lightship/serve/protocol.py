@@ -995,11 +995,22 @@ def http_protocol(routes: TensorRoutes | None = None) -> Any:
                 if self._broken:
                     return
             previous = self.cycle
-            if routes is None or not self._answer_here(version):
-                HttpToolsProtocol.on_headers_complete(self)
-                queued = self.pipeline and self.pipeline[0][0] is self.cycle
-                if queued:  # its task starts at its turn: its latency counts from now
-                    self.cycle.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
+            try:
+                if routes is None or not self._answer_here(version):
+                    HttpToolsProtocol.on_headers_complete(self)
+                    queued = self.pipeline and self.pipeline[0][0] is self.cycle
+                    if queued:  # its task starts at its turn: its latency counts from now
+                        self.cycle.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
+            except httptools.HttpParserInvalidURLError:
+                # a target llhttp takes and the URL parser does not (`http://x:99999/v2`, a
+                # CONNECT's `host:443`) was a 500, "a bug", before a cycle was made for it
+                said = self.url[:200].decode("latin-1")
+                self._refuse(
+                    "bad_http",
+                    b"400 Bad Request",
+                    f"malformed request target {said!r}: send a path, such as /v2/health/ready",
+                )
+                raise _Refused from None
             if self.closing_answers and self.cycle not in (None, previous):
                 self._close_with(self.cycle, previous)  # answered, then closed
             if self._draining:  # a request read while the server stops: its body too
