@@ -256,7 +256,8 @@ def test_a_repeated_header_read_once_is_refused_400(tmp_path: Path, path: str, n
         (
             "Inference-Header-Content-Length",
             400,
-            "Inference-Header-Content-Length must be an integer, got '{0}, {0}'",
+            "Inference-Header-Content-Length must be the JSON header's length in bytes (0 or more), "
+            "got '{0}, {0}'",
         ),
     ],
 )

@@ -242,9 +242,20 @@ def test_timeout_0_is_no_timeout_of_the_requests_own_as_in_triton() -> None:
             None,
             "shared memory",
         ),
-        (binary_request(X)[0], "nine", "must be an integer"),
-        (binary_request(X)[0], "1_0", "must be an integer, got '1_0'"),
-        (binary_request(X)[0], "-8", "must be an integer, got '-8'"),
+        (binary_request(X)[0], "nine", r"must be the JSON header's length in bytes \(0 or more\)"),
+        (binary_request(X)[0], "1_0", r"length in bytes \(0 or more\), got '1_0'"),
+        (binary_request(X)[0], "-8", r"length in bytes \(0 or more\), got '-8'"),
+        # a length that cuts the JSON short, or leaves some of it for the binary: orjson's "unexpected
+        # end of data" / "unexpected content after document" said nothing of the header
+        *(
+            (
+                binary_request(X)[0],
+                str(int(binary_request(X)[1]) + d),
+                rf"^malformed JSON: .* in the first {int(binary_request(X)[1]) + d} bytes, which "
+                f"{v2.HEADER_LENGTH} says are the JSON header: set it to the JSON's length in bytes$",
+            )
+            for d in (-1, 1)
+        ),
         (
             json_request([1, 2, 3, 4], [1, 1, 2, 2], outputs=[{"name": "logits"}] * 2),
             None,

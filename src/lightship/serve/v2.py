@@ -121,6 +121,11 @@ def _parse_json(raw: bytes | memoryview, header_length: str | None = None) -> di
                 f" (a body that is the input's raw UINT8 tensor needs the header {HEADER_LENGTH}:"
                 " 0; a JSON request with binary tensors after it, the JSON's length)"
             )
+        elif header_length is not None:
+            hint = (
+                f" in the first {len(raw)} bytes, which {HEADER_LENGTH} says are the JSON "
+                "header: set it to the JSON's length in bytes"
+            )
         raise ProtocolError(f"{error}{hint}") from None
     return _object(doc, "request body")
 
@@ -295,7 +300,10 @@ def json_length(body: bytes, header_length: str | None) -> int:
     if header_length is None:
         return len(body)
     if not (header_length.isascii() and header_length.isdigit()):  # int() takes "1_0"
-        raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
+        raise ProtocolError(
+            f"{HEADER_LENGTH} must be the JSON header's length in bytes (0 or more), got "
+            f"{header_length!r}"
+        )
     try:
         json_end = int(header_length)
     except ValueError:  # more digits than Python converts (4,300): more than any body
