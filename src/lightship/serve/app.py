@@ -339,6 +339,13 @@ class Service:
         stop = watch(ticket)
         try:
             return await ticket.future
+        except DeadlineExceeded as exc:  # the batcher's, which knows nothing of HTTP
+            raise DeadlineExceeded(
+                f"{exc}: the server had more to answer than it could in time; retry, or allow "
+                f"more time where the {TIMEOUT_HEADER} header or V2 parameters.timeout "
+                f"shortened the server's own {self.settings.timeout_ms:g} ms "
+                "(`lightship serve --timeout-ms`)"
+            ) from None
         finally:
             stop()
 
